@@ -1,0 +1,73 @@
+# MiniStream on vLLM. `make help` lists the targets; README.md explains the path.
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+VLLM_VERSION ?= 0.32.0
+TORCH_VERSION ?= 2.13.0
+# cuda where a GPU answers, cpu elsewhere
+DEVICE ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo cuda || echo cpu)
+VENV := .venv
+PY := $(VENV)/bin/python
+MS := $(VENV)/bin/ministream
+
+# checkpoint / convert
+PRESET ?= demo
+RAW ?= out/$(PRESET)/raw
+OUT ?= out/$(PRESET)/hf
+DTYPE ?=
+CONVERT_ARGS ?=
+CHECKPOINT_ARGS ?=
+# patch / wheel
+VLLM_SRC ?=
+VLLM_GIT_URL ?=
+MODEL ?= $(OUT)
+
+.PHONY: help setup demo test checkpoint convert generate patch wheel install clean
+
+help:
+	@echo "make setup                         create $(VENV)/ (torch $(TORCH_VERSION), CPU build without a GPU)"
+	@echo "make demo                          demo checkpoint -> convert -> patch -> wheel -> install -> generate"
+	@echo "make test                          the test suite (what .ci/run runs)"
+	@echo "make checkpoint PRESET=p RAW=dir   write a format-1 training checkpoint (presets: ministream checkpoint --help)"
+	@echo "make convert RAW=dir OUT=dir       training checkpoint -> HF-style folder [DTYPE=bfloat16] [CONVERT_ARGS=--force]"
+	@echo "make generate MODEL=dir            greedy text from the reference model and the installed vLLM"
+	@echo "make patch VLLM_VERSION=x          pristine vLLM x source + MiniStream patch in build/vllm-x/ [VLLM_SRC=checkout]"
+	@echo "make wheel VLLM_VERSION=x DEVICE=d patched release wheel into dist/ (d: cuda|cpu, now $(DEVICE))"
+	@echo "make install VLLM_VERSION=x        install the patched wheel into $(VENV)/"
+
+$(VENV)/.setup-done: pyproject.toml scripts/setup.sh
+	scripts/setup.sh $(TORCH_VERSION)
+	@touch $@
+
+setup: $(VENV)/.setup-done
+
+checkpoint: setup
+	$(MS) checkpoint --preset $(PRESET) --out $(RAW) $(CHECKPOINT_ARGS)
+
+convert: setup
+	$(MS) convert $(RAW) $(OUT) $(if $(DTYPE),--dtype $(DTYPE)) $(CONVERT_ARGS)
+
+generate: setup
+	$(MS) generate $(MODEL)
+
+patch: setup
+	$(MS) patch $(VLLM_VERSION) $(if $(VLLM_SRC),--src $(VLLM_SRC)) $(if $(VLLM_GIT_URL),--git-url $(VLLM_GIT_URL))
+
+wheel: patch
+	$(MS) wheel $(VLLM_VERSION) --device $(DEVICE)
+
+install: wheel
+	$(MS) install $(VLLM_VERSION) --device $(DEVICE)
+
+demo: setup
+	@[ -f out/demo/raw/model.pt ] || $(MS) checkpoint --preset demo --out out/demo/raw
+	$(MS) convert out/demo/raw out/demo/hf --force
+	$(MAKE) --no-print-directory install
+	$(MS) generate out/demo/hf --raw out/demo/raw
+
+test: setup
+	$(MAKE) --no-print-directory install DEVICE=cpu
+	$(PY) -m pytest -ra $(PYTEST_ARGS)
+
+clean:
+	rm -rf out dist build/vllm-*
