@@ -1,0 +1,295 @@
+"""`ministream patch`: a pristine vLLM tree and the MiniStream patch set, as two git commits.
+
+Real release wheel (build/cache/wheels/), real git repositories, real `git apply`; no mocks.
+"""
+
+import hashlib
+import os
+import py_compile
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import git
+import pytest
+
+from ministream import ROOT, MiniStreamError
+from ministream.patch import (
+    LLAMA, MINISTREAM, MODEL, PATCHES, SUBJECT, applied_hash, extract_wheel, manifest, patch_dir,
+    patch_set_hash, patch_tree,
+)
+from ministream.release import release_wheel
+
+VERSION = "0.32.0"
+PATCHDIR = patch_dir(VERSION)
+REGISTRY = "vllm/model_executor/models/registry.py"
+CONFIG = "vllm/transformers_utils/config.py"
+CONFIGS = "vllm/transformers_utils/configs/__init__.py"
+CONFIG_CLASS = "vllm/transformers_utils/configs/ministream.py"
+TOUCHED = [LLAMA, REGISTRY, CONFIG, CONFIGS]
+IDENTITY = {"GIT_AUTHOR_NAME": "test", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "test",
+            "GIT_COMMITTER_EMAIL": "t@t"}
+
+
+# --- fixtures: the release's pristine files, and git repositories made of them --------------
+
+@pytest.fixture(scope="session")
+def pristine(tmp_path_factory) -> Path:
+    """The vLLM 0.32.0 release wheel's vllm/ package without compiled files, extracted once."""
+    tree = tmp_path_factory.mktemp("pristine")
+    extract_wheel(release_wheel(VERSION, "cuda"), tree)
+    return tree
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory) -> Path:
+    """What `make patch` makes, in a build folder of this test module's own."""
+    return patch_tree(VERSION, build=tmp_path_factory.mktemp("build"))
+
+
+def commit_all(repo: git.Repo, message: str) -> None:
+    repo.git.add("-A")
+    with repo.git.custom_environment(**IDENTITY):
+        repo.git.commit("-q", "-m", message)
+
+
+def make_checkout(where: Path, pristine: Path, files=TOUCHED) -> git.Repo:
+    """A vLLM checkout on branch main holding `files` of the pristine release (all: files=None)."""
+    if files is None:
+        shutil.copytree(pristine, where)
+    else:
+        for rel in files:
+            (where / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(pristine / rel, where / rel)
+    (where / ".gitignore").write_text("__pycache__/\n")
+    repo = git.Repo.init(where, initial_branch="main")
+    commit_all(repo, f"vLLM {VERSION}")
+    return repo
+
+
+def state(repo: git.Repo) -> tuple:
+    """Everything a failed patch must leave as it was."""
+    return (repo.head.commit.hexsha, None if repo.head.is_detached else repo.active_branch.name,
+            sorted(h.name for h in repo.heads), repo.is_dirty(untracked_files=True))
+
+
+# --- the model file is llama.py plus model.diff --------------------------------------------
+
+def test_models_ministream_py_is_pristine_llama_plus_model_diff(pristine, tmp_path):
+    (tmp_path / LLAMA).parent.mkdir(parents=True)
+    shutil.copy(pristine / LLAMA, tmp_path / LLAMA)
+    subprocess.run(["git", "apply", str(PATCHDIR / "model.diff")], cwd=tmp_path, check=True,
+                   env={**os.environ, "GIT_CEILING_DIRECTORIES": str(tmp_path.parent)})
+    assert (tmp_path / MINISTREAM).read_bytes() == MODEL.read_bytes(), (
+        "models/ministream.py and patches/v0.32.0/model.diff disagree: "
+        "run `ministream patch 0.32.0 --refresh-diff` after editing the model")
+
+
+def test_model_file_names_its_patch_version():
+    version = manifest(PATCHDIR)["patch_version"]
+    assert f'MINISTREAM_PATCH_VERSION = "{version}"' in MODEL.read_text()
+
+
+def test_manifest_holds_the_release_sha256_of_every_file_the_patch_touches(pristine):
+    expected = manifest(PATCHDIR)["pristine_sha256"][VERSION]
+    assert sorted(expected) == sorted(TOUCHED)
+    for rel, sha in expected.items():
+        assert hashlib.sha256((pristine / rel).read_bytes()).hexdigest() == sha, rel
+
+
+def test_every_supported_version_has_a_patch_set_folder():
+    for version in ("0.32.0",):
+        assert (patch_dir(version) / "manifest.json").is_file()
+
+
+# --- make patch: build/vllm-X from the release wheel ---------------------------------------
+
+def test_build_tree_is_the_pristine_commit_then_the_patch_commit(built):
+    repo = git.Repo(built)
+    head = repo.head.commit
+    assert [c.hexsha for c in repo.iter_commits()] == [head.hexsha, head.parents[0].hexsha]
+    assert head.message.startswith(f"{SUBJECT}v0.32.0\n")
+    assert applied_hash(head) == patch_set_hash(PATCHDIR)
+    assert repo.tags[f"v{VERSION}"].commit == head.parents[0]
+    assert repo.active_branch.name == f"ministream/v{VERSION}"
+    assert not repo.is_dirty(untracked_files=True)
+
+
+def test_patch_commit_changes_exactly_the_patch_set_files(built):
+    repo = git.Repo(built)
+    changed = repo.git.diff("--name-status", "HEAD~1", "HEAD").splitlines()
+    assert sorted(changed) == sorted([f"A\t{MINISTREAM}", f"A\t{CONFIG_CLASS}", f"M\t{REGISTRY}",
+                                      f"M\t{CONFIG}", f"M\t{CONFIGS}"])
+
+
+def test_patched_tree_registers_the_model_and_the_config(built):
+    assert '    "MiniStreamForCausalLM": ("ministream", "MiniStreamForCausalLM"),\n' in (built / REGISTRY).read_text()
+    assert '    ministream="MiniStreamConfig",\n' in (built / CONFIG).read_text()
+    configs = (built / CONFIGS).read_text()
+    assert '"MiniStreamConfig": "vllm.transformers_utils.configs.ministream",' in configs
+    assert '    "MiniStreamConfig",\n' in configs
+    assert 'class MiniStreamConfig(LlamaConfig):\n    model_type = "ministream"' in (built / CONFIG_CLASS).read_text()
+    assert (built / MINISTREAM).read_bytes() == MODEL.read_bytes()
+
+
+def test_registry_entry_is_in_alphabetical_position(built):
+    names = re.findall(r'^    "(\w+ForCausalLM)":', (built / REGISTRY).read_text(), re.M)
+    i = names.index("MiniStreamForCausalLM")
+    assert names[i - 1] < "MiniStreamForCausalLM"
+    assert names[i - 1].startswith("MiniMax")
+
+
+def test_patched_files_compile(built, tmp_path):
+    for rel in (MINISTREAM, CONFIG_CLASS, REGISTRY, CONFIG, CONFIGS):
+        py_compile.compile(str(built / rel), cfile=str(tmp_path / "x.pyc"), doraise=True)
+
+
+def test_second_run_changes_nothing_and_says_so(built, capsys):
+    before = git.Repo(built).head.commit.hexsha
+    assert patch_tree(VERSION, build=built.parent) == built
+    assert git.Repo(built).head.commit.hexsha == before
+    assert "already carries patch set v0.32.0" in capsys.readouterr().out
+
+
+def test_changed_patch_set_is_reapplied_onto_the_pristine_commit(built, tmp_path, capsys):
+    patches = tmp_path / "patches"
+    shutil.copytree(PATCHES, patches)
+    with open(patches / "v0.32.0" / "files" / CONFIG_CLASS, "a") as f:
+        f.write("# changed\n")
+    build = tmp_path / "build"
+    shutil.copytree(built, build / built.name, symlinks=True)
+    repo = git.Repo(build / built.name)
+    pristine_commit = repo.head.commit.parents[0]
+    patch_tree(VERSION, build=build, patches=patches)
+    assert repo.head.commit.parents == (pristine_commit,)
+    assert applied_hash(repo.head.commit) == patch_set_hash(patches / "v0.32.0") != patch_set_hash(PATCHDIR)
+    assert (repo.working_tree_dir / Path(CONFIG_CLASS)).read_text().endswith("# changed\n")
+    assert "re-applying" in capsys.readouterr().out
+
+
+# --- errors -------------------------------------------------------------------------------
+
+def test_unsupported_version_lists_the_supported_ones(tmp_path):
+    with pytest.raises(MiniStreamError, match=r"no MiniStream patch set for vLLM 0\.1\.0 .*supported versions: 0\.32\.0"):
+        patch_tree("0.1.0", build=tmp_path)
+    assert not any(tmp_path.iterdir())
+
+
+def test_src_with_uncommitted_changes_is_refused(pristine, tmp_path):
+    repo = make_checkout(tmp_path / "vllm", pristine)
+    with open(tmp_path / "vllm" / REGISTRY, "a") as f:
+        f.write("# local edit\n")
+    before = state(repo)
+    with pytest.raises(MiniStreamError, match=r"uncommitted changes \(vllm/model_executor/models/registry\.py\)"):
+        patch_tree(VERSION, src=tmp_path / "vllm")
+    assert state(repo) == before
+
+
+def test_src_that_is_not_a_git_checkout_is_refused(tmp_path):
+    (tmp_path / "vllm").mkdir()
+    with pytest.raises(MiniStreamError, match=r"not the root of a git checkout"):
+        patch_tree(VERSION, src=tmp_path)
+
+
+def test_a_hunk_that_does_not_apply_is_named_and_the_tree_left_untouched(pristine, tmp_path):
+    repo = make_checkout(tmp_path / "vllm", pristine)
+    registry = tmp_path / "vllm" / REGISTRY
+    registry.write_text(registry.read_text().replace('"MiniMaxM3SparseForCausalLM",\n    ),\n',
+                                                     '"MiniMaxM3SparseForCausalLM"),\n'))
+    commit_all(repo, "upstream moved the registry on")
+    before = state(repo)
+    with pytest.raises(MiniStreamError) as e:
+        patch_tree(VERSION, src=tmp_path / "vllm")
+    assert re.search(rf"{re.escape(REGISTRY)}: hunk #1 does not apply: @@ -164,6 \+164,7 @@", str(e.value))
+    assert "the tree is unchanged" in str(e.value)
+    assert state(repo) == before
+    assert not (tmp_path / "vllm" / MINISTREAM).exists()
+
+
+# --- --src: patching a checkout in place ---------------------------------------------------
+
+def test_src_clean_checkout_is_patched_on_a_new_branch(pristine, tmp_path):
+    repo = make_checkout(tmp_path / "vllm", pristine)
+    base = repo.head.commit
+    assert patch_tree(VERSION, src=tmp_path / "vllm") == tmp_path / "vllm"
+    assert repo.active_branch.name == f"ministream/v{VERSION}"
+    assert repo.head.commit.parents == (base,)
+    assert repo.heads["main"].commit == base
+    assert applied_hash(repo.head.commit) == patch_set_hash(PATCHDIR)
+    assert (tmp_path / "vllm" / MINISTREAM).read_bytes() == MODEL.read_bytes()
+    assert not repo.is_dirty(untracked_files=True)
+
+
+def test_src_second_run_changes_nothing(pristine, tmp_path, capsys):
+    repo = make_checkout(tmp_path / "vllm", pristine)
+    patch_tree(VERSION, src=tmp_path / "vllm")
+    head = repo.head.commit.hexsha
+    patch_tree(VERSION, src=tmp_path / "vllm")
+    assert repo.head.commit.hexsha == head
+    assert "nothing to do" in capsys.readouterr().out
+
+
+# --- --git-url: the pristine tree cloned at tag vX -----------------------------------------
+
+@pytest.fixture(scope="module")
+def upstream(pristine, tmp_path_factory) -> Path:
+    """A vLLM repository (the files the patch touches) with tag v0.32.0 and a later commit."""
+    where = tmp_path_factory.mktemp("upstream") / "vllm"
+    repo = make_checkout(where, pristine)
+    repo.create_tag(f"v{VERSION}")
+    (where / "later.txt").write_text("a commit after the release\n")
+    commit_all(repo, "after the release")
+    return where
+
+
+@pytest.mark.parametrize("scheme", ["path", "file://"])
+def test_git_url_is_cloned_at_the_version_tag_and_patched(upstream, tmp_path, scheme):
+    url = str(upstream) if scheme == "path" else upstream.as_uri()
+    tree = patch_tree(VERSION, git_url=url, build=tmp_path / "build")
+    repo = git.Repo(tree)
+    assert tree == tmp_path / "build" / f"vllm-{VERSION}"
+    assert repo.head.commit.parents[0].hexsha == git.Repo(upstream).tags[f"v{VERSION}"].commit.hexsha
+    assert repo.head.commit.message.startswith(SUBJECT)
+    assert not (tree / "later.txt").exists()
+    assert (tree / MINISTREAM).read_bytes() == MODEL.read_bytes()
+
+
+def test_git_url_that_is_not_the_release_is_refused(pristine, tmp_path):
+    upstream = make_checkout(tmp_path / "upstream", pristine)
+    with open(tmp_path / "upstream" / CONFIG, "a") as f:
+        f.write("# a fork\n")
+    commit_all(upstream, "fork")
+    upstream.create_tag(f"v{VERSION}")
+    with pytest.raises(MiniStreamError, match=rf"{re.escape(CONFIG)} from .* is not vLLM 0\.32\.0's"):
+        patch_tree(VERSION, git_url=str(tmp_path / "upstream"), build=tmp_path / "build")
+    assert not any((tmp_path / "build").iterdir())
+
+
+# --- scripts/apply_patch.sh on a plain directory ------------------------------------------
+
+def apply_script(tree: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(ROOT / "scripts" / "apply_patch.sh"), str(tree), str(PATCHDIR)],
+                          capture_output=True, text=True)
+
+
+def test_apply_script_patches_a_plain_directory(pristine, tmp_path):
+    for rel in TOUCHED:
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(pristine / rel, tmp_path / rel)
+    run = apply_script(tmp_path)
+    assert run.returncode == 0, run.stderr
+    assert (tmp_path / MINISTREAM).read_bytes() == MODEL.read_bytes()
+    assert (tmp_path / CONFIG_CLASS).is_file()
+
+
+def test_apply_script_twice_fails_and_changes_nothing(pristine, tmp_path):
+    for rel in TOUCHED:
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(pristine / rel, tmp_path / rel)
+    assert apply_script(tmp_path).returncode == 0
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    run = apply_script(tmp_path)
+    assert run.returncode == 1
+    assert "already exists" in run.stderr and "nothing was changed" in run.stderr
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
