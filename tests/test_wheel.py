@@ -1,0 +1,235 @@
+"""`ministream wheel`: the official release wheel, its compiled files untouched, with the patch commit laid over it.
+
+Real release wheels (build/cache/wheels/) and a real git tree made the way `make patch` makes one:
+the pristine release files in one commit, our `ministream:` patch commit on top.
+"""
+
+import csv
+import functools
+import hashlib
+import io
+import subprocess
+import sys
+import zipfile
+from base64 import urlsafe_b64encode
+from pathlib import Path
+
+import git
+import pytest
+
+from ministream import MiniStreamError, __version__
+from ministream.release import release_wheel
+from ministream.wheel import build_wheel, patched_version
+
+VERSION = "0.32.0"
+DEVICES = ["cpu", "cuda"]
+REGISTRY = "vllm/model_executor/models/registry.py"
+CONFIGS = "vllm/transformers_utils/configs/__init__.py"
+LLAMA = "vllm/model_executor/models/llama.py"
+ADDED = ["vllm/model_executor/models/ministream.py", "vllm/transformers_utils/configs/ministream.py"]
+# Files the CPU build ships in its own version, different from the CUDA release's source.
+CPU_OWN = ["vllm/_version.py", "vllm/platforms/__init__.py", "vllm/utils/cpu_triton_utils.py"]
+COMPILED = (".so", "vllm-rs")
+
+
+def sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+@functools.lru_cache(maxsize=None)
+def entries(wheel: Path) -> dict:
+    """name -> sha256 of every entry's uncompressed bytes (wheels do not change within a session)."""
+    hashes = {}
+    with zipfile.ZipFile(wheel) as zf:
+        for info in zf.infolist():
+            h = hashlib.sha256()
+            with zf.open(info) as f:
+                while chunk := f.read(1 << 20):
+                    h.update(chunk)
+            hashes[info.filename] = h.hexdigest()
+    return hashes
+
+
+def read(wheel: Path, name: str) -> bytes:
+    with zipfile.ZipFile(wheel) as zf:
+        return zf.read(name)
+
+
+def make_tree(root: Path, edit) -> Path:
+    """A patched tree: pristine release files (from the CUDA release wheel) committed, then `edit`'s commit.
+
+    `edit(tree)` changes files and returns the commit message.
+    """
+    tree = root / f"vllm-{VERSION}"
+    files = [REGISTRY, CONFIGS, LLAMA, *CPU_OWN]
+    with zipfile.ZipFile(release_wheel(VERSION, "cuda")) as zf:
+        for name in files:
+            (tree / name).parent.mkdir(parents=True, exist_ok=True)
+            (tree / name).write_bytes(zf.read(name))
+    repo = git.Repo.init(tree)
+    author = git.Actor("test", "test@example.com")
+    repo.index.add(files)
+    repo.index.commit(f"vllm {VERSION} pristine", author=author, committer=author)
+    message = edit(tree)
+    repo.git.add("-A")
+    repo.index.commit(message, author=author, committer=author)
+    return tree
+
+
+def ministream_patch(tree: Path) -> str:
+    """What our real patch does: a model file and a config file added, registry and configs list extended."""
+    llama = (tree / LLAMA).read_text()
+    (tree / ADDED[0]).write_text("# MiniStream: LLaMA with our names\n" + llama.replace("Llama", "MiniStream"))
+    (tree / ADDED[1]).write_text("class MiniStreamConfig:\n    model_type = 'ministream'\n")
+    registry = (tree / REGISTRY).read_text()
+    anchor = '    "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),\n'
+    assert anchor in registry
+    (tree / REGISTRY).write_text(registry.replace(
+        anchor, anchor + '    "MiniStreamForCausalLM": ("ministream", "MiniStreamForCausalLM"),\n'))
+    (tree / CONFIGS).write_text((tree / CONFIGS).read_text() + "\n# MiniStream\n")
+    return "ministream: MiniStream model for vLLM 0.32.0\n\nthe test's patch"
+
+
+@pytest.fixture(scope="session")
+def tree(tmp_path_factory) -> Path:
+    return make_tree(tmp_path_factory.mktemp("patched"), ministream_patch)
+
+
+@pytest.fixture(scope="session")
+def dist(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("dist")
+
+
+@pytest.fixture(scope="session")
+def wheels(tree, dist) -> dict:
+    """device -> our wheel, each built once per session."""
+    return {device: build_wheel(VERSION, device, tree=tree, dist_dir=dist, quiet=True) for device in DEVICES}
+
+
+@pytest.fixture(params=DEVICES)
+def device(request):
+    return request.param
+
+
+def test_wheel_is_named_like_the_release_with_our_local_version(wheels, device):
+    release = release_wheel(VERSION, device)
+    dist, version, tags = release.name[: -len(".whl")].split("-", 2)
+    assert wheels[device].name == f"{dist}-{VERSION}+ministream.{__version__}-{tags}.whl"
+    assert patched_version(VERSION) == f"{VERSION}+ministream.{__version__}"
+
+
+def test_every_release_file_we_do_not_patch_is_byte_identical(wheels, device):
+    release, ours = entries(release_wheel(VERSION, device)), entries(wheels[device])
+    kept = [n for n in release if ".dist-info/" not in n and n not in (REGISTRY, CONFIGS)]
+    assert [n for n in kept if ours.get(n) != release[n]] == []
+    assert any(n.endswith(COMPILED) for n in kept)
+
+
+def test_compiled_files_are_copied_compressed_as_they_are(wheels, device):
+    with zipfile.ZipFile(release_wheel(VERSION, device)) as a, zipfile.ZipFile(wheels[device]) as b:
+        for info in a.infolist():
+            if info.filename.endswith(COMPILED):
+                got = b.getinfo(info.filename)
+                assert (got.CRC, got.compress_size, got.external_attr) == \
+                       (info.CRC, info.compress_size, info.external_attr), info.filename
+
+
+def test_patched_and_added_files_hold_the_patch_commit_content(wheels, device, tree):
+    with zipfile.ZipFile(wheels[device]) as zf:
+        for name in [REGISTRY, CONFIGS, *ADDED]:
+            assert zf.read(name) == (tree / name).read_bytes(), name
+        registry = zf.read(REGISTRY).decode()
+    assert '"MiniStreamForCausalLM": ("ministream", "MiniStreamForCausalLM")' in registry
+    assert '"LlamaForCausalLM": ("llama", "LlamaForCausalLM")' in registry
+
+
+def test_dist_info_is_renamed_and_carries_our_version(wheels, device):
+    release = release_wheel(VERSION, device)
+    stem = release.name.split("-")[0]
+    old, new = f"{stem}-{VERSION}.dist-info/", f"{stem}-{VERSION}+ministream.{__version__}.dist-info/"
+    with zipfile.ZipFile(release) as a, zipfile.ZipFile(wheels[device]) as b:
+        names = b.namelist()
+        assert {n.split("/")[0] for n in names if ".dist-info/" in n} == {new.rstrip("/")}
+        meta = b.read(new + "METADATA").decode()
+        assert f"\nVersion: {VERSION}+ministream.{__version__}\n" in meta
+        assert meta.replace(f"+ministream.{__version__}", "", 1) == a.read(old + "METADATA").decode()
+        for name in a.namelist():
+            if name.startswith(old) and not name.endswith(("METADATA", "RECORD")):
+                assert b.read(new + name[len(old):]) == a.read(name), name
+        assert names[-1] == new + "RECORD"
+
+
+def test_record_lists_every_file_with_its_hash_and_size(wheels, device):
+    with zipfile.ZipFile(wheels[device]) as zf:
+        record_name = next(n for n in zf.namelist() if n.endswith(".dist-info/RECORD"))
+        rows = list(csv.reader(io.StringIO(zf.read(record_name).decode())))
+        assert [r[0] for r in rows] == [n for n in zf.namelist()]  # every entry, none twice, nothing else
+        for path, digest, size in rows:
+            if path == record_name:
+                assert (digest, size) == ("", "")
+                continue
+            data = zf.read(path)
+            assert digest == "sha256=" + urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+            assert int(size) == len(data), path
+
+
+def test_cpu_build_keeps_its_own_files(wheels):
+    cpu, cuda = release_wheel(VERSION, "cpu"), release_wheel(VERSION, "cuda")
+    for name in CPU_OWN:
+        assert read(cpu, name) != read(cuda, name), f"{name} no longer differs between the builds: update CPU_OWN"
+        assert read(wheels["cpu"], name) == read(cpu, name), name
+
+
+def test_patching_a_file_the_release_ships_differently_is_refused(tmp_path):
+    def edit(tree):
+        platforms = tree / "vllm/platforms/__init__.py"
+        platforms.write_text(platforms.read_text() + "\n# MiniStream\n")
+        return "ministream: touches the platform file"
+
+    tree = make_tree(tmp_path, edit)
+    dist = tmp_path / "dist"
+    with pytest.raises(MiniStreamError, match=r"vllm/platforms/__init__\.py .*differs from the pristine"):
+        build_wheel(VERSION, "cpu", tree=tree, dist_dir=dist, quiet=True)
+    assert not dist.exists() or list(dist.iterdir()) == []
+
+
+def test_missing_tree_tells_to_run_make_patch(tmp_path):
+    with pytest.raises(MiniStreamError, match=rf"no patched vLLM tree .*make patch VLLM_VERSION={VERSION}"):
+        build_wheel(VERSION, "cpu", tree=tmp_path / "nothing", dist_dir=tmp_path / "dist", quiet=True)
+
+
+def test_head_that_is_not_a_ministream_commit_is_refused(tmp_path):
+    def edit(tree):
+        (tree / ADDED[1]).parent.mkdir(parents=True, exist_ok=True)
+        (tree / ADDED[1]).write_text("x = 1\n")
+        return "WIP: something else"
+
+    tree = make_tree(tmp_path, edit)
+    with pytest.raises(MiniStreamError, match=r"is not a 'ministream:' patch commit"):
+        build_wheel(VERSION, "cpu", tree=tree, dist_dir=tmp_path / "dist", quiet=True)
+
+
+def test_dist_holds_only_the_finished_wheels(wheels, dist):
+    assert sorted(p.name for p in dist.iterdir()) == sorted(w.name for w in wheels.values())
+
+
+def test_same_tree_builds_the_same_bytes(wheels, tree, tmp_path):
+    again = build_wheel(VERSION, "cpu", tree=tree, dist_dir=tmp_path, quiet=True)
+    assert sha(again.read_bytes()) == sha(wheels["cpu"].read_bytes())
+
+
+def test_pip_installs_the_wheel(wheels, device, tmp_path):
+    target = tmp_path / "site"
+    run = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-compile",
+                          "--target", str(target), str(wheels[device])], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert (target / ADDED[0]).read_bytes().startswith(b"# MiniStream")
+    stem = wheels[device].name.split("-")[0]
+    assert (target / f"{stem}-{VERSION}+ministream.{__version__}.dist-info" / "METADATA").is_file()
+
+
+def test_install_without_a_built_wheel_tells_to_run_make_wheel(tmp_path):
+    from ministream.wheel import install
+
+    with pytest.raises(MiniStreamError, match=rf"make wheel VLLM_VERSION={VERSION} DEVICE=cpu"):
+        install(VERSION, "cpu", dist_dir=tmp_path)
