@@ -1,0 +1,169 @@
+"""Write format-1 training checkpoints, as MiniStream's trainer would, for tests, the demo and benchmarks.
+
+Each preset is a shape plus a short deterministic training run on the text bundled in
+ministream/data/corpus.txt. Random weights give near-uniform next-token distributions, whose
+greedy choices flip on rounding noise; a few hundred steps of real training make them peaked, so
+greedy comparisons between implementations are meaningful. Flags make the variants a real user's
+checkpoint may have: GQA, another head_dim, an untied head, a padded vocabulary, DDP/compile key
+prefixes, blocks numbered from 1, no config entry, optimizer state, bfloat16 tensors.
+"""
+
+import argparse
+import math
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+from . import DATA
+from .atomic import new_folder
+from .format import TrainConfig, save_checkpoint
+from .reference import MiniStream
+
+SPECIAL_TOKENS = ["<|bos|>", "<|eos|>", "<|pad|>"]  # ids 0, 1, 2
+
+# name: (train config without vocab/bos/eos, tokenizer vocab target, training steps)
+PRESETS = {
+    # fast tests: head_dim 64 because vLLM's CPU attention kernels do not take 16 or 32
+    "tiny": (dict(d_model=128, n_layers=2, n_heads=2, d_ff=384, max_seq_len=512), 512, 300),
+    # GQA, head_dim != d_model / n_heads, untied head, padded vocabulary: every variant in one model
+    "tiny-gqa": (dict(d_model=128, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=64, d_ff=384,
+                      max_seq_len=512, tie_embeddings=False), 512, 300),
+    "demo": (dict(d_model=256, n_layers=4, n_heads=4, d_ff=768, max_seq_len=1024), 1024, 300),
+    # the write-up's ~132M shape; a few steps only (each costs seconds on a laptop CPU)
+    "reference": (dict(d_model=768, n_layers=8, n_heads=12, d_ff=2048, max_seq_len=2048,
+                       vocab_size=32000), 32000, 0),
+    "reference-gqa": (dict(d_model=768, n_layers=8, n_heads=12, n_kv_heads=4, d_ff=2048,
+                           max_seq_len=2048, vocab_size=32000), 32000, 0),
+}
+COMMON = dict(norm_eps=1e-6, rope_theta=10000.0)
+
+
+def train_tokenizer(vocab_size: int, corpus: Path = DATA / "corpus.txt") -> Tokenizer:
+    """Byte-level BPE on the bundled text; deterministic for a given corpus and vocab size."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(corpus.read_text().split("\n\n"), trainer)
+    # prompts start with <|bos|>, as in training
+    tok.post_processor = processors.TemplateProcessing(single="<|bos|> $A", pair="<|bos|> $A <|bos|> $B",
+                                                       special_tokens=[("<|bos|>", 0)])
+    return tok
+
+
+def make_config(preset: str, tok: Tokenizer, **overrides) -> TrainConfig:
+    shape, _, _ = PRESETS[preset]
+    values = {**COMMON, **shape, **{k: v for k, v in overrides.items() if v is not None}}
+    # pad the vocabulary to a multiple of 64, as trainers do for fast matmuls
+    values.setdefault("vocab_size", math.ceil(tok.get_vocab_size() / 64) * 64)
+    values.setdefault("head_dim", 64)
+    return TrainConfig(bos_id=0, eos_id=1, **values)
+
+
+def train(model: MiniStream, tok: Tokenizer, steps: int, seed: int, corpus: Path = DATA / "corpus.txt",
+          log=print) -> torch.optim.Optimizer:
+    """Next-token training on the corpus: every paragraph ends with <|eos|>."""
+    g = torch.Generator().manual_seed(seed)
+    ids = []
+    for para in corpus.read_text().split("\n\n"):
+        ids += tok.encode(para.strip()).ids + [1]
+    data = torch.tensor(ids)
+    seq, batch = min(64, model.cfg.max_seq_len - 1), 32
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    model.train()
+    t0 = time.time()
+    for step in range(steps):
+        lr = 3e-3 * min(1.0, (step + 1) / 20) * 0.5 * (1 + math.cos(math.pi * step / steps))
+        for group in opt.param_groups:
+            group["lr"] = lr
+        starts = torch.randint(0, len(data) - seq - 1, (batch,), generator=g)
+        x = torch.stack([data[s:s + seq] for s in starts])
+        y = torch.stack([data[s + 1:s + seq + 1] for s in starts])
+        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if step % 50 == 0 or step == steps - 1:
+            log(f"  step {step + 1}/{steps}  loss {loss.item():.3f}  ({time.time() - t0:.1f}s)")
+    model.eval()
+    return opt
+
+
+def init_weights(model: MiniStream, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith(("norm1.weight", "norm2.weight", "norm_f.weight")):
+            continue  # ones
+        std = 0.02 / math.sqrt(2 * model.cfg.n_layers) if name.endswith(("out_proj.weight", "w3.weight")) else 0.02
+        with torch.no_grad():
+            p.copy_(torch.randn(p.shape, generator=g) * std)
+
+
+def make_checkpoint(out: Path, preset: str = "tiny", steps: int | None = None, seed: int = 0,
+                    dtype: str = "float32", prefix: str = "none", one_based: bool = False,
+                    bare: bool = False, optimizer: bool = True, force: bool = False, log=print,
+                    **overrides) -> TrainConfig:
+    """Write `out/model.pt` and `out/tokenizer.json`; returns the train config."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
+    _, tok_vocab, default_steps = PRESETS[preset]
+    steps = default_steps if steps is None else steps
+    torch.manual_seed(seed)
+    tok = train_tokenizer(tok_vocab)
+    cfg = make_config(preset, tok, **overrides)
+    log(f"checkpoint: preset {preset}, {cfg.n_layers} layers, d_model {cfg.d_model}, heads {cfg.n_heads}/"
+        f"{cfg.n_kv_heads} (q/kv), head_dim {cfg.head_dim}, vocab {cfg.vocab_size} "
+        f"(tokenizer {tok.get_vocab_size()}), {'tied' if cfg.tie_embeddings else 'untied'}; training {steps} steps")
+    model = MiniStream(cfg)
+    init_weights(model, seed)
+    opt = train(model, tok, steps, seed, log=log) if steps else None
+
+    state = {k: v.detach().to(getattr(torch, dtype)).contiguous() for k, v in model.state_dict().items()}
+    if one_based:
+        state = {_shift_block(k): v for k, v in state.items()}
+    key_prefix = {"none": "", "ddp": "module.", "compile": "_orig_mod.", "both": "module._orig_mod."}[prefix]
+    state = {key_prefix + k: v for k, v in state.items()}
+    extra = {"step": steps}
+    if optimizer and opt is not None:
+        extra["optimizer"] = opt.state_dict()
+    with new_folder(out, force) as tmp:
+        save_checkpoint(tmp / "model.pt", state, None if bare else cfg, extra)
+        tok.save(str(tmp / "tokenizer.json"))
+    log(f"checkpoint: wrote {out}/model.pt ({sum(v.numel() for v in model.parameters()) / 1e6:.1f}M parameters, "
+        f"{dtype}) and {out}/tokenizer.json")
+    return cfg
+
+
+def _shift_block(key: str) -> str:
+    parts = key.split(".")
+    if parts[0] == "blocks":
+        parts[1] = str(int(parts[1]) + 1)
+    return ".".join(parts)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("checkpoint", help="write a format-1 training checkpoint (tests, demo, benchmarks)",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="tiny", choices=list(PRESETS))
+    p.add_argument("--out", type=Path, required=True, help="folder to write model.pt and tokenizer.json into")
+    p.add_argument("--steps", type=int, help="training steps (preset default)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--n-kv-heads", type=int)
+    p.add_argument("--head-dim", type=int)
+    p.add_argument("--vocab-size", type=int, help="rows of the embedding (>= the tokenizer's size)")
+    p.add_argument("--untied", dest="tie_embeddings", action="store_false", default=None)
+    p.add_argument("--prefix", default="none", choices=["none", "ddp", "compile", "both"],
+                   help="key prefix as DistributedDataParallel (module.) / torch.compile (_orig_mod.) leave it")
+    p.add_argument("--one-based", action="store_true", help="number blocks from 1, as some exports do")
+    p.add_argument("--bare", action="store_true", help="a bare state dict, with no config entry")
+    p.add_argument("--no-optimizer", dest="optimizer", action="store_false", help="leave out optimizer state")
+    p.add_argument("--force", action="store_true", help="replace a non-empty --out")
+    p.set_defaults(func=lambda a: make_checkpoint(
+        a.out, a.preset, a.steps, a.seed, a.dtype, a.prefix, a.one_based, a.bare, a.optimizer, a.force,
+        n_kv_heads=a.n_kv_heads, head_dim=a.head_dim, vocab_size=a.vocab_size, tie_embeddings=a.tie_embeddings) and 0)

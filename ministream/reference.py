@@ -1,0 +1,230 @@
+"""The MiniStream reference model: format 1's math in plain PyTorch, with a KV cache and batched generation.
+
+This is the definition every other stage is checked against (shared/ministream-format.md, "Math"),
+and the stand-in for the team's original single-request inference script. Read top to bottom:
+RMSNorm, RoPE, attention, MLP, block, model, generation.
+
+Shapes: B batch, T new tokens, S cached + new tokens, H d_model, Nq/Nkv heads, D head_dim, V vocab.
+"""
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .format import TrainConfig, load
+
+
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # in float32 (weight included), then back to the input dtype, exactly as the format says
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
+
+
+def rope_tables(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of p*theta_i for each position, theta_i = theta^(-2i/D), repeated over both halves: (B, T, D)."""
+    inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)  # (D/2,)
+    angles = positions.double()[..., None] * inv_freq  # (B, T, D/2)
+    angles = torch.cat([angles, angles], dim=-1)  # (B, T, D)
+    return angles.cos().float(), angles.sin().float()
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: (B, heads, T, D); cos/sin: (B, T, D), broadcast over heads
+    xf = x.float()
+    return (xf * cos[:, None] + rotate_half(xf) * sin[:, None]).to(x.dtype)
+
+
+class KVCache:
+    """Preallocated keys and values for every layer: (B, Nkv, max_len, D) each; `length` columns filled."""
+
+    def __init__(self, cfg: TrainConfig, batch: int, max_len: int, dtype: torch.dtype, device="cpu"):
+        shape = (batch, cfg.n_kv_heads, max_len, cfg.head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.n_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.n_layers)]
+        self.length = 0
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        start, end = self.length, self.length + k.shape[2]
+        self.k[layer][:, :, start:end] = k
+        self.v[layer][:, :, start:end] = v
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: TrainConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.Wqkv = nn.Linear(cfg.d_model, sum(cfg.qkv_sizes), bias=False)
+        self.out_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=False)
+
+    def forward(self, x, cos, sin, mask, cache: KVCache | None, layer: int):
+        c = self.cfg
+        B, T, _ = x.shape
+        q, k, v = self.Wqkv(x).split(c.qkv_sizes, dim=-1)
+        q = q.view(B, T, c.n_heads, c.head_dim).transpose(1, 2)  # (B, Nq, T, D)
+        k = k.view(B, T, c.n_kv_heads, c.head_dim).transpose(1, 2)  # (B, Nkv, T, D)
+        v = v.view(B, T, c.n_kv_heads, c.head_dim).transpose(1, 2)  # (B, Nkv, T, D)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
+            k, v = cache.update(layer, k, v)  # (B, Nkv, S, D)
+        # kv head j serves query heads j*G ... (j+1)*G-1
+        G = c.n_heads // c.n_kv_heads
+        k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)  # (B, Nq, S, D)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0 / math.sqrt(c.head_dim))
+        return self.out_proj(o.transpose(1, 2).reshape(B, T, c.n_heads * c.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: TrainConfig):
+        super().__init__()
+        self.d_ff = cfg.d_ff
+        self.w12 = nn.Linear(cfg.d_model, 2 * cfg.d_ff, bias=False)  # rows: gate, then up
+        self.w3 = nn.Linear(cfg.d_ff, cfg.d_model, bias=False)
+
+    def forward(self, x):
+        g, u = self.w12(x).split(self.d_ff, dim=-1)
+        return self.w3(F.silu(g) * u)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: TrainConfig):
+        super().__init__()
+        self.eps = cfg.norm_eps
+        self.norm1 = nn.Module()
+        self.norm1.weight = nn.Parameter(torch.ones(cfg.d_model))
+        self.attn = Attention(cfg)
+        self.norm2 = nn.Module()
+        self.norm2.weight = nn.Parameter(torch.ones(cfg.d_model))
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, mask, cache, layer):
+        x = x + self.attn(rmsnorm(x, self.norm1.weight, self.eps), cos, sin, mask, cache, layer)
+        return x + self.mlp(rmsnorm(x, self.norm2.weight, self.eps))
+
+
+class MiniStream(nn.Module):
+    """Parameter names are format 1's state-dict keys, so a training checkpoint loads as it is."""
+
+    def __init__(self, cfg: TrainConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embedding = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm_f = nn.Module()
+        self.norm_f.weight = nn.Parameter(torch.ones(cfg.d_model))
+        self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+
+    @classmethod
+    def from_checkpoint(cls, path: str | Path, dtype: torch.dtype = torch.float32, overrides=None) -> "MiniStream":
+        cfg, ckpt = load(path, overrides)
+        model = cls(cfg)
+        model.load_state_dict(ckpt.state, strict=True, assign=True)
+        return model.to(dtype).eval()
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embedding.weight.dtype
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor | None = None,
+                key_valid: torch.Tensor | None = None, cache: KVCache | None = None,
+                hidden_states: list | None = None) -> torch.Tensor:
+        """Logits (B, T, V) in float32 for `ids` (B, T).
+
+        positions (B, T): RoPE positions, default 0..T-1 after the cache. key_valid (B, S): False for
+        padding among the cached + new keys. hidden_states: if a list, each block's output is appended.
+        """
+        B, T = ids.shape
+        past = cache.length if cache is not None else 0
+        if positions is None:
+            positions = torch.arange(past, past + T).expand(B, T)
+        causal = torch.ones(T, past + T, dtype=torch.bool).tril(past)  # (T, S): key s visible to query t
+        mask = causal[None, None]  # (1, 1, T, S)
+        if key_valid is not None:
+            mask = mask & key_valid[:, None, None, : past + T]
+            # a padding query sees no key at all; let it see itself so softmax stays finite (its output is unused)
+            mask = mask | (torch.arange(past + T)[None, :] == past + torch.arange(T)[:, None])[None, None]
+        cos, sin = rope_tables(positions, self.cfg.head_dim, self.cfg.rope_theta)
+
+        x = self.embedding(ids)  # (B, T, H)
+        for i, block in enumerate(self.blocks):
+            x = block(x, cos, sin, mask, cache, i)
+            if hidden_states is not None:
+                hidden_states.append(x.detach().clone())
+        if cache is not None:
+            cache.length += T
+        x = rmsnorm(x, self.norm_f.weight, self.cfg.norm_eps)
+        head = self.embedding.weight if self.lm_head is None else self.lm_head.weight
+        return (x @ head.T).float()  # (B, T, V)
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,
+                 top_k: int = 0, top_p: float = 1.0, seed: int | None = None, stop_ids=(),
+                 logprobs: int = 0) -> list[dict]:
+        """Batched generation with a KV cache; temperature 0 is greedy.
+
+        Prompts are left-padded to a common length so every sequence writes the same cache column each
+        step; RoPE positions count only real tokens. Returns one dict per prompt: `ids` (new token ids,
+        ending at the first stop id) and, with logprobs=k, `logprobs`: per new token the top-k
+        {token id: logprob} of the float32 log-softmax.
+        """
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        B, P = len(prompts), max(len(p) for p in prompts)
+        total = P + max_new_tokens
+        if total > self.cfg.max_seq_len:
+            raise ValueError(f"prompt + new tokens = {total} exceeds max_seq_len {self.cfg.max_seq_len}")
+        gen = torch.Generator().manual_seed(seed) if seed is not None else None
+
+        ids = torch.zeros(B, P, dtype=torch.long)
+        key_valid = torch.zeros(B, total, dtype=torch.bool)
+        for b, p in enumerate(prompts):
+            ids[b, P - len(p):] = torch.tensor(p)
+            key_valid[b, P - len(p):] = True
+        key_valid[:, P:] = True  # generated tokens
+        positions = (key_valid[:, :P].long().cumsum(-1) - 1).clamp(min=0)  # (B, P)
+        next_pos = key_valid[:, :P].sum(-1)  # (B,)
+
+        cache = KVCache(self.cfg, B, total, self.dtype)
+        logits = self(ids, positions, key_valid, cache)[:, -1]  # (B, V)
+        out = [{"ids": [], "logprobs": []} for _ in range(B)]
+        done = torch.zeros(B, dtype=torch.bool)
+        for step in range(max_new_tokens):
+            lp = torch.log_softmax(logits, dim=-1)
+            token = self._pick(logits, temperature, top_k, top_p, gen)  # (B,)
+            for b in range(B):
+                if done[b]:
+                    continue
+                out[b]["ids"].append(int(token[b]))
+                if logprobs:
+                    top = lp[b].topk(logprobs)
+                    out[b]["logprobs"].append({int(i): float(v) for i, v in zip(top.indices, top.values)})
+                if int(token[b]) in stop_ids:
+                    done[b] = True
+            if done.all() or step == max_new_tokens - 1:
+                break
+            logits = self(token[:, None], next_pos[:, None] + step, key_valid, cache)[:, -1]
+        return out
+
+    @staticmethod
+    def _pick(logits, temperature, top_k, top_p, gen) -> torch.Tensor:
+        if temperature <= 0:
+            return logits.argmax(-1)
+        logits = logits / temperature
+        if top_k:
+            kth = logits.topk(min(top_k, logits.shape[-1])).values[:, -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        probs = logits.softmax(-1)
+        if top_p < 1.0:
+            sorted_p, order = probs.sort(-1, descending=True)
+            drop = sorted_p.cumsum(-1) - sorted_p > top_p  # keep the smallest prefix reaching top_p
+            probs = probs.scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
+        return torch.multinomial(probs, 1, generator=gen)[:, 0]
