@@ -55,24 +55,26 @@ def read(wheel: Path, name: str) -> bytes:
         return zf.read(name)
 
 
+def commit(tree: Path, message: str) -> None:
+    repo = git.Repo(tree)
+    author = git.Actor("test", "test@example.com")
+    repo.git.add("-A")
+    repo.index.commit(message, author=author, committer=author)
+
+
 def make_tree(root: Path, edit) -> Path:
     """A patched tree: pristine release files (from the CUDA release wheel) committed, then `edit`'s commit.
 
     `edit(tree)` changes files and returns the commit message.
     """
     tree = root / f"vllm-{VERSION}"
-    files = [REGISTRY, CONFIGS, LLAMA, *CPU_OWN]
     with zipfile.ZipFile(release_wheel(VERSION, "cuda")) as zf:
-        for name in files:
+        for name in [REGISTRY, CONFIGS, LLAMA, *CPU_OWN]:
             (tree / name).parent.mkdir(parents=True, exist_ok=True)
             (tree / name).write_bytes(zf.read(name))
-    repo = git.Repo.init(tree)
-    author = git.Actor("test", "test@example.com")
-    repo.index.add(files)
-    repo.index.commit(f"vllm {VERSION} pristine", author=author, committer=author)
-    message = edit(tree)
-    repo.git.add("-A")
-    repo.index.commit(message, author=author, committer=author)
+    git.Repo.init(tree)
+    commit(tree, f"vllm {VERSION} pristine")
+    commit(tree, edit(tree))
     return tree
 
 
@@ -233,3 +235,30 @@ def test_install_without_a_built_wheel_tells_to_run_make_wheel(tmp_path):
 
     with pytest.raises(MiniStreamError, match=rf"make wheel VLLM_VERSION={VERSION} DEVICE=cpu"):
         install(VERSION, "cpu", dist_dir=tmp_path)
+
+
+def test_a_file_the_patch_deletes_leaves_the_wheel(tmp_path):
+    def edit(tree):
+        (tree / LLAMA).unlink()
+        return "ministream: drop llama.py"
+
+    wheel = build_wheel(VERSION, "cpu", tree=make_tree(tmp_path, edit), dist_dir=tmp_path / "dist", quiet=True)
+    with zipfile.ZipFile(wheel) as zf:
+        assert LLAMA not in zf.namelist()
+        record = next(n for n in zf.namelist() if n.endswith(".dist-info/RECORD"))
+        assert f"\n{LLAMA}," not in "\n" + zf.read(record).decode()
+
+
+def test_a_tree_of_another_version_is_refused(tmp_path):
+    extra = "vllm/model_executor/models/not_in_0_32.py"
+
+    def another_release(tree):
+        (tree / extra).write_text("x = 1\n")
+        return "vLLM 0.31.0 pristine"
+
+    tree = make_tree(tmp_path, another_release)
+    (tree / extra).write_text("x = 2\n")
+    commit(tree, "ministream: patch for another release")
+    with pytest.raises(MiniStreamError, match=r"changes vllm/model_executor/models/not_in_0_32\.py, which the "
+                                              r"release wheel .* does not ship.*make patch VLLM_VERSION=0\.32\.0"):
+        build_wheel(VERSION, "cpu", tree=tree, dist_dir=tmp_path / "dist", quiet=True)
