@@ -54,7 +54,7 @@ patch: setup
 	$(MS) patch $(VLLM_VERSION) $(if $(VLLM_SRC),--src $(VLLM_SRC)) $(if $(VLLM_GIT_URL),--git-url $(VLLM_GIT_URL))
 
 wheel: patch
-	$(MS) wheel $(VLLM_VERSION) --device $(DEVICE)
+	$(MS) wheel $(VLLM_VERSION) --device $(DEVICE) $(if $(VLLM_SRC),--tree $(VLLM_SRC))
 
 install: wheel
 	$(MS) install $(VLLM_VERSION) --device $(DEVICE)

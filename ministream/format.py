@@ -294,7 +294,7 @@ def resolve_config(ckpt: Checkpoint, overrides: dict | None = None) -> TrainConf
             seen = ", ".join(f"{k}={v}" for k, v in inferred.items() if k in missing)
             raise MiniStreamError(
                 f"{ckpt.path} has no config entry and these values are not given: {', '.join(missing)}; "
-                f"pass them as flags ({' '.join('--' + m.replace('_', '-') + ' N' for m in missing[:3])} ...)"
+                f"pass them as flags: {' '.join('--' + m.replace('_', '-') + ' N' for m in missing)}"
                 + (f". The tensor shapes suggest {seen}" if seen else ""))
     cfg = TrainConfig.from_dict(values, source)
     check_state(ckpt.state, cfg, str(ckpt.path))

