@@ -19,10 +19,18 @@ CONVERT_ARGS ?=
 CHECKPOINT_ARGS ?=
 # patch / wheel
 VLLM_SRC ?=
+# port / matrix
+FROM ?=
+TO ?=
+VERSIONS ?=
 VLLM_GIT_URL ?=
 MODEL ?= $(OUT)
+# bench: BENCH_QUICK=1 for a smoke run; BENCH_ARGS for any `ministream bench` option (--configs, --batches, ...)
+BENCH_OUT ?= build/bench
+BENCH_QUICK ?=
+BENCH_ARGS ?=
 
-.PHONY: help setup demo test checkpoint convert generate patch wheel install clean
+.PHONY: help setup demo test checkpoint convert generate patch wheel install bench clean port matrix
 
 help:
 	@echo "make setup                         create $(VENV)/ (torch $(TORCH_VERSION), CPU build without a GPU)"
@@ -34,6 +42,10 @@ help:
 	@echo "make patch VLLM_VERSION=x          pristine vLLM x source + MiniStream patch in build/vllm-x/ [VLLM_SRC=checkout]"
 	@echo "make wheel VLLM_VERSION=x DEVICE=d patched release wheel into dist/ (d: cuda|cpu, now $(DEVICE))"
 	@echo "make install VLLM_VERSION=x        install the patched wheel into $(VENV)/"
+	@echo "make bench [BENCH_QUICK=1]         patched vLLM vs LLaMA names, reference model, core binding; tooling costs"
+	@echo "                                   -> $(BENCH_OUT)/bench.json, bench.png (~20 min on 2 cores; not part of test)"
+	@echo "make port FROM=a TO=b              patches/vb/ from patches/va/: three-way merge + registrations [no FROM/TO: redo all]"
+	@echo "make matrix [VERSIONS=a,b]         every supported vLLM version x patch checks -> build/matrix.md"
 
 $(VENV)/.setup-done: pyproject.toml scripts/setup.sh
 	scripts/setup.sh $(TORCH_VERSION)
@@ -56,6 +68,12 @@ patch: setup
 wheel: patch
 	$(MS) wheel $(VLLM_VERSION) --device $(DEVICE) $(if $(VLLM_SRC),--tree $(VLLM_SRC))
 
+port: setup
+	$(MS) port $(if $(FROM)$(TO),$(FROM) $(TO),--all)
+
+matrix: setup
+	$(MS) matrix $(if $(VERSIONS),--versions $(VERSIONS))
+
 install: wheel
 	$(MS) install $(VLLM_VERSION) --device $(DEVICE)
 
@@ -64,6 +82,12 @@ demo: setup
 	$(MS) convert out/demo/raw out/demo/hf --force
 	$(MAKE) --no-print-directory install
 	$(MS) generate out/demo/hf --raw out/demo/raw
+
+# matplotlib draws the chart; installed here, on demand, as nothing else needs it
+bench: setup
+	$(MAKE) --no-print-directory install
+	@$(PY) -c "import matplotlib" 2>/dev/null || $(PY) -m pip install --disable-pip-version-check -q matplotlib
+	$(MS) bench --out $(BENCH_OUT) $(if $(BENCH_QUICK),--quick) $(BENCH_ARGS)
 
 test: setup
 	$(MAKE) --no-print-directory install DEVICE=cpu

@@ -12,6 +12,8 @@ COMMANDS = [
     "ministream.convert",  # convert: training checkpoint -> HF-style folder
     "ministream.generate",  # generate: text from the reference model and the installed vLLM
     "ministream.patch",  # patch: pristine vLLM tree + our patch set, in git
+    "ministream.port",  # port: carry a patch set to another vLLM release (three-way merge)
+    "ministream.matrix",  # matrix: every supported vLLM version's patch set, checked statically
     "ministream.wheel",  # wheel, install: release wheel + patched Python files
 ]
 

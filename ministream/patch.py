@@ -25,6 +25,7 @@ import zipfile
 from pathlib import Path
 
 import git
+from packaging.version import Version
 
 from . import ROOT, MiniStreamError
 from .release import release_wheel
@@ -55,14 +56,28 @@ def supported_versions(patches: Path = PATCHES) -> dict[str, str]:
     return json.loads((patches / "versions.json").read_text())
 
 
+def release_line(version: str) -> str:
+    """The minor release line of a version: 0.6.6.post1 -> 0.6."""
+    return ".".join(version.split(".")[:2])
+
+
 def patch_dir(version: str, patches: Path = PATCHES) -> Path:
-    """The patch-set folder for vLLM `version`."""
+    """The patch-set folder for vLLM `version`.
+
+    A version listed in versions.json has its own entry. Another release of a listed line
+    (0.20.0 of the 0.20 line) gets the patch set of that line's newest listed release, on
+    condition: check_pristine accepts its tree only when the files the patch touches are
+    byte-identical to that release's (sha256 in the manifest)."""
     versions = supported_versions(patches)
-    if version not in versions:
+    if version in versions:
+        return patches / versions[version]
+    line = sorted((v for v in versions if release_line(v) == release_line(version)), key=Version)
+    if not line:
         raise MiniStreamError(
             f"no MiniStream patch set for vLLM {version} in {patches / 'versions.json'}; "
-            f"supported versions: {', '.join(sorted(versions))}")
-    return patches / versions[version]
+            f"supported versions: {', '.join(sorted(versions, key=Version))} (and their lines' other "
+            f"releases whose files are identical); a new release needs its own: make port FROM=<nearest> TO={version}")
+    return patches / versions[line[-1]]
 
 
 def manifest(patchdir: Path) -> dict:
@@ -82,19 +97,39 @@ def patch_set_hash(patchdir: Path) -> str:
     return h.hexdigest()
 
 
+def _hashes(tree: Path, expected: dict[str, str]) -> dict[str, str]:
+    return {rel: hashlib.sha256((tree / rel).read_bytes()).hexdigest() if (tree / rel).is_file() else "missing"
+            for rel in expected}
+
+
 def check_pristine(tree: Path, version: str, patchdir: Path, origin: str) -> None:
-    """Fail unless the files the patch touches in `tree` are those of the vLLM `version` release."""
-    expected = manifest(patchdir)["pristine_sha256"].get(version)
-    if expected is None:
+    """Fail unless the files the patch touches in `tree` are those of the vLLM `version` release.
+
+    For a release the manifest does not list (another release of a listed line), the files
+    must be identical to those of a release it lists: then the same patch applies unchanged."""
+    listed = manifest(patchdir)["pristine_sha256"]
+    if version in listed:
+        for rel, got in _hashes(tree, listed[version]).items():
+            sha = listed[version][rel]
+            if got != sha:
+                raise MiniStreamError(
+                    f"{rel} from {origin} is not vLLM {version}'s (sha256 {got[:12]}, the release has {sha[:12]}, "
+                    f"per {patchdir / 'manifest.json'}); check that {origin} is the vLLM {version} release")
+        return
+    same_line = {v: e for v, e in listed.items() if release_line(v) == release_line(version)}
+    if not same_line:
         raise MiniStreamError(f"{patchdir / 'manifest.json'} has no pristine_sha256 entry for vLLM {version}; "
                               f"add one (sha256 of each file the patch touches in that release)")
-    for rel, sha in expected.items():
-        f = tree / rel
-        got = hashlib.sha256(f.read_bytes()).hexdigest() if f.is_file() else "missing"
-        if got != sha:
-            raise MiniStreamError(
-                f"{rel} from {origin} is not vLLM {version}'s (sha256 {got[:12]}, the release has {sha[:12]}, "
-                f"per {patchdir / 'manifest.json'}); check that {origin} is the vLLM {version} release")
+    for v, expected in same_line.items():
+        if _hashes(tree, expected) == expected:
+            return
+    v, expected = max(same_line.items(), key=lambda kv: Version(kv[0]))
+    differ = [rel for rel, got in _hashes(tree, expected).items() if got != expected[rel]]
+    raise MiniStreamError(
+        f"vLLM {version} is not in {patchdir.parent / 'versions.json'} and its {', '.join(differ)} from {origin} "
+        f"differ from vLLM {v}'s, whose patch set {patchdir.name} serves the {release_line(v)} line "
+        f"(sha256 in {patchdir / 'manifest.json'}); the patch may not fit it: port it with "
+        f"`make port FROM={v} TO={version}` and review the result")
 
 
 # --- model.diff: models/ministream.py as a diff against the release's llama.py -------------

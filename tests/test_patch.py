@@ -17,7 +17,7 @@ import pytest
 from ministream import ROOT, MiniStreamError
 from ministream.patch import (
     LLAMA, MINISTREAM, MODEL, PATCHES, SUBJECT, applied_hash, extract_wheel, manifest, patch_dir,
-    patch_set_hash, patch_tree,
+    patch_set_hash, patch_tree, supported_versions,
 )
 from ministream.release import release_wheel
 
@@ -99,8 +99,8 @@ def test_manifest_holds_the_release_sha256_of_every_file_the_patch_touches(prist
 
 
 def test_every_supported_version_has_a_patch_set_folder():
-    for version in ("0.32.0",):
-        assert (patch_dir(version) / "manifest.json").is_file()
+    for version in supported_versions():
+        assert version in manifest(patch_dir(version))["pristine_sha256"], version
 
 
 # --- make patch: build/vllm-X from the release wheel ---------------------------------------
@@ -171,7 +171,7 @@ def test_changed_patch_set_is_reapplied_onto_the_pristine_commit(built, tmp_path
 # --- errors -------------------------------------------------------------------------------
 
 def test_unsupported_version_lists_the_supported_ones(tmp_path):
-    with pytest.raises(MiniStreamError, match=r"no MiniStream patch set for vLLM 0\.1\.0 .*supported versions: 0\.32\.0"):
+    with pytest.raises(MiniStreamError, match=r"no MiniStream patch set for vLLM 0\.1\.0 .*supported versions: 0\.6\.3, .*0\.32\.0"):
         patch_tree("0.1.0", build=tmp_path)
     assert not any(tmp_path.iterdir())
 

@@ -1,0 +1,243 @@
+"""matrix: every supported vLLM release x what its patch set must do, checked statically.
+
+    ministream matrix                          all versions of patches/versions.json
+    ministream matrix --versions 0.6.3,0.20.0  those (any release of a supported line)
+
+For each version: the release's pristine files (from the cached release wheel), then
+  pristine      the files the patch touches are the release's (sha256 in the manifest)
+  applies       scripts/apply_patch.sh applies the patch set cleanly
+  compiles      every file the patch adds or changes compiles
+  architecture  registry.py maps MiniStreamForCausalLM to ministream.py, which defines it
+  config        model_type "ministream" -> MiniStreamConfig in that release's config registry form
+  interface     MiniStreamForCausalLM has LlamaForCausalLM's methods and signatures (constructor,
+                forward, embedding method), and ministream.py names no Llama class it lacks
+The table is printed and written to build/matrix.json and build/matrix.md.
+"""
+
+import ast
+import json
+import py_compile
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from packaging.version import Version
+
+from . import MiniStreamError
+from .patch import APPLY, BUILD, LLAMA, MINISTREAM, PATCHES, check_pristine, patch_dir, supported_versions
+from .port import (ARCH, CONFIG, CONFIG_CLASS, CONFIG_MODULE, CONFIGS, MODEL_TYPE, REGISTRY, TOUCHED,
+                   _assignment, config_forms, release_files)
+
+CHECKS = ["pristine", "applies", "compiles", "architecture", "config", "interface"]
+CONFIG_FILE = "vllm/transformers_utils/configs/ministream.py"
+
+
+class Failed(Exception):
+    """One check failed; the message says how."""
+
+
+# --- the checks, each on the pristine tree and the patched tree ------------------------------
+
+def _pristine(tree: Path, patched: Path, version: str, patchdir: Path) -> str:
+    try:
+        check_pristine(tree, version, patchdir, f"the vllm {version} release wheel")
+    except MiniStreamError as e:
+        raise Failed(str(e)) from None
+    return f"patch set {patchdir.name}"
+
+
+def _applies(tree: Path, patched: Path, version: str, patchdir: Path) -> str:
+    run = subprocess.run(["bash", str(APPLY), str(patched), str(patchdir)], capture_output=True, text=True)
+    if run.returncode != 0:
+        raise Failed(run.stderr.strip().splitlines()[0] if run.stderr.strip() else "apply_patch.sh failed")
+    return ""
+
+
+def _compiles(tree: Path, patched: Path, version: str, patchdir: Path) -> str:
+    files = [MINISTREAM, CONFIG_FILE, REGISTRY, CONFIG, CONFIGS]
+    with tempfile.TemporaryDirectory() as tmp:
+        for rel in files:
+            try:
+                py_compile.compile(str(patched / rel), cfile=f"{tmp}/x.pyc", doraise=True)
+            except (py_compile.PyCompileError, FileNotFoundError) as e:
+                raise Failed(f"{rel}: {e}") from None
+    return f"{len(files)} files"
+
+
+def _parse(patched: Path, rel: str) -> ast.Module:
+    return ast.parse((patched / rel).read_text())
+
+
+def _architecture(tree: Path, patched: Path, version: str, patchdir: Path) -> str:
+    models = _assignment(_parse(patched, REGISTRY), "_TEXT_GENERATION_MODELS")
+    entry = {k.value: v for k, v in zip(models.keys, models.values) if isinstance(k, ast.Constant)}.get(ARCH)
+    if entry is None or ast.literal_eval(entry) != (MODEL_TYPE, ARCH):
+        raise Failed(f"{REGISTRY}: _TEXT_GENERATION_MODELS has no {ARCH!r}: ({MODEL_TYPE!r}, {ARCH!r})")
+    if not any(isinstance(n, ast.ClassDef) and n.name == ARCH for n in _parse(patched, MINISTREAM).body):
+        raise Failed(f"{MINISTREAM} defines no class {ARCH}")
+    return ""
+
+
+def _config(tree: Path, patched: Path, version: str, patchdir: Path) -> str:
+    registry, exports = config_forms((tree / CONFIG).read_text(), (tree / CONFIGS).read_text())
+    config = _parse(patched, CONFIG)
+    node = _assignment(config, "_CONFIG_REGISTRY")
+    if registry == "dict":
+        value = {k.value: v for k, v in zip(node.keys, node.values) if isinstance(k, ast.Constant)}.get(MODEL_TYPE)
+        ok = isinstance(value, ast.Name) and value.id == CONFIG_CLASS and any(
+            isinstance(n, ast.ImportFrom) and n.module == "vllm.transformers_utils.configs"
+            and any(a.name == CONFIG_CLASS for a in n.names) for n in config.body)
+    else:
+        value = {k.arg: k.value for k in node.keywords}.get(MODEL_TYPE)
+        ok = isinstance(value, ast.Constant) and value.value == CONFIG_CLASS
+    if not ok:
+        raise Failed(f"{CONFIG}: _CONFIG_REGISTRY ({registry}) does not map {MODEL_TYPE!r} to {CONFIG_CLASS}")
+    configs = _parse(patched, CONFIGS)
+    if CONFIG_CLASS not in ast.literal_eval(_assignment(configs, "__all__")):
+        raise Failed(f"{CONFIGS}: {CONFIG_CLASS} not in __all__")
+    if exports == "class-to-module":
+        ok = ast.literal_eval(_assignment(configs, "_CLASS_TO_MODULE")).get(CONFIG_CLASS) == CONFIG_MODULE
+    else:
+        ok = any(isinstance(n, ast.ImportFrom) and n.module == CONFIG_MODULE
+                 and any(a.name == CONFIG_CLASS for a in n.names) for n in configs.body)
+    if not ok:
+        raise Failed(f"{CONFIGS} ({exports}) does not export {CONFIG_CLASS} from {CONFIG_MODULE}")
+    return f"{registry} registry, {exports}"
+
+
+def _methods(module: ast.Module, cls: str) -> tuple[list[str], dict[str, str]]:
+    """(base classes, method name -> signature) of class `cls`, with Llama class names read as
+    MiniStream ones, so that llama.py's and ministream.py's compare equal."""
+    node = next((n for n in module.body if isinstance(n, ast.ClassDef) and n.name == cls), None)
+    if node is None:
+        raise Failed(f"no class {cls}")
+
+    def norm(text: str) -> str:
+        for name in ("MLP", "Attention", "DecoderLayer", "Model", "ForCausalLM"):
+            text = text.replace(f"Llama{name}", f"MiniStream{name}")
+        return text
+    methods = {f.name: norm(ast.unparse(f.args)) for f in node.body
+               if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    return [norm(ast.unparse(b)) for b in node.bases], methods
+
+
+def _interface(tree: Path, patched: Path, version: str, patchdir: Path) -> str:
+    llama, model = _parse(patched, LLAMA), _parse(patched, MINISTREAM)
+    found = {}
+    for theirs_name, ours_name in (("LlamaForCausalLM", ARCH), ("LlamaModel", "MiniStreamModel")):
+        theirs_bases, theirs = _methods(llama, theirs_name)
+        ours_bases, ours = _methods(model, ours_name)
+        if ours_bases != theirs_bases:
+            raise Failed(f"{ours_name} bases {ours_bases} != {theirs_name}'s {theirs_bases}")
+        if set(ours) != set(theirs):
+            raise Failed(f"{ours_name} methods differ from {theirs_name}'s: only ours {sorted(set(ours) - set(theirs))}, "
+                         f"only theirs {sorted(set(theirs) - set(ours))}")
+        differ = [m for m in ours if ours[m] != theirs[m]]
+        if differ:
+            raise Failed(f"{ours_name} signatures differ: "
+                         f"{', '.join(f'{m}({ours[m]}) vs ({theirs[m]})' for m in differ)}")
+        found[ours_name] = ours
+    for needed in ("__init__", "forward"):
+        if needed not in found[ARCH]:
+            raise Failed(f"{ARCH} has no {needed}")
+    # the embedding method: on the model class for the engine (0.7+), on the inner model before
+    embed = [f"{cls}.{m}" for cls in (ARCH, "MiniStreamModel") for m in ("embed_input_ids", "get_input_embeddings")
+             if m in found[cls]]
+    if not embed:
+        raise Failed(f"neither {ARCH} nor MiniStreamModel has an embedding method (embed_input_ids / get_input_embeddings)")
+    defined = {n.name for n in ast.walk(model) if isinstance(n, ast.ClassDef)}
+    defined |= {a.asname or a.name for n in ast.walk(model) if isinstance(n, (ast.Import, ast.ImportFrom))
+                for a in n.names}
+    stray = sorted({n.id for n in ast.walk(model) if isinstance(n, ast.Name) and n.id.startswith("Llama")} - defined)
+    if stray:
+        raise Failed(f"{MINISTREAM} names {', '.join(stray)}, which it neither defines nor imports")
+    return f"{len(found[ARCH])} methods, forward({found[ARCH]['forward']}), embedding: {embed[0]}"
+
+
+CHECK_FUNCS = {"pristine": _pristine, "applies": _applies, "compiles": _compiles,
+               "architecture": _architecture, "config": _config, "interface": _interface}
+
+
+def check_version(version: str, patches: Path = PATCHES) -> dict:
+    """{check: {"ok": bool, "detail": str}} for one version; a failed check skips the rest."""
+    start = time.monotonic()
+    results = {}
+    try:
+        patchdir = patch_dir(version, patches)
+        files = release_files(version, TOUCHED)
+    except MiniStreamError as e:
+        return {"patch_set": None, "checks": {c: {"ok": False, "detail": str(e) if c == "pristine" else "skipped"}
+                                              for c in CHECKS}, "seconds": round(time.monotonic() - start, 1)}
+    with tempfile.TemporaryDirectory() as tmp:
+        tree, patched = Path(tmp, "pristine"), Path(tmp, "patched")
+        for root in (tree, patched):
+            for rel, text in files.items():
+                (root / rel).parent.mkdir(parents=True, exist_ok=True)
+                (root / rel).write_text(text)
+        failed = False
+        for check in CHECKS:
+            if failed:
+                results[check] = {"ok": False, "detail": "skipped"}
+                continue
+            try:
+                results[check] = {"ok": True, "detail": CHECK_FUNCS[check](tree, patched, version, patchdir)}
+            except Failed as e:
+                results[check] = {"ok": False, "detail": str(e)}
+                failed = True
+    return {"patch_set": patchdir.name, "checks": results, "seconds": round(time.monotonic() - start, 1)}
+
+
+def run_matrix(versions: list[str], patches: Path = PATCHES, out: Path | None = BUILD) -> dict:
+    """Check each version; write out/matrix.json and out/matrix.md (out=None: write nothing)."""
+    results = {}
+    for v in versions:
+        results[v] = check_version(v, patches)
+        print(_row(v, results[v]), flush=True)
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "matrix.json").write_text(json.dumps(results, indent=2) + "\n")
+        (out / "matrix.md").write_text(table(results))
+    return results
+
+
+def _row(version: str, result: dict) -> str:
+    marks = " ".join(("ok" if result["checks"][c]["ok"] else "FAIL").ljust(len(c)) for c in CHECKS)
+    return f"{version:<12} {str(result['patch_set']):<12} {marks}  {result['seconds']}s"
+
+
+def table(results: dict) -> str:
+    """The results as a Markdown table, failures explained below it."""
+    lines = ["| vLLM | patch set | " + " | ".join(CHECKS) + " | config form |",
+             "|---" * (len(CHECKS) + 3) + "|"]
+    for v, r in results.items():
+        marks = " | ".join("✓" if r["checks"][c]["ok"] else "✗" for c in CHECKS)
+        lines.append(f"| {v} | {r['patch_set']} | {marks} | {r['checks']['config']['detail'] if r['checks']['config']['ok'] else ''} |")
+    failures = [f"- {v} {c}: {r['checks'][c]['detail']}" for v, r in results.items() for c in CHECKS
+                if not r["checks"][c]["ok"] and r["checks"][c]["detail"] != "skipped"]
+    return "\n".join(lines + ([""] + failures if failures else [])) + "\n"
+
+
+def ok(results: dict) -> bool:
+    return all(c["ok"] for r in results.values() for c in r["checks"].values())
+
+
+# --- command line ---------------------------------------------------------------------------
+
+def register(sub) -> None:
+    p = sub.add_parser("matrix", help="check every supported vLLM version's patch set (static)",
+                       description=__doc__.split("\n\n")[0])
+    p.add_argument("--versions", help="comma-separated vLLM releases (default: all of patches/versions.json)")
+    p.add_argument("--out", type=Path, default=BUILD, help="where matrix.json and matrix.md go (default: %(default)s)")
+    p.set_defaults(func=_cmd)
+
+
+def _cmd(args) -> int:
+    versions = args.versions.split(",") if args.versions else sorted(supported_versions(), key=Version)
+    print(f"{'vLLM':<12} {'patch set':<12} {' '.join(CHECKS)}")
+    results = run_matrix(versions, out=args.out)
+    print(f"wrote {args.out / 'matrix.json'} and {args.out / 'matrix.md'}")
+    if not ok(results):
+        print("error: some checks failed; see build/matrix.md", flush=True)
+        return 1
+    return 0
