@@ -15,6 +15,7 @@ COMMANDS = [
     "ministream.port",  # port: carry a patch set to another vLLM release (three-way merge)
     "ministream.matrix",  # matrix: every supported vLLM version's patch set, checked statically
     "ministream.wheel",  # wheel, install: release wheel + patched Python files
+    "ministream.bench",  # bench: patched vLLM vs LLaMA, the reference model, core binding; tooling costs
 ]
 
 

@@ -1,0 +1,599 @@
+"""bench: what the patched vLLM buys a MiniStream user, measured side by side in one run.
+
+On the reference shape (and its GQA variant), in bfloat16 and float32, offline batches of prompts x
+new tokens (EOS ignored), each system gets output tokens/s, time to first token and peak memory:
+
+  1. MiniStream on the patched vLLM vs the same safetensors under LlamaForCausalLM names, same vLLM
+  2. the patched vLLM vs the reference model (reference.py): batched with a KV cache, and one request
+     at a time as the team's original script served
+  3. vLLM's own CPU core binding (VLLM_CPU_OMP_THREADS_BIND unset = "auto") vs ours (generate.vllm_env)
+  4. tooling: convert (time, peak memory), wheel from the cached release wheel, patch
+  5. single-stream decode tokens/s x weight bytes read per token vs a measured copy bandwidth
+
+Every engine runs in its own process, one per (model, dtype, binding), reused for every batch size;
+peak memory is that process tree's, sampled. The machine is noisy: read ratios, not absolutes.
+Writes OUT/bench.json (every figure and the machine) and OUT/bench.png, and prints a table.
+"""
+
+import argparse
+import json
+import math
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from . import ROOT, MiniStreamError
+
+DEFAULT_OUT = ROOT / "build" / "bench"
+VLLM_VERSION = "0.32.0"
+SCHEMA = 1
+
+# system key -> label in the table and the chart
+SYSTEMS = {
+    "ministream": "MiniStream, patched vLLM",
+    "llama": "same weights as LLaMA, same vLLM",
+    "ministream_vllm_bind": "MiniStream, vLLM's own core binding",
+    "reference_batched": "reference model, batched",
+    "reference_serial": "reference model, one request at a time",
+}
+
+# (model preset, dtype) pairs; the GQA variant in bf16 only, to keep the full run near 20 minutes on 2 cores
+FULL = dict(configs=["reference:bfloat16", "reference:float32", "reference-gqa:bfloat16"], batches=[1, 8, 64],
+            new_tokens=128, prompt_len=32, repeats=2, serial_requests=4, bind_configs=["reference:bfloat16"],
+            copy_mib=1024, kv_cache_gib=2, tooling=True)
+QUICK = dict(configs=["reference:bfloat16"], batches=[1, 8], new_tokens=16, prompt_len=32, repeats=1,
+             serial_requests=2, bind_configs=["reference:bfloat16"], copy_mib=256, kv_cache_gib=2, tooling=True)
+
+
+# ---------------------------------------------------------------- prompts and measurement (in the workers)
+
+
+def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    """n prompts of `length` token ids: <|bos|> (id 0), then random ordinary tokens.
+
+    Every system gets the same ids for the same seed; each timed run gets fresh ones, so vLLM's prefix
+    cache never serves a repeat."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    body = torch.randint(3, vocab, (n, length - 1), generator=g)  # 0-2 are bos, eos, pad
+    return [[0] + row.tolist() for row in body]
+
+
+def measure(generate, spec: dict, serial: bool = False) -> list[dict]:
+    """tokens/s and time to first token for each batch size; generate(prompt_ids, max_tokens) -> [{"ids"}].
+
+    Time to first token is the wall time of the same batch with max_tokens=1: every request's first token.
+    serial: requests go one at a time, so throughput does not depend on the batch: it is measured on
+    `serial_requests` requests once and a batch of n costs n times one request; time to first token is
+    that of the first request (request k also waits for the k-1 before it)."""
+    length, vocab, new = spec["prompt_len"], spec["vocab"], spec["new_tokens"]
+    generate(prompts(2, length, vocab, seed=7), 4)  # warm-up: first-call costs out of the timings
+    rows, serial_row = [], None
+    for n in spec["batches"]:
+        if serial and serial_row is not None:
+            rows.append({**serial_row, "batch": n})
+            continue
+        requests = min(n, spec["serial_requests"]) if serial else n
+        t = time.perf_counter()
+        generate(prompts(1 if serial else n, length, vocab, seed=1000 * n + 999), 1)
+        ttft = time.perf_counter() - t
+        seconds, tokens = [], 0
+        for r in range(1 if serial else spec["repeats"]):
+            ids = prompts(requests, length, vocab, seed=1000 * n + r)
+            t = time.perf_counter()
+            out = generate(ids, new)
+            seconds.append(time.perf_counter() - t)
+            tokens = sum(len(o["ids"]) for o in out)
+            if tokens != requests * new:
+                raise RuntimeError(f"asked for {requests}x{new} tokens, got {tokens}")
+        row = {"batch": n, "measured_requests": requests, "output_tokens": tokens, "seconds": seconds,
+               "tokens_per_s": tokens / min(seconds), "ttft_s": ttft}
+        rows.append(row)
+        if serial:
+            serial_row = row
+    return rows
+
+
+def _worker(spec: dict) -> dict:
+    """One system in this process: load it, measure it, return the figures."""
+    import torch
+
+    from .generate import load_reference, vllm_engine, vllm_generate
+
+    result = {"torch_threads": torch.get_num_threads()}
+    t = time.perf_counter()
+    if spec["kind"] == "vllm":
+        llm = vllm_engine(Path(spec["model_dir"]), spec["dtype"],
+                          max_model_len=spec["prompt_len"] + spec["new_tokens"])
+        result["start_s"] = time.perf_counter() - t
+        result["env"] = {k: os.environ.get(k) for k in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE")}
+        result["rows"] = measure(lambda ids, n: vllm_generate(llm, ids, n), spec)
+    elif spec["kind"] == "reference":
+        model = load_reference(Path(spec["model_dir"]), spec["dtype"])
+        result["start_s"] = time.perf_counter() - t
+        result["batched"] = measure(lambda ids, n: model.generate(ids, n), {**spec, "repeats": 1})
+        one = next((r for r in result["batched"] if r["batch"] == 1), None)
+        if one:  # one request at a time is batch 1, n times over: the same call, reference_generate(batch=False)
+            result["serial"] = [{**one, "batch": n, "derived_from_batch_1": True} for n in spec["batches"]]
+        else:
+            result["serial"] = measure(lambda ids, n: [model.generate([p], n)[0] for p in ids], spec, serial=True)
+    elif spec["kind"] == "bandwidth":
+        result.update(copy_bandwidth(spec["copy_mib"]))
+    else:
+        raise ValueError(spec["kind"])
+    return result
+
+
+def copy_bandwidth(mib: int, repeats: int = 5) -> dict:
+    """Memory bandwidth as torch sees it: best of `repeats` copies of a `mib` MiB tensor, read + write bytes."""
+    import torch
+
+    src = torch.ones(mib * 2**20 // 4, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # fault the pages in
+    best = math.inf
+    for _ in range(repeats):
+        t = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t)
+    moved = 2 * src.numel() * 4
+    return {"copy_mib": mib, "threads": torch.get_num_threads(), "seconds": best, "bytes_moved": moved,
+            "gb_per_s": moved / best / 1e9}
+
+
+# ---------------------------------------------------------------- processes and their memory
+
+
+class TreeMemory:
+    """Peak memory of a process and its children, sampled in a thread: the sum of RSS (shared pages count
+    once per process) every `every` s, and the sum of PSS (shared pages split) every 4th sample."""
+
+    def __init__(self, pid: int, every: float = 0.25):
+        import psutil
+
+        self.root, self.every = psutil.Process(pid), every
+        self.peak_rss = self.peak_pss = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self):
+        import psutil
+
+        i = 0
+        while not self._stop.is_set():
+            try:
+                procs = [self.root, *self.root.children(recursive=True)]
+            except psutil.Error:
+                break
+            rss = pss = 0
+            for p in procs:
+                try:
+                    rss += p.memory_info().rss
+                    if i % 4 == 0:
+                        pss += p.memory_full_info().pss
+                except psutil.Error:
+                    pass
+            self.peak_rss = max(self.peak_rss, rss)
+            self.peak_pss = max(self.peak_pss, pss)
+            i += 1
+            self._stop.wait(self.every)
+
+    def stop(self) -> dict:
+        self._stop.set()
+        self._thread.join()
+        return {"peak_rss_mib": self.peak_rss / 2**20, "peak_pss_mib": self.peak_pss / 2**20}
+
+
+def run_worker(name: str, spec: dict, out: Path, env: dict | None = None, timeout: float = 1800) -> dict:
+    """Run _worker(spec) in `python -m ministream.bench` with its own environment; figures + peak memory."""
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    spec_file, result_file, log = (out / "logs" / f"{name}.{x}" for x in ("spec.json", "result.json", "log"))
+    spec_file.write_text(json.dumps(spec))
+    result_file.unlink(missing_ok=True)
+    full_env = {**os.environ, **(env or {})}
+    full_env = {k: v for k, v in full_env.items() if v is not None}
+    print(f"bench: {name} ...", end=" ", flush=True)
+    t = time.perf_counter()
+    with open(log, "w") as logf:
+        proc = subprocess.Popen([sys.executable, "-m", "ministream.bench", str(spec_file), str(result_file)],
+                                stdout=logf, stderr=subprocess.STDOUT, env=full_env, cwd=ROOT, start_new_session=True)
+        mem = TreeMemory(proc.pid)
+        try:
+            rc = proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            rc = proc.wait()
+        memory = mem.stop()
+    wall = time.perf_counter() - t
+    if rc != 0 or not result_file.is_file():
+        tail = "\n".join(log.read_text(errors="replace").strip().splitlines()[-20:])
+        print(f"FAILED (exit {rc}, {wall:.0f}s; log {log})")
+        return {"error": f"exit {rc}", "log": str(log), "log_tail": tail, "wall_s": wall, **memory}
+    print(f"{wall:.0f}s")
+    # vLLM's own count of KV cache tokens, so a reader can check that the largest batch fitted whole
+    kv = re.search(r"KV cache size: ([\d,]+) tokens", log.read_text(errors="replace"))
+    extra = {"kv_cache_tokens": int(kv.group(1).replace(",", ""))} if kv else {}
+    return {**json.loads(result_file.read_text()), "wall_s": wall, **memory, **extra}
+
+
+def timed_command(args: list, cwd: Path = ROOT) -> dict:
+    """Wall time and the process's own peak RSS (getrusage through wait4) of one command."""
+    t = time.perf_counter()
+    proc = subprocess.Popen([str(a) for a in args], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    output = proc.stdout.read()
+    _, status, usage = os.wait4(proc.pid, 0)
+    wall = time.perf_counter() - t
+    rc = os.waitstatus_to_exitcode(status)
+    result = {"command": " ".join(str(a) for a in args), "seconds": wall, "peak_rss_mib": usage.ru_maxrss / 1024}
+    if rc != 0:
+        result["error"] = f"exit {rc}: " + output.decode(errors="replace").strip()[-1500:]
+    return result
+
+
+# ---------------------------------------------------------------- models, tooling, machine
+
+
+def _ms() -> str:
+    return str(Path(sys.executable).parent / "ministream")
+
+
+def prepare_model(preset: str, models: Path) -> dict:
+    """The preset's training checkpoint (made once), its converted folder, and the LLaMA-named twin:
+    the same safetensors (symlinked) with config.json's architecture and model_type set to LLaMA's."""
+    raw, hf, llama = models / preset / "raw", models / preset / "hf", models / preset / "llama"
+    if not (raw / "model.pt").is_file():
+        run = timed_command([_ms(), "checkpoint", "--preset", preset, "--out", raw, "--force"])
+        if "error" in run:
+            raise MiniStreamError(f"making the {preset} checkpoint failed: {run['error']}")
+    convert = timed_command([_ms(), "convert", raw, hf, "--dtype", "float32", "--force"])
+    if "error" in convert:
+        raise MiniStreamError(f"converting {raw} failed: {convert['error']}")
+    shutil.rmtree(llama, ignore_errors=True)
+    llama.mkdir(parents=True)
+    for f in hf.iterdir():
+        if f.name != "config.json":
+            (llama / f.name).symlink_to(f.resolve())
+    config = json.loads((hf / "config.json").read_text())
+    config.update(architectures=["LlamaForCausalLM"], model_type="llama")
+    (llama / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    from tokenizers import Tokenizer
+
+    params = sum(math.prod(v["shape"]) for k, v in _safetensors_header(hf / "model.safetensors").items()
+                 if k != "__metadata__")
+    return {"preset": preset, "raw": str(raw), "hf": str(hf), "llama": str(llama), "parameters": params,
+            "vocab": Tokenizer.from_file(str(hf / "tokenizer.json")).get_vocab_size(),
+            "config": {k: config[k] for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
+                                              "num_key_value_heads", "head_dim", "intermediate_size",
+                                              "vocab_size", "tie_word_embeddings")},
+            "convert_float32": convert}
+
+
+def _safetensors_header(path: Path) -> dict:
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        return json.loads(f.read(n))
+
+
+def tooling(model: dict, out: Path) -> dict:
+    """convert (both dtypes) of the model; patch (fresh tree, then up to date) and wheel into a scratch folder,
+    so nothing of build/ or dist/ changes. `make wheel` = patch (up to date) + wheel."""
+    result = {"convert_float32": model["convert_float32"]}
+    scratch = Path(tempfile.mkdtemp(prefix="tooling-", dir=out))
+    try:
+        result["convert_bfloat16"] = timed_command([_ms(), "convert", model["raw"], scratch / "hf-bf16",
+                                                    "--dtype", "bfloat16"])
+        result["patch_fresh"] = timed_command([_ms(), "patch", VLLM_VERSION, "--build-dir", scratch])
+        result["patch_up_to_date"] = timed_command([_ms(), "patch", VLLM_VERSION, "--build-dir", scratch])
+        result["wheel"] = timed_command([_ms(), "wheel", VLLM_VERSION, "--device", "cpu",
+                                         "--tree", scratch / f"vllm-{VLLM_VERSION}", "--dist", scratch / "dist"])
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return result
+
+
+def machine() -> dict:
+    import importlib.metadata as md
+
+    import psutil
+    import torch
+
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor())
+    versions = {}
+    for dist in ("vllm-cpu", "vllm", "torch", "transformers"):
+        try:
+            versions[dist] = md.version(dist)
+        except md.PackageNotFoundError:
+            pass
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    except OSError:
+        commit = None
+    return {"cpu": cpu, "logical_cpus": os.cpu_count(), "affinity": sorted(os.sched_getaffinity(0)),
+            "memory_gib": psutil.virtual_memory().total / 2**30, "gpu": torch.cuda.is_available(),
+            "platform": platform.platform(), "python": platform.python_version(), "versions": versions,
+            "torch_threads": torch.get_num_threads(), "commit": commit}
+
+
+# ---------------------------------------------------------------- the run
+
+
+def run_bench(out: Path, configs: list[str], batches: list[int], new_tokens: int, prompt_len: int, repeats: int,
+              serial_requests: int, bind_configs: list[str], copy_mib: int, kv_cache_gib: int = 2,
+              tooling_on: bool = True, systems: list[str] | None = None, note: str = "") -> dict:
+    systems = systems or list(SYSTEMS)
+    pairs = [tuple(c.split(":", 1)) for c in configs]
+    if any(len(p) != 2 for p in pairs):
+        raise MiniStreamError(f"--configs takes model:dtype pairs, e.g. reference:bfloat16; got {','.join(configs)}")
+    models = list(dict.fromkeys(m for m, _ in pairs))
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    result = {"schema": SCHEMA, "command": " ".join(sys.argv), "note": note,
+              "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
+              "load_average_start": os.getloadavg(), "machine": machine(),
+              "settings": dict(configs=configs, batches=batches, new_tokens=new_tokens,
+                               prompt_len=prompt_len, repeats=repeats, serial_requests=serial_requests,
+                               bind_configs=bind_configs, copy_mib=copy_mib, kv_cache_gib=kv_cache_gib,
+                               systems=systems),
+              "models": {}, "runs": []}
+    for preset in models:
+        print(f"bench: preparing {preset}", flush=True)
+        result["models"][preset] = prepare_model(preset, out / "models")
+    result["bandwidth"] = run_worker("bandwidth", {"kind": "bandwidth", "copy_mib": copy_mib}, out)
+    if tooling_on:
+        print("bench: tooling (convert, patch, wheel)", flush=True)
+        result["tooling"] = tooling(result["models"][models[0]], out)
+
+    common = dict(batches=batches, new_tokens=new_tokens, prompt_len=prompt_len, repeats=repeats,
+                  serial_requests=serial_requests)
+    # a KV cache that holds the largest batch whole in float32 (generate.vllm_env's 1 GiB does not), so no
+    # batch is preempted; the same for every vLLM system
+    kv = {"VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib)}
+    for i, (preset, dtype) in enumerate(pairs):
+        m = result["models"][preset]
+        base = {**common, "vocab": m["vocab"], "dtype": dtype}
+        jobs = [("ministream", {"kind": "vllm", "model_dir": m["hf"]}, kv),
+                ("llama", {"kind": "vllm", "model_dir": m["llama"]}, kv)]
+        if i % 2:  # alternate the order, so drift on a shared machine does not always favour one
+            jobs.reverse()
+        if f"{preset}:{dtype}" in bind_configs:
+            # "auto" is vLLM 0.32's own default for the variable: what a user gets without our defaults
+            jobs.append(("ministream_vllm_bind", {"kind": "vllm", "model_dir": m["hf"]},
+                         {**kv, "VLLM_CPU_OMP_THREADS_BIND": "auto"}))
+        jobs.append(("reference", {"kind": "reference", "model_dir": m["hf"]}, {}))
+        for system, spec, env in jobs:
+            if system == "reference" and not {"reference_batched", "reference_serial"} & set(systems):
+                continue
+            if system != "reference" and system not in systems:
+                continue
+            r = run_worker(f"{preset}-{dtype}-{system}", {**base, **spec}, out, env)
+            result["runs"].append({"model": preset, "dtype": dtype, "system": system, **r})
+    result["load_average_end"] = os.getloadavg()
+    result["seconds"] = time.time() - started
+    result["summary"] = summarize(result)
+    return result
+
+
+# ---------------------------------------------------------------- summary, table, chart
+
+
+def series(result: dict) -> dict:
+    """(model, dtype) -> system -> batch -> row, with the reference worker split into its two systems."""
+    out = {}
+    for run in result["runs"]:
+        if "error" in run:
+            continue
+        parts = {"reference_batched": run["batched"], "reference_serial": run["serial"]} \
+            if run["system"] == "reference" else {run["system"]: run["rows"]}
+        for system, rows in parts.items():
+            for row in rows:
+                row = {**row, "peak_pss_mib": run["peak_pss_mib"], "peak_rss_mib": run["peak_rss_mib"]}
+                out.setdefault((run["model"], run["dtype"]), {}).setdefault(system, {})[row["batch"]] = row
+    return out
+
+
+def _ratio(a, b):
+    return a / b if a and b else None
+
+
+def _geomean(xs):
+    xs = [x for x in xs if x]
+    return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else None
+
+
+def summarize(result: dict) -> dict:
+    """The ratios the issue asks for, per (model, dtype, batch), their geometric means, and the ceiling."""
+    rows, s = [], series(result)
+    for (model, dtype), systems in s.items():
+        for batch in result["settings"]["batches"]:
+            tps = {name: systems.get(name, {}).get(batch, {}).get("tokens_per_s") for name in SYSTEMS}
+            ttft = {name: systems.get(name, {}).get(batch, {}).get("ttft_s") for name in SYSTEMS}
+            rows.append({"model": model, "dtype": dtype, "batch": batch, "tokens_per_s": tps, "ttft_s": ttft,
+                         "ministream_over_llama": _ratio(tps["ministream"], tps["llama"]),
+                         "ours_over_vllm_bind": _ratio(tps["ministream"], tps["ministream_vllm_bind"]),
+                         "vllm_over_reference_batched": _ratio(tps["ministream"], tps["reference_batched"]),
+                         "vllm_over_reference_serial": _ratio(tps["ministream"], tps["reference_serial"])})
+    summary = {"rows": rows}
+    for key in ("ministream_over_llama", "ours_over_vllm_bind", "vllm_over_reference_batched",
+                "vllm_over_reference_serial"):
+        summary[f"geomean_{key}"] = _geomean(r[key] for r in rows)
+    memory = {}
+    for run in result["runs"]:
+        memory[f"{run['model']} {run['dtype']} {run['system']}"] = {
+            k: run.get(k) for k in ("peak_pss_mib", "peak_rss_mib", "start_s", "kv_cache_tokens", "error")}
+    summary["memory"] = memory
+    bw = result.get("bandwidth", {}).get("gb_per_s")
+    ceiling = []
+    for (model, dtype), systems in s.items():
+        weight_bytes = result["models"][model]["parameters"] * (2 if dtype in ("bfloat16", "float16") else 4)
+        for name in ("ministream", "reference_batched"):
+            one = systems.get(name, {}).get(1)
+            if one and bw:
+                decode = decode_rate(one)
+                read = decode * weight_bytes / 1e9
+                ceiling.append({"model": model, "dtype": dtype, "system": name, "weight_bytes": weight_bytes,
+                                "decode_tokens_per_s": decode, "weights_gb_per_s": read,
+                                "copy_gb_per_s": bw, "fraction_of_copy_bandwidth": read / bw,
+                                "ceiling_tokens_per_s": bw * 1e9 / weight_bytes})
+    summary["bandwidth_ceiling"] = ceiling
+    return summary
+
+
+def decode_rate(row: dict) -> float:
+    """Decode-only tokens/s of a batch-1 row: the tokens after the first, over the time after the first token
+    (the whole run's rate where the two timings are too close to tell apart)."""
+    tokens, seconds = row["output_tokens"], min(row["seconds"]) - row["ttft_s"]
+    return (tokens - 1) / seconds if tokens > 1 and seconds > 0 else row["tokens_per_s"]
+
+
+def _f(x, fmt="{:.0f}"):
+    return "-" if x is None else fmt.format(x)
+
+
+def table(result: dict) -> str:
+    sm = result["summary"]
+    lines = ["output tokens/s (batch x %d new tokens, EOS ignored); ratios of the patched vLLM (MiniStream)"
+             % result["settings"]["new_tokens"],
+             f"{'model':<14}{'dtype':<9}{'batch':>5} {'vLLM MS':>8} {'vLLM LLaMA':>10} {'MS/LLaMA':>8} "
+             f"{'vLLM bind':>9} {'ours/bind':>9} {'ref batch':>9} {'x':>6} {'ref 1-by-1':>10} {'x':>6} "
+             f"{'TTFT MS':>8} {'TTFT ref':>8}"]
+    for r in sm["rows"]:
+        t, ttft = r["tokens_per_s"], r["ttft_s"]
+        lines.append(
+            f"{r['model']:<14}{r['dtype']:<9}{r['batch']:>5} {_f(t['ministream']):>8} {_f(t['llama']):>10} "
+            f"{_f(r['ministream_over_llama'], '{:.3f}'):>8} {_f(t['ministream_vllm_bind']):>9} "
+            f"{_f(r['ours_over_vllm_bind'], '{:.2f}'):>9} {_f(t['reference_batched']):>9} "
+            f"{_f(r['vllm_over_reference_batched'], '{:.1f}'):>6} {_f(t['reference_serial']):>10} "
+            f"{_f(r['vllm_over_reference_serial'], '{:.1f}'):>6} "
+            f"{_f(ttft['ministream'] and ttft['ministream'] * 1e3, '{:.0f}ms'):>8} "
+            f"{_f(ttft['reference_batched'] and ttft['reference_batched'] * 1e3, '{:.0f}ms'):>8}")
+    lines.append("geometric means: MS/LLaMA %s, ours/vLLM bind %s, vLLM/ref batched %s, vLLM/ref one-by-one %s" % (
+        _f(sm["geomean_ministream_over_llama"], "{:.3f}"), _f(sm["geomean_ours_over_vllm_bind"], "{:.2f}"),
+        _f(sm["geomean_vllm_over_reference_batched"], "{:.1f}"),
+        _f(sm["geomean_vllm_over_reference_serial"], "{:.1f}")))
+    lines.append("peak memory (PSS of the process tree) / start:")
+    for name, m in sm["memory"].items():
+        lines.append(f"  {name:<44} {_f(m['peak_pss_mib']):>6} MiB  start {_f(m['start_s'], '{:.1f}')}s"
+                     + (f"  KV cache {m['kv_cache_tokens']} tokens" if m.get("kv_cache_tokens") else "")
+                     + (f"  FAILED {m['error']}" if m.get("error") else ""))
+    for c in sm["bandwidth_ceiling"]:
+        lines.append(f"decode ceiling {c['model']} {c['dtype']} {c['system']}: {c['decode_tokens_per_s']:.0f} tok/s x "
+                     f"{c['weight_bytes'] / 1e6:.0f} MB = {c['weights_gb_per_s']:.1f} GB/s of {c['copy_gb_per_s']:.1f} "
+                     f"GB/s copy ({100 * c['fraction_of_copy_bandwidth']:.0f}%; ceiling "
+                     f"{c['ceiling_tokens_per_s']:.0f} tok/s)")
+    for name, t in result.get("tooling", {}).items():
+        lines.append(f"tooling {name:<18} {t['seconds']:6.1f}s  peak RSS {t['peak_rss_mib']:.0f} MiB"
+                     + (f"  FAILED {t['error'][:200]}" if "error" in t else ""))
+    return "\n".join(lines)
+
+
+def chart(result: dict, path: Path) -> Path | None:
+    """tokens/s by batch size, one panel per (model, dtype), one line per system."""
+    try:
+        import matplotlib
+    except ImportError:
+        print("bench: matplotlib is not installed, no chart (pip install matplotlib)", file=sys.stderr)
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    s = series(result)
+    keys = sorted(s)
+    cols = min(2, len(keys)) or 1
+    rows = math.ceil(len(keys) / cols) or 1
+    fig, axes = plt.subplots(rows, cols, figsize=(6 * cols, 4 * rows), squeeze=False)
+    for ax, key in zip(axes.flat, keys):
+        for system, label in SYSTEMS.items():
+            points = sorted(s[key].get(system, {}).items())
+            if points:
+                ax.plot([b for b, _ in points], [r["tokens_per_s"] for _, r in points], marker="o", label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xticks(result["settings"]["batches"], [str(b) for b in result["settings"]["batches"]])
+        ax.set_title(f"{key[0]}, {key[1]}")
+        ax.set_xlabel("batch (prompts)")
+        ax.set_ylabel("output tokens/s")
+        ax.grid(True, which="both", alpha=0.3)
+    for ax in list(axes.flat)[len(keys):]:
+        ax.axis("off")
+    axes.flat[0].legend(fontsize=8)
+    m = result["machine"]
+    fig.suptitle(f"MiniStream bench: {result['settings']['new_tokens']} new tokens per prompt\n"
+                 f"{m['cpu']}, {m['logical_cpus']} CPUs, vllm {m['versions'].get('vllm-cpu') or m['versions'].get('vllm')}",
+                 fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+# ---------------------------------------------------------------- command line
+
+
+def _list(kind):
+    return lambda text: [kind(x) for x in text.split(",") if x]
+
+
+def register(sub) -> None:
+    p = sub.add_parser("bench", help="throughput, latency and memory: patched vLLM vs LLaMA, the reference "
+                       "model, core binding; tooling costs", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output folder (default: %(default)s)")
+    p.add_argument("--quick", action="store_true", help="smoke run: reference bf16, batches 1 and 8, 16 new tokens")
+    p.add_argument("--configs", type=_list(str), help="model:dtype pairs, comma-separated; models are "
+                   "`ministream checkpoint` presets (default: " + ",".join(FULL["configs"]) + ")")
+    p.add_argument("--batches", type=_list(int), help="batch sizes, e.g. 1,8,64")
+    p.add_argument("--new-tokens", type=int)
+    p.add_argument("--prompt-len", type=int)
+    p.add_argument("--repeats", type=int, help="timed runs per batch size (the fastest counts)")
+    p.add_argument("--serial-requests", type=int, help="requests timed one at a time for the serial reference")
+    p.add_argument("--bind-configs", type=_list(str), help="model:dtype pairs that also run vLLM's own binding")
+    p.add_argument("--copy-mib", type=int, help="size of the bandwidth copy")
+    p.add_argument("--kv-cache-gib", type=int, help="VLLM_CPU_KVCACHE_SPACE for every engine")
+    p.add_argument("--systems", type=_list(str), help=f"subset of {','.join(SYSTEMS)}")
+    p.add_argument("--no-tooling", dest="tooling", action="store_false", default=None)
+    p.add_argument("--note", default="", help="free text stored in the JSON (e.g. 'machine shared')")
+    p.set_defaults(func=_main)
+
+
+def _main(a) -> int:
+    settings = dict(QUICK if a.quick else FULL)
+    for key in settings:
+        if getattr(a, key, None) is not None:
+            settings[key] = getattr(a, key)
+    unknown = set(a.systems or []) - set(SYSTEMS)
+    if unknown:
+        raise MiniStreamError(f"unknown --systems {', '.join(sorted(unknown))}; choose from {', '.join(SYSTEMS)}")
+    tooling_on = settings.pop("tooling")
+    result = run_bench(a.out, tooling_on=tooling_on, systems=a.systems, note=a.note, **settings)
+    return report(result, a.out)
+
+
+def report(result: dict, out: Path) -> int:
+    path = out / "bench.json"
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    png = chart(result, out / "bench.png")
+    print(table(result))
+    print(f"bench: wrote {path}" + (f" and {png}" if png else "") + f" in {result['seconds'] / 60:.1f} min")
+    failed = [r for r in result["runs"] if "error" in r]
+    return 1 if failed else 0
+
+
+def _worker_main(spec_file: str, result_file: str) -> int:
+    result = _worker(json.loads(Path(spec_file).read_text()))
+    Path(result_file).write_text(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":  # a worker, started by run_worker (vLLM's spawned processes need the guard)
+    sys.exit(_worker_main(*sys.argv[1:]))
