@@ -204,13 +204,14 @@ def _with_docstring(text: str, docstring: str) -> str:
 def _mechanical(old: list[str], mine: list[str], new: list[str], rename: dict[str, str]):
     """llama.py@b's region `new` with our changes made to it, when all we changed in `old` (to
     get `mine`) is mechanical: the class rename, lines added above or below the region (an
-    import, a comment), lines deleted (the imports of what we drop). None when we changed
-    anything else there: lines added inside the region, lines edited."""
+    import, a comment), comments added above a line llama.py@b still has, lines deleted (the
+    imports of what we drop). None when we changed anything else there: code added inside the
+    region, lines edited."""
     renamed = _rename_code("".join(old), rename).splitlines(keepends=True)
     if "".join("".join(renamed).split()) == "".join("".join(mine).split()):
         return _rename_code("".join(new), rename).splitlines(keepends=True)  # renamed and re-wrapped
-    ops = difflib.SequenceMatcher(None, renamed, mine, autojunk=False).get_opcodes()
-    head, tail, deleted = [], [], []
+    ops = _ops_from_the_end(renamed, mine) or difflib.SequenceMatcher(None, renamed, mine, autojunk=False).get_opcodes()
+    head, tail, deleted, before = [], [], [], {}
     for tag, i1, i2, j1, j2 in ops:
         if tag == "equal":
             continue
@@ -224,11 +225,38 @@ def _mechanical(old: list[str], mine: list[str], new: list[str], rename: dict[st
             head += added
         elif i1 == len(renamed):
             tail += added
+        elif all(line.lstrip().startswith("#") for line in added if line.strip()) and renamed[i1].strip():
+            before.setdefault(renamed[i1], []).extend(added)  # our comment above a line: above it again
         else:
             return None
     body = [line for line in _rename_code("".join(new), rename).splitlines(keepends=True)
             if line not in deleted or not line.strip()]
+    for anchor, added in before.items():
+        if body.count(anchor) != 1:
+            return None
+        i = body.index(anchor)
+        body[i:i] = added
     return head + body + tail
+
+
+def _ops_from_the_end(renamed: list[str], mine: list[str]) -> list[tuple] | None:
+    """Opcodes for `mine` = lines added + `renamed` with comment lines added inside, matched from
+    the end (difflib would pair a blank line of `renamed` with the first blank line of what we
+    added above it); None when `mine` is not of that shape."""
+    ops, j = [], len(mine)
+    for i in range(len(renamed) - 1, -1, -1):
+        k = j
+        while k > 0 and mine[k - 1] != renamed[i] and mine[k - 1].lstrip().startswith("#"):
+            k -= 1
+        if k == 0 or mine[k - 1] != renamed[i]:
+            return None
+        if k < j:
+            ops.append(("insert", i + 1, i + 1, k, j))
+        ops.append(("equal", i, i + 1, k - 1, k))
+        j = k - 1
+    if j > 0:
+        ops.append(("insert", 0, 0, 0, j))
+    return ops[::-1]
 
 
 def _rename_code(text: str, rename: dict[str, str]) -> str:
