@@ -377,10 +377,21 @@ def run_bench(out: Path, configs: list[str], batches: list[int], new_tokens: int
                 continue
             r = run_worker(f"{preset}-{dtype}-{system}", {**base, **spec}, out, env)
             result["runs"].append({"model": preset, "dtype": dtype, "system": system, **r})
+            save(result, out, partial=True)  # an interrupted run keeps what it measured
     result["load_average_end"] = os.getloadavg()
     result["seconds"] = time.time() - started
-    result["summary"] = summarize(result)
+    save(result, out)
     return result
+
+
+def save(result: dict, out: Path, partial: bool = False) -> Path:
+    result["partial"] = partial
+    result["summary"] = summarize(result)
+    path = out / "bench.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(result, indent=1) + "\n")
+    tmp.replace(path)
+    return path
 
 
 # ---------------------------------------------------------------- summary, table, chart
@@ -563,10 +574,19 @@ def register(sub) -> None:
     p.add_argument("--systems", type=_list(str), help=f"subset of {','.join(SYSTEMS)}")
     p.add_argument("--no-tooling", dest="tooling", action="store_false", default=None)
     p.add_argument("--note", default="", help="free text stored in the JSON (e.g. 'machine shared')")
+    p.add_argument("--report", action="store_true", help="measure nothing: the table and the chart again, "
+                   "from OUT/bench.json (also of an interrupted run)")
     p.set_defaults(func=_main)
 
 
 def _main(a) -> int:
+    if a.report:
+        path = a.out / "bench.json"
+        if not path.is_file():
+            raise MiniStreamError(f"{path}: no such file; run `ministream bench --out {a.out}` first")
+        result = json.loads(path.read_text())
+        result["summary"] = summarize(result)
+        return report(result, a.out)
     settings = dict(QUICK if a.quick else FULL)
     for key in settings:
         if getattr(a, key, None) is not None:
@@ -581,10 +601,10 @@ def _main(a) -> int:
 
 def report(result: dict, out: Path) -> int:
     path = out / "bench.json"
-    path.write_text(json.dumps(result, indent=1) + "\n")
     png = chart(result, out / "bench.png")
     print(table(result))
-    print(f"bench: wrote {path}" + (f" and {png}" if png else "") + f" in {result['seconds'] / 60:.1f} min")
+    took = f" in {result['seconds'] / 60:.1f} min" if "seconds" in result else " (partial: the run was interrupted)"
+    print(f"bench: {path}" + (f" and {png}" if png else "") + took)
     failed = [r for r in result["runs"] if "error" in r]
     return 1 if failed else 0
 

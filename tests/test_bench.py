@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from ministream.bench import SYSTEMS, chart, measure, prepare_model, prompts, summarize, table
+from ministream.bench import SYSTEMS, chart, measure, prepare_model, prompts, save, summarize, table
 
 SPEC = {"prompt_len": 8, "vocab": 100, "new_tokens": 5, "batches": [1, 4], "repeats": 2, "serial_requests": 2}
 
@@ -102,6 +102,14 @@ def test_table_has_one_line_per_batch_and_the_tooling(tmp_path):
     text = table(result)
     assert sum(line.startswith("reference     bfloat16") for line in text.splitlines()) == 2
     assert "0.990" in text and "tooling wheel" in text
+
+
+def test_an_interrupted_run_is_saved_with_its_summary_and_reported_again(cli, tmp_path):
+    save(synthetic_result(), tmp_path, partial=True)
+    saved = json.loads((tmp_path / "bench.json").read_text())
+    assert saved["partial"] is True and len(saved["summary"]["rows"]) == 2
+    r = cli("bench", "--report", "--out", tmp_path)
+    assert r.returncode == 0 and "partial" in r.stdout and "reference     bfloat16" in r.stdout
 
 
 def test_chart_is_a_png(tmp_path):
