@@ -321,7 +321,24 @@ def machine() -> dict:
     return {"cpu": cpu, "logical_cpus": os.cpu_count(), "affinity": sorted(os.sched_getaffinity(0)),
             "memory_gib": psutil.virtual_memory().total / 2**30, "gpu": torch.cuda.is_available(),
             "platform": platform.platform(), "python": platform.python_version(), "versions": versions,
-            "torch_threads": torch.get_num_threads(), "commit": commit}
+            "torch_threads": torch.get_num_threads(), "commit": commit, "installed_model_file": _model_file()}
+
+
+def _model_file() -> dict | None:
+    """The installed vLLM's ministream.py: which patch set it came from, and its sha256 (imports nothing)."""
+    import hashlib
+    import importlib.util
+
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(list(spec.submodule_search_locations)[0]) / "model_executor" / "models" / "ministream.py"
+    if not path.is_file():
+        return None
+    data = path.read_bytes()
+    version = re.search(rb'MINISTREAM_PATCH_VERSION = "([^"]+)"', data)
+    return {"path": str(path), "sha256": hashlib.sha256(data).hexdigest(),
+            "patch_version": version.group(1).decode() if version else None}
 
 
 # ---------------------------------------------------------------- the run
