@@ -25,12 +25,16 @@ TO ?=
 VERSIONS ?=
 VLLM_GIT_URL ?=
 MODEL ?= $(OUT)
+# serve
+HOST ?= 127.0.0.1
+PORT ?= 8000
+TP ?=
 # bench: BENCH_QUICK=1 for a smoke run; BENCH_ARGS for any `ministream bench` option (--configs, --batches, ...)
 BENCH_OUT ?= build/bench
 BENCH_QUICK ?=
 BENCH_ARGS ?=
 
-.PHONY: help setup demo test checkpoint convert generate patch wheel install bench clean port matrix
+.PHONY: help setup demo test checkpoint convert generate patch wheel install bench clean port matrix serve image image-prereqs test-image
 
 help:
 	@echo "make setup                         create $(VENV)/ (torch $(TORCH_VERSION), CPU build without a GPU)"
@@ -42,6 +46,9 @@ help:
 	@echo "make patch VLLM_VERSION=x          pristine vLLM x source + MiniStream patch in build/vllm-x/ [VLLM_SRC=checkout]"
 	@echo "make wheel VLLM_VERSION=x DEVICE=d patched release wheel into dist/ (d: cuda|cpu, now $(DEVICE))"
 	@echo "make install VLLM_VERSION=x        install the patched wheel into $(VENV)/"
+	@echo "make serve MODEL=dir [PORT=8000]   OpenAI-compatible server on the patched vLLM [DTYPE=] [TP=] [HOST=127.0.0.1]"
+	@echo "make image VLLM_VERSION=x DEVICE=d container image ministream-vllm:x-d (docker, else podman)"
+	@echo "make test-image                    build the CPU image and check it serves like make serve (slow, not in test)"
 	@echo "make bench [BENCH_QUICK=1]         patched vLLM vs LLaMA names, reference model, core binding; tooling costs"
 	@echo "                                   -> $(BENCH_OUT)/bench.json, bench.png (~20 min on 2 cores; not part of test)"
 	@echo "make port FROM=a TO=b              patches/vb/ from patches/va/: three-way merge + registrations [no FROM/TO: redo all]"
@@ -92,6 +99,20 @@ bench: setup
 test: setup
 	$(MAKE) --no-print-directory install DEVICE=cpu
 	$(PY) -m pytest -ra $(PYTEST_ARGS)
+
+serve: setup
+	$(MS) serve $(MODEL) --host $(HOST) --port $(PORT) $(if $(DTYPE),--dtype $(DTYPE)) $(if $(TP),--tp $(TP))
+
+# podman, runc and debootstrap from apt, unless a Docker engine answers
+image-prereqs:
+	@docker info >/dev/null 2>&1 || scripts/image_prereqs.sh
+
+image: wheel image-prereqs
+	$(MS) image $(VLLM_VERSION) --device $(DEVICE)
+
+test-image: setup image-prereqs
+	$(MAKE) --no-print-directory install DEVICE=cpu
+	MINISTREAM_TEST_IMAGE=1 $(PY) -m pytest -ra -s tests/test_image.py $(PYTEST_ARGS)
 
 clean:
 	rm -rf out dist build/vllm-*

@@ -16,6 +16,8 @@ COMMANDS = [
     "ministream.matrix",  # matrix: every supported vLLM version's patch set, checked statically
     "ministream.wheel",  # wheel, install: release wheel + patched Python files
     "ministream.bench",  # bench: patched vLLM vs LLaMA, the reference model, core binding; tooling costs
+    "ministream.serve",  # serve, serve-bench: OpenAI-compatible server (vllm serve) on a converted folder
+    "ministream.image",  # image: the serving container image (docker/), docker or podman
 ]
 
 

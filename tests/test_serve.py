@@ -1,0 +1,257 @@
+"""`ministream serve`: vLLM's OpenAI server on a converted folder, as a user starts it, on loopback.
+
+One real server for the whole module (started while the offline engine of `ministream generate` runs
+beside it, ~1-2 min on 2 cores), stopped by SIGTERM in the last test. Every request has a timeout.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from ministream.convert import convert
+from ministream.generate import DEFAULT_PROMPTS, tokenize
+from ministream.serve import kv_cache_gib, server_env, served_name, vllm_command
+
+MAX_TOKENS = 16
+MAX_MODEL_LEN = 256
+START_TIMEOUT = 600
+# A template in the style of the chat checkpoints: bos, one line per message, then the assistant's turn.
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+CONCURRENT_PROMPTS = [f"{p} {i}" for i in range(4) for p in DEFAULT_PROMPTS[:8]]  # 32 distinct prompts
+
+
+# ---------------------------------------------------------------- without a server
+
+
+def test_served_name_is_the_folder_name(tmp_path):
+    assert served_name(tmp_path / "demo-hf") == "demo-hf"
+    assert served_name(Path("out/demo/hf")) == "hf"
+
+
+def test_kv_cache_is_a_quarter_of_available_memory_within_1_to_64_gib():
+    gib = 1 << 30
+    assert kv_cache_gib(2 * gib) == 1
+    assert kv_cache_gib(24 * gib) == 6
+    assert kv_cache_gib(1024 * gib) == 64
+
+
+def test_user_settings_win_over_cpu_defaults():
+    env = server_env(1, {"VLLM_CPU_KVCACHE_SPACE": "3", "PATH": "/bin"})
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "3" and env["PATH"] == "/bin"
+    assert "VLLM_CPU_OMP_THREADS_BIND" in env  # every core for the model on a machine without a GPU
+
+
+def test_server_command_names_the_model_and_listens_where_asked(tmp_path):
+    cmd = vllm_command(tmp_path / "m", "127.0.0.1", 9000, "m", "float32", 2, 128, ["--max-num-seqs", "8"], gpu=False)
+    assert cmd[:3] == [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
+    pairs = dict(zip(cmd[3::], cmd[4::]))
+    assert pairs["--model"] == str((tmp_path / "m").resolve()) and pairs["--served-model-name"] == "m"
+    assert pairs["--host"] == "127.0.0.1" and pairs["--port"] == "9000" and pairs["--tensor-parallel-size"] == "2"
+    assert "--enforce-eager" in cmd and cmd[-2:] == ["--max-num-seqs", "8"]
+
+
+def test_serve_refuses_a_folder_without_config(cli, tmp_path):
+    r = cli("serve", tmp_path, timeout=300)
+    assert r.returncode == 2 and "config.json" in r.stderr and "make convert" in r.stderr
+
+
+# ---------------------------------------------------------------- a real server
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def call(url: str, body=None, raw: bytes | None = None, timeout: float = 120) -> tuple[int, dict]:
+    """(HTTP status, JSON body) of a GET (no body) or POST."""
+    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+    req = urllib.request.Request(url, data, {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read() or b"{}")  # /health answers with no body
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+@pytest.fixture(scope="module")
+def chat_hf(tiny, tmp_path_factory) -> Path:
+    """The tiny model converted with a chat template (`ministream convert --chat-template`)."""
+    out = tmp_path_factory.mktemp("serve") / "tiny-chat"
+    convert(tiny, out, chat_template=CHAT_TEMPLATE, log=lambda *a, **k: None)
+    return out
+
+
+@pytest.fixture(scope="module")
+def booting(chat_hf, tmp_path_factory):
+    """`ministream serve` started in its own session (so the test sees its whole process tree)."""
+    port = free_port()
+    log = tmp_path_factory.mktemp("serve-log") / "server.log"
+    exe = Path(sys.executable).parent / "ministream"
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}  # lean: the tiny model needs little
+    with open(log, "w") as out:
+        proc = subprocess.Popen([str(exe), "serve", str(chat_hf), "--port", str(port), "--dtype", "float32",
+                                 "--max-model-len", str(MAX_MODEL_LEN)], stdout=out, stderr=subprocess.STDOUT,
+                                env=env, start_new_session=True)
+    yield proc, f"http://127.0.0.1:{port}", log
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def offline(booting, chat_hf, cli, tmp_path_factory) -> dict:
+    """LLM.generate's greedy tokens for DEFAULT_PROMPTS (`ministream generate --engine vllm`), while the server boots."""
+    out = tmp_path_factory.mktemp("offline") / "vllm.json"
+    args = [a for p in DEFAULT_PROMPTS for a in ("--prompt", p)]
+    r = cli("generate", chat_hf, "--engine", "vllm", "--dtype", "float32", "--max-tokens", MAX_TOKENS, *args,
+            "--json", out)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def server(booting, offline, chat_hf):
+    proc, url, log = booting
+    deadline = time.monotonic() + START_TIMEOUT
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"the server exited ({proc.returncode}):\n{log.read_text()[-4000:]}"
+        try:
+            if call(f"{url}/health", timeout=5)[0] == 200:
+                break
+        except OSError:
+            pass
+        time.sleep(1)
+    else:
+        pytest.fail(f"no answer on {url}/health in {START_TIMEOUT}s:\n{log.read_text()[-4000:]}")
+    return {"proc": proc, "url": url, "name": chat_hf.name, "log": log}
+
+
+def complete(server, prompt, max_tokens=MAX_TOKENS, **extra) -> tuple[int, dict]:
+    return call(f"{server['url']}/v1/completions",
+                {"model": server["name"], "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                 "ignore_eos": True, "return_token_ids": True, **extra})
+
+
+@pytest.mark.vllm
+def test_models_lists_the_folder_under_its_name(server):
+    status, body = call(f"{server['url']}/v1/models")
+    assert status == 200
+    assert [m["id"] for m in body["data"]] == [server["name"]] == ["tiny-chat"]
+    assert body["data"][0]["max_model_len"] == MAX_MODEL_LEN
+
+
+@pytest.mark.vllm
+def test_completion_at_temperature_0_equals_offline_generate(server, offline, chat_hf):
+    for prompt, want_prompt_ids, want in zip(DEFAULT_PROMPTS, tokenize(chat_hf, DEFAULT_PROMPTS), offline["vllm"]):
+        status, body = complete(server, prompt)
+        assert status == 200, body
+        choice = body["choices"][0]
+        assert choice["prompt_token_ids"] == want_prompt_ids  # the server's tokenizer adds <|bos|> too
+        assert choice["token_ids"] == want["ids"], prompt
+        assert choice["text"] == want["text"] and body["usage"]["completion_tokens"] == MAX_TOKENS
+
+
+@pytest.mark.vllm
+def test_streaming_returns_the_same_text_in_chunks(server):
+    prompt = DEFAULT_PROMPTS[0]
+    whole = complete(server, prompt)[1]["choices"][0]["text"]
+    body = json.dumps({"model": server["name"], "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+                       "ignore_eos": True, "stream": True}).encode()
+    req = urllib.request.Request(f"{server['url']}/v1/completions", body, {"Content-Type": "application/json"})
+    chunks, done = [], False
+    with urllib.request.urlopen(req, timeout=120) as r:
+        assert r.headers["Content-Type"].startswith("text/event-stream")
+        for line in r:
+            line = line.decode().strip()
+            if line == "data: [DONE]":
+                done = True
+            elif line.startswith("data: "):
+                chunks.extend(c["text"] for c in json.loads(line[6:])["choices"])
+    assert done and len([c for c in chunks if c]) > 1
+    assert "".join(chunks) == whole
+
+
+@pytest.mark.vllm
+def test_chat_completion_uses_the_folders_template(server, chat_hf):
+    from transformers import AutoTokenizer
+
+    messages = [{"role": "user", "content": "Tell me about the river."}]
+    rendered = AutoTokenizer.from_pretrained(chat_hf).apply_chat_template(messages, add_generation_prompt=True,
+                                                                          tokenize=True)
+    rendered = list(rendered["input_ids"] if isinstance(rendered, dict) or hasattr(rendered, "keys") else rendered)
+    status, chat = call(f"{server['url']}/v1/chat/completions",
+                        {"model": server["name"], "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0,
+                         "ignore_eos": True, "return_token_ids": True})
+    assert status == 200, chat
+    assert chat["prompt_token_ids"] == rendered and rendered.count(0) == 1  # one <|bos|>, from the template
+    status, plain = complete(server, rendered)
+    assert status == 200, plain
+    assert chat["choices"][0]["message"]["role"] == "assistant"
+    assert chat["choices"][0]["token_ids"] == plain["choices"][0]["token_ids"]
+    assert chat["choices"][0]["message"]["content"] == plain["choices"][0]["text"]
+
+
+@pytest.mark.vllm
+def test_32_concurrent_requests_each_equal_its_sequential_answer(server):
+    sequential = [complete(server, p) for p in CONCURRENT_PROMPTS]
+    assert all(s == 200 for s, _ in sequential)
+    with ThreadPoolExecutor(len(CONCURRENT_PROMPTS)) as pool:
+        concurrent = list(pool.map(lambda p: complete(server, p), CONCURRENT_PROMPTS))
+    assert [s for s, _ in concurrent] == [200] * 32
+    assert [b["choices"][0]["token_ids"] for _, b in concurrent] == [b["choices"][0]["token_ids"] for _, b in sequential]
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("case", ["prompt_longer_than_max_model_len", "negative_max_tokens", "unknown_model",
+                                  "malformed_json"])
+def test_bad_request_gets_4xx_with_a_message_and_the_server_keeps_serving(server, case):
+    url = f"{server['url']}/v1/completions"
+    good = {"model": server["name"], "prompt": "Once upon a time", "max_tokens": 4}
+    if case == "prompt_longer_than_max_model_len":
+        status, body = call(url, {**good, "prompt": "word " * (MAX_MODEL_LEN + 10)})
+    elif case == "negative_max_tokens":
+        status, body = call(url, {**good, "max_tokens": -1})
+    elif case == "unknown_model":
+        status, body = call(url, {**good, "model": "no-such-model"})
+    else:
+        status, body = call(url, raw=b'{"model": "tiny-chat", "prompt": ')
+    assert 400 <= status < 500, body
+    assert body["error"]["message"]
+    assert complete(server, "Once upon a time", 4)[0] == 200
+
+
+@pytest.mark.vllm
+def test_sigterm_stops_the_server_and_all_its_processes(server):
+    import psutil
+
+    proc = server["proc"]
+    family = [proc.pid] + [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
+    assert len(family) >= 3  # ministream serve, the API server, its engine core (and more)
+    os.kill(proc.pid, signal.SIGTERM)
+    assert proc.wait(120) == 0, server["log"].read_text()[-3000:]
+    deadline = time.monotonic() + 30
+    left = family
+    while left and time.monotonic() < deadline:
+        left = [p for p in family if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        time.sleep(0.5)
+    assert not left, f"orphans: {[psutil.Process(p).cmdline()[:3] for p in left if psutil.pid_exists(p)]}"
+    with pytest.raises(ProcessLookupError):  # and nothing else is left in the session's process group
+        os.killpg(proc.pid, 0)
+    assert "stopped" in server["log"].read_text()
