@@ -25,6 +25,8 @@ TO ?=
 VERSIONS ?=
 VLLM_GIT_URL ?=
 MODEL ?= $(OUT)
+# verify: a prompt file (one a line, or a JSON list)
+PROMPTS ?=
 # serve
 HOST ?= 127.0.0.1
 PORT ?= 8000
@@ -34,7 +36,7 @@ BENCH_OUT ?= build/bench
 BENCH_QUICK ?=
 BENCH_ARGS ?=
 
-.PHONY: help setup demo test checkpoint convert generate patch wheel install bench clean port matrix serve image image-prereqs test-image
+.PHONY: help setup demo test checkpoint convert generate patch wheel install bench clean port matrix serve image image-prereqs test-image verify doctor
 
 help:
 	@echo "make setup                         create $(VENV)/ (torch $(TORCH_VERSION), CPU build without a GPU)"
@@ -46,6 +48,9 @@ help:
 	@echo "make patch VLLM_VERSION=x          pristine vLLM x source + MiniStream patch in build/vllm-x/ [VLLM_SRC=checkout]"
 	@echo "make wheel VLLM_VERSION=x DEVICE=d patched release wheel into dist/ (d: cuda|cpu, now $(DEVICE))"
 	@echo "make install VLLM_VERSION=x        install the patched wheel into $(VENV)/"
+	@echo "make verify MODEL=dir [RAW=dir]    reference model's golden outputs vs the installed vLLM: exit 0 if they pass"
+	@echo "                                   the rule for DTYPE (float32|bfloat16), else layer by layer [PROMPTS=file]"
+	@echo "make doctor MODEL=dir              check a converted folder and the installed vLLM, one line per finding"
 	@echo "make serve MODEL=dir [PORT=8000]   OpenAI-compatible server on the patched vLLM [DTYPE=] [TP=] [HOST=127.0.0.1]"
 	@echo "make image VLLM_VERSION=x DEVICE=d container image ministream-vllm:x-d (docker, else podman)"
 	@echo "make test-image                    build the CPU image and check it serves like make serve (slow, not in test)"
@@ -83,6 +88,13 @@ matrix: setup
 
 install: wheel
 	$(MS) install $(VLLM_VERSION) --device $(DEVICE)
+
+# RAW goes to the reference model when given, or when MODEL is the default (the demo's folders)
+verify: setup
+	$(MS) verify $(MODEL) $(if $(or $(filter command line environment,$(origin RAW)),$(filter file,$(origin MODEL))),--raw $(RAW)) $(if $(DTYPE),--dtype $(DTYPE)) $(if $(PROMPTS),--prompts $(PROMPTS))
+
+doctor: setup
+	$(MS) doctor $(MODEL)
 
 demo: setup
 	@[ -f out/demo/raw/model.pt ] || $(MS) checkpoint --preset demo --out out/demo/raw

@@ -15,6 +15,8 @@ COMMANDS = [
     "ministream.port",  # port: carry a patch set to another vLLM release (three-way merge)
     "ministream.matrix",  # matrix: every supported vLLM version's patch set, checked statically
     "ministream.wheel",  # wheel, install: release wheel + patched Python files
+    "ministream.verify",  # verify: golden outputs vs the installed vLLM, layer by layer on failure
+    "ministream.doctor",  # doctor: a converted folder and the installed vLLM, checked without an engine
     "ministream.bench",  # bench: patched vLLM vs LLaMA, the reference model, core binding; tooling costs
     "ministream.serve",  # serve, serve-bench: OpenAI-compatible server (vllm serve) on a converted folder
     "ministream.image",  # image: the serving container image (docker/), docker or podman

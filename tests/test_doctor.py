@@ -1,0 +1,150 @@
+"""`ministream doctor`: each broken folder gets its one-line finding with the fix; no engine starts."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from ministream.doctor import check_vocab, doctor
+
+
+def broken(tiny_hf: Path, where: Path, tensors=None, tokenizer=None, **config) -> Path:
+    """A copy of the converted folder with config.json keys set (None: removed) and the tensors edited."""
+    shutil.copytree(tiny_hf, where)
+    cfg = json.loads((where / "config.json").read_text())
+    cfg.update(config)
+    (where / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if v is not None}))
+    if tensors:
+        t = load_file(where / "model.safetensors")
+        tensors(t)
+        save_file(t, where / "model.safetensors", metadata={"format": "pt"})
+    if tokenizer:
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(str(where / "tokenizer.json"))
+        tokenizer(tok)
+        tok.save(str(where / "tokenizer.json"))
+    return where
+
+
+def errors(found) -> list[str]:
+    return [str(f) for f in found if f.level == "error"]
+
+
+def test_converted_folder_is_healthy_and_the_command_exits_0(cli, tiny_hf):
+    r = cli("doctor", tiny_hf)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "0 error(s)" in r.stdout and "error" not in r.stdout.replace("0 error(s)", "")
+    assert "MiniStream patch 0.32.0-" in r.stdout  # the installed vLLM is ours, and says which patch
+
+
+def test_broken_folder_exits_nonzero_with_one_line_per_finding(cli, tiny_hf, tmp_path):
+    folder = broken(tiny_hf, tmp_path / "f", architectures=["MinistreamForCausalLM"], rms_norm_eps=None)
+    r = cli("doctor", folder)
+    assert r.returncode == 1
+    lines = [line for line in r.stdout.splitlines() if line.startswith("error")]
+    assert len(lines) == 2 and all("; fix: " in line for line in lines), r.stdout
+
+
+def test_architecture_in_the_wrong_case_is_named_with_the_exact_name(tiny_hf, tmp_path):
+    found = errors(doctor(broken(tiny_hf, tmp_path / "f", architectures=["MinistreamForCausalLM"])))
+    assert len(found) == 1 and "exact case" in found[0] and '["MiniStreamForCausalLM"]' in found[0]
+
+
+def test_unknown_model_type_is_an_error(tiny_hf, tmp_path):
+    found = errors(doctor(broken(tiny_hf, tmp_path / "f", model_type="mini_stream")))
+    assert len(found) == 1 and "'mini_stream' is known to neither" in found[0] and '"ministream"' in found[0]
+
+
+def test_llama_model_type_is_known_to_transformers(tiny_hf, tmp_path):
+    found = doctor(broken(tiny_hf, tmp_path / "f", model_type="llama"))
+    assert not errors(found) and any("'llama' is known to the installed transformers" in str(f) for f in found)
+
+
+def test_unpatched_vllm_is_named_with_make_install(tiny_hf, tmp_path):
+    fake = tmp_path / "vllm"  # a release's files: the registry without our entry, no ministream.py
+    (fake / "model_executor/models").mkdir(parents=True)
+    (fake / "transformers_utils").mkdir()
+    (fake / "model_executor/models/registry.py").write_text(
+        '_TEXT_GENERATION_MODELS = {\n    "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),\n}\n')
+    (fake / "transformers_utils/config.py").write_text("_CONFIG_REGISTRY = LazyConfigDict(\n    eagle=\"EAGLEConfig\",\n)\n")
+    found = errors(doctor(tiny_hf, vllm_dir=fake))
+    assert any("does not register MiniStreamForCausalLM; fix: install the patched vLLM" in f for f in found), found
+    assert any("'ministream' is known to neither" in f for f in found), found
+    assert any("is not patched" in f and "make install" in f for f in found), found
+
+
+def test_head_dim_that_disagrees_with_the_weights_gives_the_right_value(tiny_hf, tmp_path):
+    found = errors(doctor(broken(tiny_hf, tmp_path / "f", head_dim=32)))
+    assert any(f.startswith("error head_dim: config.json head_dim=32") and '"head_dim": 64' in f for f in found), found
+
+
+def test_untied_head_without_lm_head_is_an_error(tiny_hf, tmp_path):
+    found = errors(doctor(broken(tiny_hf, tmp_path / "f", tie_word_embeddings=False)))
+    assert any("tie_word_embeddings is false but there is no lm_head.weight" in f for f in found), found
+    assert any("missing from the safetensors files: lm_head.weight" in f for f in found), found
+
+
+def test_untied_head_left_at_zeros_is_an_error(tiny_hf, tmp_path):
+    def zeros(t):
+        t["lm_head.weight"] = torch.zeros_like(t["model.embed_tokens.weight"])
+
+    found = errors(doctor(broken(tiny_hf, tmp_path / "f", zeros, tie_word_embeddings=False)))
+    assert len(found) == 1 and "lm_head.weight is all zeros" in found[0]
+
+
+def test_tied_head_with_an_lm_head_tensor_is_a_warning(tiny_hf, tmp_path):
+    def head(t):
+        t["lm_head.weight"] = t["model.embed_tokens.weight"].clone()
+
+    found = doctor(broken(tiny_hf, tmp_path / "f", head))
+    assert any(f.level == "warn" and "vLLM ignores the tensor" in str(f) for f in found)
+    assert any("not parameters of MiniStreamForCausalLM: lm_head.weight" in f for f in errors(found))
+
+
+def test_tokenizer_bigger_than_the_vocabulary_is_an_error(tiny_hf, tmp_path):
+    found = errors(doctor(broken(tiny_hf, tmp_path / "f", tokenizer=lambda t: t.add_tokens(["<extra1>", "<extra2>"]))))
+    assert len(found) == 1 and "the tokenizer has 514 tokens but the model only 512 rows" in found[0]
+
+
+def test_vocabulary_padded_beyond_the_tokenizer_is_fine():
+    f = check_vocab({"vocab_size": 576}, {"model.embed_tokens.weight": {"shape": [576, 8]}}, 514)
+    assert f.level == "ok" and "62 padding rows" in str(f)
+
+
+def test_vocab_size_that_disagrees_with_the_embeddings_is_an_error(tiny_hf, tmp_path):
+    found = errors(doctor(broken(tiny_hf, tmp_path / "f", vocab_size=500)))
+    assert any("vocab_size=500, but embed_tokens has 512 rows" in f for f in found), found
+
+
+def test_tensor_names_are_compared_both_ways(tiny_hf, tmp_path):
+    def rename(t):
+        t["model.final_norm.weight"] = t.pop("model.norm.weight")
+
+    found = errors(doctor(broken(tiny_hf, tmp_path / "f", rename)))
+    assert any("missing from the safetensors files: model.norm.weight" in f for f in found), found
+    assert any("not parameters of MiniStreamForCausalLM: model.final_norm.weight" in f for f in found), found
+
+
+def test_kv_cache_too_small_for_max_model_len_says_what_fits(tiny_hf):
+    # tiny: 2 layers x 2 kv heads x 64 x 2 (k and v) x 4 bytes = 2048 bytes a token
+    found = errors(doctor(tiny_hf, kv_cache_gib=256 * 2048 / 2**30))
+    assert len(found) == 1 and "max_model_len 512 needs 1 MiB" in found[0] and "max_model_len <= 256" in found[0]
+
+
+def test_weights_bigger_than_memory_is_an_error(tiny_hf):
+    found = errors(doctor(tiny_hf, memory_gib=0.001))
+    assert any(f.startswith("error memory:") and "use bfloat16" in f for f in found), found
+
+
+@pytest.mark.parametrize("change, words", [
+    (dict(rms_norm_eps=None), "rms_norm_eps is None"),
+    (dict(rope_theta=None, rope_parameters=None), "neither rope_theta nor rope_parameters.rope_theta"),
+    (dict(rope_theta=500000.0), "rope_theta=500000.0 but rope_parameters.rope_theta=10000.0"),
+])
+def test_missing_or_inconsistent_rope_and_eps_are_errors(change, words, tiny_hf, tmp_path):
+    found = errors(doctor(broken(tiny_hf, tmp_path / "f", **change)))
+    assert len(found) == 1 and words in found[0], found

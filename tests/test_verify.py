@@ -1,0 +1,138 @@
+"""`ministream verify`: the golden file, the rule for the dtype, and the diagnosis of each classic bug.
+
+Each bug is injected into a copy of a converted folder, as a broken converter would leave it. The
+layer-by-layer diagnosis is checked for every bug with the reference model reading the broken copy in
+place of vLLM (the same config and tensors, no engine start); `ministream verify` runs the real engine
+on the clean folder in fp32 and bf16 and on two of the bugs end to end.
+"""
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from ministream.generate import DEFAULT_PROMPTS, tokenize
+from ministream.verify import (THRESHOLDS, compare, first_divergence, folder_findings, layer_table, make_golden,
+                               read_golden, read_prompts, reference_states)
+
+
+def _scale_q(t, cfg):
+    for k in t:
+        if k.endswith("q_proj.weight"):
+            t[k] = t[k] * math.sqrt(cfg["head_dim"] / cfg["hidden_size"])
+
+
+def _swap(t, layer, a, b):
+    pa, pb = f"model.layers.{layer}.{a}.weight", f"model.layers.{layer}.{b}.weight"
+    t[pa], t[pb] = t[pb], t[pa]
+
+
+def _set_config(cfg, **values):
+    cfg.update(values)
+    if "rope_theta" in values:
+        cfg["rope_parameters"] = {**cfg["rope_parameters"], "rope_theta": values["rope_theta"]}
+
+
+def _untie_with_zeros(t, cfg):
+    cfg["tie_word_embeddings"] = False
+    t["lm_head.weight"] = torch.zeros_like(t["model.embed_tokens.weight"])
+
+
+# bug: (what it does to the tensors t and config c, the stage the diagnosis must name, words a finding must hold)
+BUGS = {
+    "attention_scale": (_scale_q, "layer 0", "attention scaled by 1/sqrt(d_model)"),
+    # x10 (1e-6 -> 1e-5) changes no greedy token of the tiny model; x1000 does (see the test below)
+    "eps_x1000": (lambda t, c: _set_config(c, rms_norm_eps=c["rms_norm_eps"] * 1000), "layer 0", "rms_norm_eps"),
+    "rope_theta": (lambda t, c: _set_config(c, rope_theta=100.0), "layer 0", "rope_theta"),
+    "gate_up_swapped": (lambda t, c: _swap(t, 1, "mlp.gate_proj", "mlp.up_proj"), "layer 1", "swapped"),
+    "q_k_swapped": (lambda t, c: _swap(t, 1, "self_attn.q_proj", "self_attn.k_proj"), "layer 1", "swapped"),
+    "untied_head_zeros": (_untie_with_zeros, "logits", "lm_head.weight is in the folder and all zeros"),
+}
+
+
+def inject(folder: Path, bug: str, out: Path) -> Path:
+    """A copy of the converted folder with one bug in its config or weights."""
+    shutil.copytree(folder, out)
+    cfg = json.loads((out / "config.json").read_text())
+    tensors = load_file(out / "model.safetensors")
+    BUGS[bug][0](tensors, cfg)
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(cfg, indent=1))
+    return out
+
+
+def test_prompt_file_is_one_prompt_a_line_or_a_json_list(tmp_path):
+    (tmp_path / "p.txt").write_text("first prompt\n\nsecond one\n")
+    (tmp_path / "p.json").write_text(json.dumps(["a", "b c"]))
+    assert read_prompts(tmp_path / "p.txt") == ["first prompt", "second one"]
+    assert read_prompts(tmp_path / "p.json") == ["a", "b c"]
+
+
+def test_golden_file_records_prompts_ids_outputs_and_the_reference_source(tiny, tiny_hf, tmp_path):
+    golden = make_golden(tiny_hf, tiny, DEFAULT_PROMPTS[:2], "float32", max_tokens=4, top_k=3)
+    path = tmp_path / "golden.json"
+    path.write_text(json.dumps(golden))
+    g = read_golden(path)
+    assert g["golden_version"] == 1 and g["format_version"] == 1 and g["dtype"] == "float32"
+    assert g["prompt_ids"] == tokenize(tiny_hf, DEFAULT_PROMPTS[:2])
+    assert [len(o["ids"]) for o in g["outputs"]] == [4, 4] and len(g["outputs"][0]["logprobs"][0]) == 3
+    assert g["reference"]["kind"] == "training checkpoint" and len(g["reference"]["sha256"]["model.pt"]) == 64
+
+
+@pytest.mark.parametrize("bug", list(BUGS))
+def test_each_injected_bug_is_named_by_layer_and_by_setting_or_tensor(bug, tiny, tiny_hf, tmp_path):
+    broken = inject(tiny_hf, bug, tmp_path / bug)
+    ids = tokenize(tiny_hf, DEFAULT_PROMPTS)
+    golden = make_golden(tiny_hf, tiny, DEFAULT_PROMPTS, "float32", max_tokens=16)
+    served = make_golden(broken, broken, DEFAULT_PROMPTS, "float32", max_tokens=16)  # stands in for vLLM
+    passed, _ = compare(golden["outputs"], served["outputs"], exact=True)
+    assert not passed, f"{bug} left every greedy token unchanged: the injection is too weak to test"
+    stages = layer_table(reference_states(tiny, "float32", ids), reference_states(broken, "float32", ids))
+    first = first_divergence(stages, THRESHOLDS["float32"])
+    _, want_stage, want_words = BUGS[bug]
+    assert first is not None and first.name == want_stage, stages
+    findings = folder_findings(broken, tiny)
+    assert any(want_words in f for f in findings), findings
+
+
+def test_eps_off_by_10x_is_named_by_the_folder_check_even_where_tokens_agree(tiny, tiny_hf, tmp_path):
+    broken = tmp_path / "eps"
+    shutil.copytree(tiny_hf, broken)
+    cfg = json.loads((broken / "config.json").read_text())
+    (broken / "config.json").write_text(json.dumps({**cfg, "rms_norm_eps": cfg["rms_norm_eps"] * 10}))
+    findings = folder_findings(broken, tiny)
+    assert len(findings) == 1 and findings[0].startswith("config.json rms_norm_eps="), findings
+
+
+def test_clean_folder_has_no_findings_and_no_diverging_layer(tiny, tiny_hf):
+    assert folder_findings(tiny_hf, tiny) == []
+    ids = tokenize(tiny_hf, DEFAULT_PROMPTS[:3])
+    stages = layer_table(reference_states(tiny, "float32", ids), reference_states(tiny_hf, "float32", ids))
+    assert [s.name for s in stages] == ["embeddings", "layer 0", "layer 1", "logits"]
+    assert first_divergence(stages, THRESHOLDS["float32"]) is None
+
+
+# --- the real engine ------------------------------------------------------------------------
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_verify_passes_on_the_converted_folder(dtype, cli, tiny, tiny_hf, tmp_path):
+    r = cli("verify", tiny_hf, "--raw", tiny, "--dtype", dtype, "--out", tmp_path)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert f"rule for {dtype}" in r.stdout and "PASS" in r.stdout
+    assert (tmp_path / f"golden-{dtype}.json").is_file() and (tmp_path / f"vllm-{dtype}.json").is_file()
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("bug", ["gate_up_swapped", "rope_theta"])
+def test_verify_fails_on_a_bug_and_names_the_layer_and_the_cause(bug, cli, tiny, tiny_hf, tmp_path):
+    broken = inject(tiny_hf, bug, tmp_path / bug)
+    r = cli("verify", broken, "--raw", tiny, "--out", tmp_path / "out", "--max-tokens", 16)
+    assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-3000:]
+    _, stage, words = BUGS[bug]
+    assert "FAIL" in r.stdout and f"first diverging: {stage} " in r.stdout, r.stdout[-3000:]
+    assert words in r.stdout, r.stdout[-3000:]
