@@ -239,8 +239,8 @@ HINTS = {
     "layer 0": "the first block: its weights, or a setting every layer uses (rms_norm_eps, rope_theta, "
                "head_dim and the attention scale, the q/k/v or gate/up order)",
     "layer": "that block's weights (the layers before it agree)",
-    "logits": "every layer agrees: the final norm (model.norm.weight, rms_norm_eps) or the output head "
-              "(lm_head.weight, tie_word_embeddings)",
+    "logits": "the final norm (model.norm.weight, rms_norm_eps) or the output head (lm_head.weight, "
+              "tie_word_embeddings): every layer agrees",
 }
 
 
