@@ -106,7 +106,6 @@ def wait_ready(url: str, proc: subprocess.Popen, log: Path, timeout: float = 900
 @pytest.mark.skipif(os.environ.get("MINISTREAM_TEST_IMAGE") != "1",
                     reason="builds and runs the CPU image (minutes): `make test-image`")
 def test_cpu_image_serves_the_same_completion_as_make_serve(tiny_hf, cli, tmp_path):
-    sys.path.insert(0, str(Path(__file__).parent))
     from test_serve import call, free_port
 
     start = time.monotonic()
