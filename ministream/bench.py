@@ -540,10 +540,11 @@ def chart(result: dict, path: Path) -> Path | None:
     rows = math.ceil(len(keys) / cols) or 1
     fig, axes = plt.subplots(rows, cols, figsize=(6 * cols, 4 * rows), squeeze=False)
     for ax, key in zip(axes.flat, keys):
-        for system, label in SYSTEMS.items():
+        for i, (system, label) in enumerate(SYSTEMS.items()):  # one colour per system in every panel
             points = sorted(s[key].get(system, {}).items())
             if points:
-                ax.plot([b for b, _ in points], [r["tokens_per_s"] for _, r in points], marker="o", label=label)
+                ax.plot([b for b, _ in points], [r["tokens_per_s"] for _, r in points], marker="o", label=label,
+                        color=f"C{i}")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xticks(result["settings"]["batches"], [str(b) for b in result["settings"]["batches"]])
