@@ -174,16 +174,19 @@ def _torch_load(path: Path):
     try:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
-        if "weights_only" in str(e) or "Unsupported global" in str(e):
-            what = str(e).split("Unsupported global:")[-1].split(".")[0].strip() if "Unsupported global" in str(e) else ""
+        if "weights_only" in str(e) or "Weights only" in str(e):
+            # torch names the callable it refused: "GLOBAL posix.system" or "Unsupported global: ..."
+            what = re.search(r"(?:GLOBAL|Unsupported global:)\s+([\w.]+)", str(e))
             raise MiniStreamError(
-                f"{path}: the pickle needs code to be executed to load ({what or 'unsupported object'}); "
-                "it is refused. Re-save it with plain tensors and dicts: "
+                f"{path}: the pickle needs code to be executed to load "
+                f"({what.group(1) if what else 'an object that is not a tensor, dict or number'}); it is refused. "
+                "Re-save it with plain tensors and dicts: "
                 "torch.save({'model': model.state_dict(), 'config': dict(config)}, 'model.pt')") from None
         raise MiniStreamError(f"{path}: not a readable torch checkpoint ({e}); is it truncated?") from None
-    except (RuntimeError, EOFError, OSError, ValueError, zipfile.BadZipFile) as e:
+    except Exception as e:  # torch raises many kinds (RuntimeError, EOFError, IndexError, ...) for a bad file
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise MiniStreamError(
-            f"{path}: not a readable torch checkpoint ({str(e).splitlines()[0]}); "
+            f"{path}: not a readable torch checkpoint ({first}); "
             "is it truncated or another kind of file? Copy it again from the training run") from None
 
 

@@ -207,8 +207,9 @@ def test_checkpoint_without_config_needs_flags_and_says_which(tmp_path, cli):
              "--max-seq-len", 512, "--norm-eps", 1e-6, "--rope-theta", 10000, "--bos-id", 0, "--eos-id", 1]
     r = cli("convert", raw, tmp_path / "hf", *flags)
     assert r.returncode == 0, r.stderr
-    r = cli("convert", raw, tmp_path / "hf2", *flags[:-2], "--n-heads", 4, "--eos-id", 1)
-    assert r.returncode == 2 and "attn.out_proj.weight" in r.stderr and "[128, 128]" in r.stderr
+    r = cli("convert", raw, tmp_path / "hf2", *flags, "--d-ff", 512)
+    assert r.returncode == 2 and "blocks.0.mlp.w12.weight" in r.stderr and "[768, 128]" in r.stderr, r.stderr
+    assert "[1024, 128]" in r.stderr and not (tmp_path / "hf2").exists()
 
 
 def test_flag_contradicting_the_checkpoint_config_is_refused(tiny, tmp_path, cli):
