@@ -11,7 +11,6 @@ prefixes, blocks numbered from 1, no config entry, optimizer state, bfloat16 ten
 import argparse
 import math
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import torch

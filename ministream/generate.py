@@ -14,7 +14,6 @@ from pathlib import Path
 import torch
 
 from . import MiniStreamError
-from .format import TrainConfig
 
 DEFAULT_PROMPTS = [
     "The river runs through",

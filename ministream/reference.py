@@ -8,7 +8,6 @@ Shapes: B batch, T new tokens, S cached + new tokens, H d_model, Nq/Nkv heads, D
 """
 
 import math
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch

@@ -2,8 +2,6 @@
 
 import json
 import os
-import subprocess
-import time
 
 import pytest
 import torch
@@ -11,10 +9,9 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import ministream.hf  # noqa: F401  registers MiniStreamForCausalLM with the Auto classes
-from ministream import MiniStreamError
 from ministream.checkpoint import make_checkpoint
 from ministream.convert import convert, load_hf
-from ministream.format import load, load_checkpoint
+from ministream.format import load
 from ministream.reference import MiniStream
 
 from conftest import quiet

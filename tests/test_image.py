@@ -89,18 +89,9 @@ def test_run_command_mounts_the_model_read_only_on_the_host_network():
 
 
 def wait_ready(url: str, proc: subprocess.Popen, log: Path, timeout: float = 900):
-    from test_serve import call
+    from test_serve import wait_ready as wait
 
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, f"exited ({proc.returncode}):\n{log.read_text()[-4000:]}"
-        try:
-            if call(f"{url}/health", timeout=5)[0] == 200:
-                return
-        except OSError:
-            pass
-        time.sleep(2)
-    pytest.fail(f"no answer on {url}/health in {timeout}s:\n{log.read_text()[-4000:]}")
+    wait(url, proc, log, timeout)
 
 
 @pytest.mark.skipif(os.environ.get("MINISTREAM_TEST_IMAGE") != "1",

@@ -126,20 +126,24 @@ def offline(booting, chat_hf, cli, tmp_path_factory) -> dict:
     return json.loads(out.read_text())
 
 
-@pytest.fixture(scope="module")
-def server(booting, offline, chat_hf):
-    proc, url, log = booting
-    deadline = time.monotonic() + START_TIMEOUT
+def wait_ready(url: str, proc: subprocess.Popen, log: Path, timeout: float = START_TIMEOUT) -> None:
+    """Until /health answers 200; fails with the server's log if it exits or the time runs out."""
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         assert proc.poll() is None, f"the server exited ({proc.returncode}):\n{log.read_text()[-4000:]}"
         try:
             if call(f"{url}/health", timeout=5)[0] == 200:
-                break
+                return
         except OSError:
             pass
         time.sleep(1)
-    else:
-        pytest.fail(f"no answer on {url}/health in {START_TIMEOUT}s:\n{log.read_text()[-4000:]}")
+    pytest.fail(f"no answer on {url}/health in {timeout}s:\n{log.read_text()[-4000:]}")
+
+
+@pytest.fixture(scope="module")
+def server(booting, offline, chat_hf):
+    proc, url, log = booting
+    wait_ready(url, proc, log)
     return {"proc": proc, "url": url, "name": chat_hf.name, "log": log}
 
 
