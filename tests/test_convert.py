@@ -94,7 +94,7 @@ def test_config_json_states_every_value_explicitly(tiny_gqa_hf):
     assert c["architectures"] == ["MiniStreamForCausalLM"] and c["model_type"] == "ministream"
     assert (c["head_dim"], c["num_attention_heads"], c["num_key_value_heads"], c["hidden_size"]) == (64, 4, 2, 128)
     assert c["rope_theta"] == 10000.0 and c["rope_parameters"]["rope_theta"] == 10000.0
-    assert c["rms_norm_eps"] == 1e-6 and c["vocab_size"] == 512
+    assert c["rms_norm_eps"] == 1e-6 and c["vocab_size"] == 576  # 512 tokens, padded by 64 rows
     assert (c["bos_token_id"], c["eos_token_id"], c["dtype"]) == (0, 1, "float32")
 
 
