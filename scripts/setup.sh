@@ -17,4 +17,4 @@ else
     "${pip[@]}" "torch==$torch_version+cpu" 2>/dev/null \
         || "${pip[@]}" "torch==$torch_version+cpu" --extra-index-url https://download.pytorch.org/whl/cpu
 fi
-"${pip[@]}" -e '.[test]'
+"${pip[@]}" -e '.[test,bench]'
