@@ -113,7 +113,6 @@ def test_an_interrupted_run_is_saved_with_its_summary_and_reported_again(cli, tm
 
 
 def test_chart_is_a_png(tmp_path):
-    pytest.importorskip("matplotlib")
     path = chart(synthetic_result(), tmp_path / "c.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
