@@ -8,6 +8,14 @@ from pathlib import Path
 from . import MiniStreamError
 
 
+def check_output(out: Path, force: bool = False) -> None:
+    """Refuse a file at `out`, and a non-empty folder unless `force`: before any long work starts."""
+    if out.exists() and not out.is_dir():
+        raise MiniStreamError(f"{out} is a file, not a folder: choose another output path")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise MiniStreamError(f"{out} exists and is not empty: choose another output folder or pass --force to replace it")
+
+
 @contextmanager
 def new_folder(out: str | Path, force: bool = False):
     """Yield an empty temporary folder beside `out`; on success it replaces `out`, on error it vanishes.
@@ -15,10 +23,7 @@ def new_folder(out: str | Path, force: bool = False):
     A non-empty `out` is refused unless `force`; a file at `out` is always refused.
     """
     out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise MiniStreamError(f"{out} is a file, not a folder: choose another output path")
-    if out.is_dir() and any(out.iterdir()) and not force:
-        raise MiniStreamError(f"{out} exists and is not empty: choose another output folder or pass --force to replace it")
+    check_output(out, force)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:

@@ -18,7 +18,7 @@ import torch
 from tqdm import tqdm
 
 from . import MiniStreamError, __version__
-from .atomic import new_folder
+from .atomic import check_output, new_folder
 from .format import Checkpoint, TrainConfig, check_state, load_checkpoint, read_json, resolve_config
 
 # training name                    HF names                                             row split
@@ -277,8 +277,7 @@ def convert(raw_dir: str | Path, out: str | Path, dtype: str = "float32", force:
     raw_dir, out = Path(raw_dir), Path(out)
     if out.resolve() == raw_dir.resolve():
         raise MiniStreamError(f"{out}: the output folder is the training checkpoint folder; choose another")
-    if out.is_dir() and any(out.iterdir()) and not force:  # before the (possibly long) load
-        raise MiniStreamError(f"{out} exists and is not empty: choose another output folder or pass --force to replace it")
+    check_output(out, force)  # before the (possibly long) load
     ckpt = load_checkpoint(raw_dir)
     for note in ckpt.notes:
         log(f"note: {note}")
