@@ -5,6 +5,7 @@ so any difference in the outputs is the models', never the tokenizers'.
 """
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -30,20 +31,23 @@ DEFAULT_PROMPTS = [
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def tokenize(folder: Path, prompts: list[str]) -> list[list[int]]:
+@functools.lru_cache(maxsize=8)
+def folder_tokenizer(path: Path):
+    """The folder's tokenizer.json, parsed once per file (detokenize runs once per sequence)."""
     from tokenizers import Tokenizer
 
-    path = Path(folder) / "tokenizer.json"
     if not path.is_file():
         raise MiniStreamError(f"{path}: no such file; convert the checkpoint first (make convert)")
-    tok = Tokenizer.from_file(str(path))
+    return Tokenizer.from_file(str(path))
+
+
+def tokenize(folder: Path, prompts: list[str]) -> list[list[int]]:
+    tok = folder_tokenizer(Path(folder).resolve() / "tokenizer.json")
     return [tok.encode(p).ids for p in prompts]
 
 
 def detokenize(folder: Path, ids: list[int]) -> str:
-    from tokenizers import Tokenizer
-
-    return Tokenizer.from_file(str(Path(folder) / "tokenizer.json")).decode(ids)
+    return folder_tokenizer(Path(folder).resolve() / "tokenizer.json").decode(ids)
 
 
 def load_reference(source: Path, dtype: str):
