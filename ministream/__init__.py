@@ -1,12 +1,6 @@
 """MiniStream on vLLM: training checkpoint -> HF folder -> patched vLLM tree -> wheel -> engine."""
 
-from pathlib import Path
-
 __version__ = "0.1.0"
-
-# The repository checkout this package runs from (installed editable by `make setup`).
-ROOT = Path(__file__).resolve().parent.parent
-DATA = Path(__file__).resolve().parent / "data"
 
 
 class MiniStreamError(Exception):

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from ministream.checkpoint import make_checkpoint
-from ministream.convert import convert
+from ministream.checkpoint.demo import make_checkpoint
+from ministream.checkpoint.convert import convert
 
 
 def quiet(*args, **kwargs):

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from ministream.bench import SYSTEMS, chart, measure, prepare_model, prompts, save, summarize, table
+from ministream.run.bench import SYSTEMS, chart, measure, prepare_model, prompts, save, summarize, table
 
 SPEC = {"prompt_len": 8, "vocab": 100, "new_tokens": 5, "batches": [1, 4], "repeats": 2, "serial_requests": 2}
 

@@ -6,10 +6,12 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
-from ministream import DATA, MiniStreamError
-from ministream.checkpoint import PRESETS, make_checkpoint, make_config, train_tokenizer
-from ministream.format import expected_shapes, load
-from ministream.reference import MiniStream
+from ministream import MiniStreamError
+from ministream.paths import CORPUS
+from ministream.checkpoint.demo import PRESETS, make_checkpoint, make_config, train_tokenizer
+from ministream.checkpoint.format import load
+from ministream.spec import raw_shapes
+from ministream.checkpoint.reference import MiniStream
 
 from conftest import quiet
 
@@ -35,7 +37,7 @@ def test_every_preset_keeps_head_dim_64_and_a_padded_vocabulary(preset):
 
 def test_reference_preset_is_the_132m_write_up_shape():
     cfg = make_config("reference", train_tokenizer(512))
-    params = sum(math.prod(s) for s in expected_shapes(cfg).values())
+    params = sum(math.prod(s) for s in raw_shapes(cfg).values())
     assert (cfg.vocab_size, cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.d_ff) == (32000, 768, 8, 12, 2048)
     # the write-up calls it "about 132M"; its stated shape holds 81.2M with the head tied (106M untied)
     assert params == 81_212_160
@@ -50,7 +52,7 @@ def test_written_checkpoint_is_format_1_with_config_step_and_optimizer(tiny):
 
 
 def mean_top_probability(model: MiniStream, tok: Tokenizer) -> float:
-    text = (DATA / "corpus.txt").read_text().split("\n\n")[3]
+    text = CORPUS.read_text().split("\n\n")[3]
     ids = torch.tensor([tok.encode(text).ids[:200]])
     with torch.no_grad():
         return model(ids).softmax(-1).max(-1).values.mean().item()

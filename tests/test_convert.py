@@ -8,11 +8,11 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import ministream.hf  # noqa: F401  registers MiniStreamForCausalLM with the Auto classes
-from ministream.checkpoint import make_checkpoint
-from ministream.convert import convert, load_hf
-from ministream.format import load
-from ministream.reference import MiniStream
+import ministream.checkpoint.hf  # noqa: F401  registers MiniStreamForCausalLM with the Auto classes
+from ministream.checkpoint.demo import make_checkpoint
+from ministream.checkpoint.convert import convert, read_folder
+from ministream.checkpoint.format import load
+from ministream.checkpoint.reference import MiniStream
 
 from conftest import quiet
 
@@ -37,7 +37,7 @@ def test_raw_to_hf_to_raw_is_bit_exact(fixture, request, tmp_path):
     raw = request.getfixturevalue(fixture)
     convert(raw, tmp_path / "hf", log=quiet)
     cfg0, ckpt = load(raw)
-    cfg1, state = load_hf(tmp_path / "hf")
+    cfg1, state = read_folder(tmp_path / "hf")
     assert cfg1 == cfg0
     assert state.keys() == ckpt.state.keys()
     for k in state:
@@ -48,7 +48,7 @@ def test_bfloat16_checkpoint_round_trips_bit_exactly_in_bfloat16(tmp_path):
     raw = untrained(tmp_path, dtype="bfloat16", preset="tiny-gqa")
     convert(raw, tmp_path / "hf", dtype="bfloat16", log=quiet)
     _, ckpt = load(raw)
-    _, state = load_hf(tmp_path / "hf")
+    _, state = read_folder(tmp_path / "hf")
     assert all(torch.equal(state[k], ckpt.state[k]) and state[k].dtype == torch.bfloat16 for k in state)
 
 
@@ -121,12 +121,12 @@ def test_chat_template_flag_lands_in_tokenizer_config(tiny, tmp_path, cli):
 
 
 def test_large_models_are_sharded_with_an_index(tiny_gqa, tmp_path):
-    convert(tiny_gqa, tmp_path / "hf", max_shard_bytes=400_000, log=quiet)
+    convert(tiny_gqa, tmp_path / "hf", max_shard_size=400_000, log=quiet)
     index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
     shards = sorted(set(index["weight_map"].values()))
     assert len(shards) > 2 and not (tmp_path / "hf" / "model.safetensors").exists()
     assert all((tmp_path / "hf" / s).stat().st_size <= 400_000 + 200_000 for s in shards)
-    _, state = load_hf(tmp_path / "hf")
+    _, state = read_folder(tmp_path / "hf")
     _, ckpt = load(tiny_gqa)
     assert all(torch.equal(state[k], ckpt.state[k]) for k in state)
     ref = MiniStream.from_checkpoint(tiny_gqa)
@@ -162,7 +162,7 @@ def test_blocks_numbered_from_one_are_renumbered_and_said(tmp_path):
     seen, log = notes()
     convert(raw, tmp_path / "hf", log=log)
     assert any("renumbered" in s for s in seen)
-    _, state = load_hf(tmp_path / "hf")
+    _, state = read_folder(tmp_path / "hf")
     assert torch.equal(state["blocks.0.norm1.weight"], keys["blocks.1.norm1.weight"])
 
 
@@ -180,8 +180,8 @@ def test_a_shape_never_seen_converts_without_code_changes(tmp_path, cli):
     assert r.returncode == 0, r.stderr
     cfg = dict(vocab_size=49152, d_model=576, n_layers=30, n_heads=9, n_kv_heads=3, head_dim=64, d_ff=1536,
                max_seq_len=2048, norm_eps=1e-5, rope_theta=100000.0, bos_id=0, eos_id=1, tie_embeddings=True)
-    from ministream.format import TrainConfig
-    from ministream.reference import MiniStream as M
+    from ministream.checkpoint.format import TrainConfig
+    from ministream.checkpoint.reference import MiniStream as M
     model = M(TrainConfig(**cfg)).to(torch.bfloat16)
     state = {"module." + k: v for k, v in model.state_dict().items()}
     torch.save({"model": state, "config": cfg, "step": 1000, "optimizer": {"state": {0: {"exp_avg": torch.zeros(3)}}}},
@@ -190,7 +190,7 @@ def test_a_shape_never_seen_converts_without_code_changes(tmp_path, cli):
     assert r.returncode == 0, r.stderr
     c = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert (c["num_hidden_layers"], c["num_key_value_heads"], c["head_dim"], c["vocab_size"]) == (30, 3, 64, 49152)
-    _, back = load_hf(tmp_path / "hf")
+    _, back = read_folder(tmp_path / "hf")
     assert all(torch.equal(back[k], state["module." + k]) for k in back)
 
 

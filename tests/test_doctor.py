@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from ministream.doctor import check_vocab, doctor
+from ministream.run.doctor import check_vocab, doctor
 
 
 def broken(tiny_hf: Path, where: Path, tensors=None, tokenizer=None, **config) -> Path:

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from ministream import ROOT
-from ministream.image import DOCKER, MODEL_MOUNT, build_args, dockerfile, engine, engine_env, run_command, tag
-from ministream.wheel import built_wheel, wheel_name
+ROOT = Path(__file__).resolve().parent.parent  # the checkout
+from ministream.fork.image import DOCKER, MODEL_MOUNT, build_args, dockerfile, engine, engine_env, run_command, tag
+from ministream.fork.wheel import built_wheel, wheel_name
 
 VERSION = re.search(r"^VLLM_VERSION \?= (\S+)", (ROOT / "Makefile").read_text(), re.M).group(1)
 

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from ministream.matrix import CHECKS, check_version, run_matrix
-from ministream.patch import patch_dir, patch_tree
+from ministream.fork.matrix import CHECKS, check_version, run_matrix
+from ministream.fork.patch import patch_dir, patch_tree
 
 # 0.6.3: first, dict config registry; 0.6.6.post1: last before the v1 engine's forward;
 # 0.8.5.post1, 0.10.2: dict -> LazyConfigDict; 0.11.2 -> 0.13.0: configs imports -> _CLASS_TO_MODULE;

@@ -14,12 +14,13 @@ from pathlib import Path
 import git
 import pytest
 
-from ministream import ROOT, MiniStreamError
-from ministream.patch import (
+from ministream import MiniStreamError
+from ministream.paths import APPLY_SCRIPT
+from ministream.fork.patch import (
     LLAMA, MINISTREAM, MODEL, PATCHES, SUBJECT, applied_hash, extract_wheel, manifest, patch_dir,
     patch_set_hash, patch_tree, supported_versions,
 )
-from ministream.release import release_wheel
+from ministream.fork.release import release_wheel
 
 VERSION = "0.32.0"
 PATCHDIR = patch_dir(VERSION)
@@ -269,7 +270,7 @@ def test_git_url_that_is_not_the_release_is_refused(pristine, tmp_path):
 # --- scripts/apply_patch.sh on a plain directory ------------------------------------------
 
 def apply_script(tree: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", str(ROOT / "scripts" / "apply_patch.sh"), str(tree), str(PATCHDIR)],
+    return subprocess.run(["bash", str(APPLY_SCRIPT), str(tree), str(PATCHDIR)],
                           capture_output=True, text=True)
 
 

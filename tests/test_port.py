@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from ministream import MiniStreamError
-from ministream.patch import PATCHES, manifest, patch_dir, supported_versions
-from ministream.port import (
+from ministream.fork.patch import PATCHES, manifest, patch_dir, supported_versions
+from ministream.fork.port import (
     CONFIG, CONFIGS, REGISTRY, _report, add_architecture, add_config, config_forms, file_diff, merge_model,
     port, release_files,
 )

@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from ministream.format import TrainConfig
-from ministream.reference import MiniStream, apply_rope, rmsnorm, rope_tables
+from ministream.checkpoint.format import TrainConfig
+from ministream.checkpoint.reference import MiniStream, apply_rope, rmsnorm, rope_tables
 
 
 def config(**kw) -> TrainConfig:

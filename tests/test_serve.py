@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from ministream.convert import convert
-from ministream.generate import DEFAULT_PROMPTS, tokenize
-from ministream.serve import kv_cache_gib, server_env, served_name, vllm_command
+from ministream.checkpoint.convert import convert
+from ministream.run.generate import DEFAULT_PROMPTS, tokenize
+from ministream.run.serve import kv_cache_gib, server_env, served_name, vllm_command
 
 MAX_TOKENS = 16
 MAX_MODEL_LEN = 256

@@ -15,8 +15,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from ministream.generate import DEFAULT_PROMPTS, tokenize
-from ministream.verify import (THRESHOLDS, compare, first_divergence, folder_findings, layer_table, make_golden,
+from ministream.run.generate import DEFAULT_PROMPTS, tokenize
+from ministream.run.verify import (THRESHOLDS, compare, first_divergence, folder_findings, layer_table, make_golden,
                                read_golden, read_prompts, reference_states)
 
 

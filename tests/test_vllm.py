@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from ministream.generate import DEFAULT_PROMPTS, reference_generate, tokenize
-from ministream.release import release_wheel
-from ministream.verify import compare
+from ministream.run.generate import DEFAULT_PROMPTS, reference_generate, tokenize
+from ministream.fork.release import release_wheel
+from ministream.run.verify import compare
 
 pytestmark = pytest.mark.vllm
 MAX_TOKENS = 32

@@ -18,8 +18,8 @@ import git
 import pytest
 
 from ministream import MiniStreamError, __version__
-from ministream.release import release_wheel
-from ministream.wheel import build_wheel, patched_version
+from ministream.fork.release import release_wheel
+from ministream.fork.wheel import build_wheel, patched_version
 
 VERSION = "0.32.0"
 DEVICES = ["cpu", "cuda"]
@@ -231,7 +231,7 @@ def test_pip_installs_the_wheel(wheels, device, tmp_path):
 
 
 def test_install_without_a_built_wheel_tells_to_run_make_wheel(tmp_path):
-    from ministream.wheel import install
+    from ministream.fork.wheel import install
 
     with pytest.raises(MiniStreamError, match=rf"make wheel VLLM_VERSION={VERSION} DEVICE=cpu"):
         install(VERSION, "cpu", dist_dir=tmp_path)

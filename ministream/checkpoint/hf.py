@@ -1,18 +1,22 @@
 """The converted folder in Hugging Face transformers: MiniStreamConfig and MiniStreamForCausalLM.
 
 Importing this module registers both with the Auto classes, so a converted folder loads with
-`AutoModelForCausalLM.from_pretrained(folder)` after `import ministream.hf`.
+`AutoModelForCausalLM.from_pretrained(folder)` after `import ministream.checkpoint.hf`.
 """
 
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from .format import TrainConfig
+from ..spec import MODEL_TYPE, TrainConfig, hf_config
 
 
 class MiniStreamConfig(LlamaConfig):
     """Identical to LlamaConfig except: model_type "ministream" (head_dim is always explicit)."""
 
-    model_type = "ministream"
+    model_type = MODEL_TYPE
+
+    @classmethod
+    def from_train_config(cls, cfg: TrainConfig, dtype: str = "float32") -> "MiniStreamConfig":
+        return cls(**{k: v for k, v in hf_config(cfg, dtype).items() if k not in ("architectures", "model_type")})
 
 
 class MiniStreamForCausalLM(LlamaForCausalLM):
@@ -22,12 +26,5 @@ class MiniStreamForCausalLM(LlamaForCausalLM):
     config_class = MiniStreamConfig
 
 
-AutoConfig.register("ministream", MiniStreamConfig, exist_ok=True)
+AutoConfig.register(MODEL_TYPE, MiniStreamConfig, exist_ok=True)
 AutoModelForCausalLM.register(MiniStreamConfig, MiniStreamForCausalLM, exist_ok=True)
-
-
-def to_hf_config(cfg: TrainConfig, dtype: str = "float32") -> MiniStreamConfig:
-    from .convert import hf_config
-
-    values = {k: v for k, v in hf_config(cfg, dtype).items() if k not in ("architectures", "model_type")}
-    return MiniStreamConfig(**values)

@@ -8,7 +8,6 @@ checkpoint may have: GQA, another head_dim, an untied head, a padded vocabulary,
 prefixes, blocks numbered from 1, no config entry, optimizer state, bfloat16 tensors.
 """
 
-import argparse
 import math
 import time
 from pathlib import Path
@@ -17,9 +16,10 @@ import torch
 import torch.nn.functional as F
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from . import DATA
-from .atomic import new_folder
-from .format import TrainConfig, save_checkpoint
+from ..atomic import new_folder
+from ..paths import CORPUS
+from ..spec import TrainConfig, renumber_block
+from .format import save_checkpoint
 from .reference import MiniStream
 
 SPECIAL_TOKENS = ["<|bos|>", "<|eos|>", "<|pad|>"]  # ids 0, 1, 2
@@ -41,7 +41,7 @@ PRESETS = {
 COMMON = dict(norm_eps=1e-6, rope_theta=10000.0)
 
 
-def train_tokenizer(vocab_size: int, corpus: Path = DATA / "corpus.txt") -> Tokenizer:
+def train_tokenizer(vocab_size: int, corpus: Path = CORPUS) -> Tokenizer:
     """Byte-level BPE on the bundled text; deterministic for a given corpus and vocab size."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -64,7 +64,7 @@ def make_config(preset: str, tok: Tokenizer, **overrides) -> TrainConfig:
     return TrainConfig(bos_id=0, eos_id=1, **values)
 
 
-def train(model: MiniStream, tok: Tokenizer, steps: int, seed: int, corpus: Path = DATA / "corpus.txt",
+def train(model: MiniStream, tok: Tokenizer, steps: int, seed: int, corpus: Path = CORPUS,
           log=print) -> torch.optim.Optimizer:
     """Next-token training on the corpus: every paragraph ends with <|eos|>."""
     g = torch.Generator().manual_seed(seed)
@@ -124,7 +124,7 @@ def make_checkpoint(out: Path, preset: str = "tiny", steps: int | None = None, s
 
     state = {k: v.detach().to(getattr(torch, dtype)).contiguous() for k, v in model.state_dict().items()}
     if one_based:
-        state = {_shift_block(k): v for k, v in state.items()}
+        state = {renumber_block(k, +1): v for k, v in state.items()}
     key_prefix = {"none": "", "ddp": "module.", "compile": "_orig_mod.", "both": "module._orig_mod."}[prefix]
     state = {key_prefix + k: v for k, v in state.items()}
     extra = {"step": steps}
@@ -136,33 +136,3 @@ def make_checkpoint(out: Path, preset: str = "tiny", steps: int | None = None, s
     log(f"checkpoint: wrote {out}/model.pt ({sum(v.numel() for v in model.parameters()) / 1e6:.1f}M parameters, "
         f"{dtype}) and {out}/tokenizer.json")
     return cfg
-
-
-def _shift_block(key: str) -> str:
-    parts = key.split(".")
-    if parts[0] == "blocks":
-        parts[1] = str(int(parts[1]) + 1)
-    return ".".join(parts)
-
-
-def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("checkpoint", help="write a format-1 training checkpoint (tests, demo, benchmarks)",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", default="tiny", choices=list(PRESETS))
-    p.add_argument("--out", type=Path, required=True, help="folder to write model.pt and tokenizer.json into")
-    p.add_argument("--steps", type=int, help="training steps (preset default)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--n-kv-heads", type=int)
-    p.add_argument("--head-dim", type=int)
-    p.add_argument("--vocab-size", type=int, help="rows of the embedding (>= the tokenizer's size)")
-    p.add_argument("--untied", dest="tie_embeddings", action="store_false", default=None)
-    p.add_argument("--prefix", default="none", choices=["none", "ddp", "compile", "both"],
-                   help="key prefix as DistributedDataParallel (module.) / torch.compile (_orig_mod.) leave it")
-    p.add_argument("--one-based", action="store_true", help="number blocks from 1, as some exports do")
-    p.add_argument("--bare", action="store_true", help="a bare state dict, with no config entry")
-    p.add_argument("--no-optimizer", dest="optimizer", action="store_false", help="leave out optimizer state")
-    p.add_argument("--force", action="store_true", help="replace a non-empty --out")
-    p.set_defaults(func=lambda a: make_checkpoint(
-        a.out, a.preset, a.steps, a.seed, a.dtype, a.prefix, a.one_based, a.bare, a.optimizer, a.force,
-        n_kv_heads=a.n_kv_heads, head_dim=a.head_dim, vocab_size=a.vocab_size, tie_embeddings=a.tie_embeddings) and 0)

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from packaging.version import Version
 
-from . import MiniStreamError
+from .. import MiniStreamError
 from .patch import APPLY, BUILD, LLAMA, MINISTREAM, PATCHES, check_pristine, patch_dir, supported_versions
 from .port import (ARCH, CONFIG, CONFIG_CLASS, CONFIG_MODULE, CONFIGS, MODEL_TYPE, REGISTRY, TOUCHED,
                    _assignment, config_forms, release_files)

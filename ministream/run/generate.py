@@ -14,7 +14,8 @@ from pathlib import Path
 
 import torch
 
-from . import MiniStreamError
+from .. import MiniStreamError
+from ..spec import DTYPES, TORCH_DTYPES
 
 DEFAULT_PROMPTS = [
     "The river runs through",
@@ -28,7 +29,6 @@ DEFAULT_PROMPTS = [
     "One, two, three,",
     "In the spring the snow",
 ]
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @functools.lru_cache(maxsize=8)
@@ -52,16 +52,16 @@ def detokenize(folder: Path, ids: list[int]) -> str:
 
 def load_reference(source: Path, dtype: str):
     """The reference model from a training checkpoint folder, or from a converted HF folder."""
-    from .convert import load_hf
-    from .reference import MiniStream
+    from ..checkpoint.convert import read_folder
+    from ..checkpoint.reference import MiniStream
 
     source = Path(source)
     if (source / "config.json").is_file() and not (source / "model.pt").is_file():
-        cfg, state = load_hf(source)
+        cfg, state = read_folder(source)
         model = MiniStream(cfg)
         model.load_state_dict(state, strict=True, assign=True)
-        return model.to(DTYPES[dtype]).eval()
-    return MiniStream.from_checkpoint(source, DTYPES[dtype])
+        return model.to(TORCH_DTYPES[dtype]).eval()
+    return MiniStream.from_checkpoint(source, TORCH_DTYPES[dtype])
 
 
 def reference_generate(source: Path, prompt_ids: list[list[int]], max_tokens: int, dtype: str = "float32",

@@ -21,7 +21,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from . import MiniStreamError
+from .. import MiniStreamError
 from .generate import vllm_env
 
 GiB = 1 << 30

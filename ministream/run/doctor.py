@@ -15,7 +15,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import ROOT, MiniStreamError
+from .. import MiniStreamError
+from ..paths import PATCH_SETS
 
 ARCH = "MiniStreamForCausalLM"
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "F32": 4, "BF16": 2, "F16": 2}
@@ -79,8 +80,8 @@ def vllm_dist_version() -> str | None:
 def checkout_patch_version(vllm_version: str) -> str | None:
     """The patch version this checkout's patch set for that release would install."""
     try:
-        sets = json.loads((ROOT / "patches/versions.json").read_text())
-        return json.loads((ROOT / "patches" / sets[vllm_version] / "manifest.json").read_text())["patch_version"]
+        sets = json.loads((PATCH_SETS / "versions.json").read_text())
+        return json.loads((PATCH_SETS / sets[vllm_version] / "manifest.json").read_text())["patch_version"]
     except (OSError, KeyError, ValueError):
         return None
 

@@ -29,9 +29,10 @@ import threading
 import time
 from pathlib import Path
 
-from . import ROOT, MiniStreamError
+from .. import MiniStreamError
+from ..paths import BUILD
 
-DEFAULT_OUT = ROOT / "build" / "bench"
+DEFAULT_OUT = BUILD / "bench"
 VLLM_VERSION = "0.32.0"
 SCHEMA = 1
 
@@ -205,7 +206,7 @@ def run_worker(name: str, spec: dict, out: Path, env: dict | None = None, timeou
     t = time.perf_counter()
     with open(log, "w") as logf:
         proc = subprocess.Popen([sys.executable, "-m", "ministream.bench", str(spec_file), str(result_file)],
-                                stdout=logf, stderr=subprocess.STDOUT, env=full_env, cwd=ROOT, start_new_session=True)
+                                stdout=logf, stderr=subprocess.STDOUT, env=full_env, start_new_session=True)
         mem = TreeMemory(proc.pid)
         try:
             rc = proc.wait(timeout)
@@ -225,7 +226,7 @@ def run_worker(name: str, spec: dict, out: Path, env: dict | None = None, timeou
     return {**json.loads(result_file.read_text()), "wall_s": wall, **memory, **extra}
 
 
-def timed_command(args: list, cwd: Path = ROOT) -> dict:
+def timed_command(args: list, cwd: Path | None = None) -> dict:
     """Wall time and the process's own peak RSS (getrusage through wait4) of one command."""
     t = time.perf_counter()
     proc = subprocess.Popen([str(a) for a in args], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -315,7 +316,7 @@ def machine() -> dict:
         except md.PackageNotFoundError:
             pass
     try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True).stdout.strip()
     except OSError:
         commit = None
     return {"cpu": cpu, "logical_cpus": os.cpu_count(), "affinity": sorted(os.sched_getaffinity(0)),

@@ -1,0 +1,170 @@
+"""Convert a MiniStream training checkpoint (format 1) into an HF-style folder that the patched vLLM loads.
+
+The folder uses Hugging Face LLaMA's tensor names and config keys under model_type "ministream":
+the math is LLaMA's, so every tool that reads LLaMA folders understands the tensors, while the
+architecture name keeps the model ours. The tensor table is ministream.spec's, read forwards here to
+convert and backwards (read_folder) to restore, so raw -> HF -> raw is provably lossless.
+"""
+
+import json
+import shutil
+import struct
+import sys
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from .. import MiniStreamError, __version__
+from ..atomic import check_output, new_folder
+from ..spec import (ARCH, HEAD, SAFETENSORS_CODES, TORCH_DTYPES, TrainConfig, check_state, hf_config, hf_to_raw,
+                    hf_names, raw_to_hf, table, train_config_from_hf)
+from .format import Checkpoint, load_checkpoint, read_json, resolve_config
+from .tokenizer import tokenizer_config
+
+DEFAULT_SHARD_SIZE = "2GB"
+
+
+def read_folder(folder: str | Path) -> tuple[TrainConfig, dict]:
+    """Read a converted folder back into the train config and training-named tensors."""
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    cfg = train_config_from_hf(read_json(folder / "config.json"), f"{folder / 'config.json'}")
+    index = folder / "model.safetensors.index.json"
+    files = sorted(set(read_json(index)["weight_map"].values())) if index.exists() else ["model.safetensors"]
+    hf_state = {}
+    for name in files:
+        if not (folder / name).exists():
+            raise MiniStreamError(f"{folder / name}: no such file; the folder is incomplete, convert it again")
+        hf_state.update(load_file(folder / name))
+    expected = {h for row in table(cfg) for h in row.hf}
+    if set(hf_state) != expected:
+        missing, extra = sorted(expected - set(hf_state)), sorted(set(hf_state) - expected)
+        raise MiniStreamError(f"{folder}: tensors do not match config.json: missing {missing[:3]}, extra {extra[:3]}")
+    state = hf_to_raw(cfg, hf_state)
+    check_state(state, cfg, str(folder))
+    return cfg, state
+
+
+def write_safetensors(path: Path, tensors: list[tuple[str, torch.Tensor]], dtype: torch.dtype, progress) -> None:
+    """Stream tensors into one safetensors file: the header is planned from shapes, then each tensor is
+    converted and written on its own, so memory holds one tensor at a time, not the model. (safetensors'
+    own save_file takes the whole state dict at once: a second copy of the model in memory.)"""
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for name, t in tensors:
+        size = t.numel() * dtype.itemsize
+        header[name] = {"dtype": SAFETENSORS_CODES[dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # data starts 8-byte aligned
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)) + blob)
+        for name, t in tensors:
+            out = t.to(dtype).contiguous()
+            if out.numel():
+                f.write(out.reshape(-1).view(torch.uint8).numpy())  # the buffer itself, no bytes copy
+            progress.update(out.numel() * dtype.itemsize)
+
+
+def shards(tensors: list[tuple[str, torch.Tensor]], dtype: torch.dtype, max_shard_size: int | str) -> dict:
+    """{file name: [(name, tensor)]} as huggingface_hub splits a checkpoint, sized in the output dtype
+    (planned on meta tensors: the views of one fused tensor would otherwise count as one shared tensor)."""
+    from huggingface_hub import split_torch_state_dict_into_shards
+
+    plan = split_torch_state_dict_into_shards(
+        {name: torch.empty(t.shape, dtype=dtype, device="meta") for name, t in tensors},
+        max_shard_size=max_shard_size)
+    by_name = dict(tensors)
+    order = {name: i for i, (name, _) in enumerate(tensors)}
+    return {file: [(n, by_name[n]) for n in sorted(names, key=order.get)]
+            for file, names in plan.filename_to_tensors.items()}
+
+
+def write_folder(tmp: Path, raw_dir: Path, cfg: TrainConfig, state: dict, dtype: str,
+                 chat_template: str | None, max_shard_size: int | str) -> None:
+    tok_config = tokenizer_config(raw_dir / "tokenizer.json", cfg, chat_template)  # before the heavy part
+    torch_dtype = TORCH_DTYPES[dtype]
+    tensors = list(raw_to_hf(cfg, state))
+    total = sum(t.numel() for _, t in tensors) * torch_dtype.itemsize
+    files = shards(tensors, torch_dtype, max_shard_size)
+    with tqdm(total=total, unit="B", unit_scale=True, desc="convert", file=sys.stderr,
+              disable=None, mininterval=0.5) as progress:
+        for name, part in files.items():
+            write_safetensors(tmp / name, part, torch_dtype, progress)
+    if len(files) > 1:
+        weight_map = {k: name for name, part in files.items() for k, _ in part}
+        _write_json(tmp / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
+    _write_json(tmp / "config.json", hf_config(cfg, dtype, converter=__version__))
+    _write_json(tmp / "generation_config.json", {"bos_token_id": cfg.bos_id, "eos_token_id": cfg.eos_id})
+    _write_json(tmp / "tokenizer_config.json", tok_config)
+    shutil.copyfile(raw_dir / "tokenizer.json", tmp / "tokenizer.json")
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    path.write_text(json.dumps(obj, indent=2) + "\n")
+
+
+def dry_run(ckpt: Checkpoint, overrides: dict, log=print) -> int:
+    """Print the mapping table and both key-set differences; write nothing. Exit 0 when all match."""
+    for note in ckpt.notes:
+        log(f"note: {note}")
+    try:
+        cfg = resolve_config(ckpt, overrides)
+        problem = None
+    except MiniStreamError as e:
+        problem = str(e)
+        values = {**{k: v for k, v in overrides.items() if v is not None}, **(ckpt.config or {})}
+        try:
+            cfg = TrainConfig.from_dict(values)
+        except MiniStreamError:
+            log(f"error: {problem}")
+            return 1
+    rows = table(cfg)
+    width = max(len(r.raw) for r in rows)
+    log(f"{'training checkpoint':<{width}}  {'shape':<14}  HF folder")
+    for r in rows:
+        shape = list(ckpt.state[r.raw].shape) if r.raw in ckpt.state else "MISSING"
+        log(f"{r.raw:<{width}}  {str(shape):<14}  {', '.join(r.hf)}" + (f"  (rows {list(r.split)})" if r.split else ""))
+    have, want = set(ckpt.state), {r.raw for r in rows}
+    written = {h for r in rows for h in r.hf}
+    model_keys = _model_param_names(cfg)
+    diffs = [("in the checkpoint, not in the mapping", have - want),
+             ("in the mapping, not in the checkpoint", want - have),
+             (f"written, not a {ARCH} parameter", written - model_keys),
+             (f"{ARCH} parameters not written", model_keys - written)]
+    for title, keys in diffs:
+        log(f"{title}: {', '.join(sorted(keys)) if keys else 'none'}")
+    if problem:
+        log(f"error: {problem}")
+    return 1 if problem or any(keys for _, keys in diffs) else 0
+
+
+def _model_param_names(cfg: TrainConfig) -> set[str]:
+    """The transformers-side model's own parameter names (tied lm_head excluded), built on the meta device."""
+    from .hf import MiniStreamConfig, MiniStreamForCausalLM
+
+    with torch.device("meta"):
+        model = MiniStreamForCausalLM(MiniStreamConfig.from_train_config(cfg))
+    names = set(model.state_dict())
+    if cfg.tie_embeddings:
+        names -= set(hf_names(HEAD))
+    return names
+
+
+def convert(raw_dir: str | Path, out: str | Path, dtype: str = "float32", force: bool = False,
+            chat_template: str | None = None, max_shard_size: int | str = DEFAULT_SHARD_SIZE,
+            overrides: dict | None = None, log=print) -> TrainConfig:
+    raw_dir, out = Path(raw_dir), Path(out)
+    if out.resolve() == raw_dir.resolve():
+        raise MiniStreamError(f"{out}: the output folder is the training checkpoint folder; choose another")
+    check_output(out, force)  # before the (possibly long) load
+    ckpt = load_checkpoint(raw_dir)
+    for note in ckpt.notes:
+        log(f"note: {note}")
+    cfg = resolve_config(ckpt, overrides)
+    with new_folder(out, force) as tmp:
+        write_folder(tmp, ckpt.path.parent, cfg, ckpt.state, dtype, chat_template, max_shard_size)
+    log(f"convert: wrote {out} ({cfg.n_layers} layers, d_model {cfg.d_model}, heads {cfg.n_heads}/{cfg.n_kv_heads}, "
+        f"head_dim {cfg.head_dim}, vocab {cfg.vocab_size}, {'tied' if cfg.tie_embeddings else 'untied'}, {dtype})")
+    return cfg

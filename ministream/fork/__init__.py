@@ -1,0 +1,1 @@
+"""The vLLM side: release artifacts, registries, patch sets, the patched tree, wheel, install, image."""

@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# Apply a MiniStream patch set to a vLLM source tree, all or nothing.
+#
+#   scripts/apply_patch.sh TREE PATCHDIR
+#
+# TREE is the directory that holds the vllm/ package (a checkout's root, or a
+# tree extracted from a release wheel). PATCHDIR (e.g. patches/v0.32.0) holds:
+#   *.diff   git-style diffs with paths relative to TREE, applied with `git apply`;
+#            model.diff is a copy diff: TREE's llama.py + model.diff -> ministream.py
+#   files/   new files, copied to the same relative path under TREE
+# Everything is checked first (`git apply --check`, no file of files/ already
+# present); on any failure this prints the file and hunk at fault, exits 1 and
+# leaves TREE untouched.
+set -euo pipefail
+
+if [[ $# -ne 2 ]]; then
+    echo "usage: $0 TREE PATCHDIR" >&2
+    exit 2
+fi
+TREE=$(cd "$1" && pwd)
+PATCHDIR=$(cd "$2" && pwd)
+
+shopt -s nullglob
+diffs=("$PATCHDIR"/*.diff)
+shopt -u nullglob
+if [[ ${#diffs[@]} -eq 0 ]]; then
+    echo "error: no *.diff in $PATCHDIR" >&2
+    exit 1
+fi
+if [[ ! -d $TREE/vllm ]]; then
+    echo "error: $TREE has no vllm/ package: pass the root of a vLLM source tree" >&2
+    exit 1
+fi
+
+# Stop git from finding a repository above TREE: inside another repository
+# `git apply` would silently skip paths outside the current directory.
+export GIT_CEILING_DIRECTORIES=$(dirname "$TREE")
+cd "$TREE"
+
+# 1. check, changing nothing
+failed=0
+if ! check=$(git apply --check --verbose "${diffs[@]}" 2>&1); then
+    # git names the file and the line its failing hunk starts at:
+    #   error: patch failed: vllm/model_executor/models/registry.py:164
+    echo "$check" | grep -E '^error: ' | grep -v 'while searching for' >&2 || echo "$check" >&2
+    # name the hunk too: the one in that file's diff starting at that line
+    echo "$check" | sed -nE 's/^error: patch failed: (.*):([0-9]+)$/\1 \2/p' |
+        while read -r path line; do
+            awk -v path="$path" -v line="$line" '
+                /^diff --git / { sub(/^a\//, "", $3); file = $3; n = 0; next }
+                /^@@ / { n++; split($2, old, ","); if (file == path && substr(old[1], 2) == line)
+                         printf "error: %s: hunk #%d does not apply: %s (%s)\n", path, n, $0, FILENAME }
+            ' "${diffs[@]}" >&2
+        done
+    echo "error: the patch set $PATCHDIR does not apply to $TREE (see the file and hunk above); nothing was changed" >&2
+    failed=1
+fi
+new_files=()
+if [[ -d $PATCHDIR/files ]]; then
+    while IFS= read -r -d '' f; do
+        rel=${f#"$PATCHDIR/files/"}
+        new_files+=("$rel")
+        if [[ -e $TREE/$rel ]]; then
+            echo "error: $TREE/$rel already exists; the patch set adds it (is the tree already patched?)" >&2
+            failed=1
+        fi
+    done < <(find "$PATCHDIR/files" -type f ! -name '*.pyc' ! -path '*/__pycache__/*' -print0 | sort -z)
+fi
+if [[ $failed -ne 0 ]]; then
+    exit 1
+fi
+
+# 2. apply: git apply is atomic over all the diffs it is given
+git apply "${diffs[@]}"
+for rel in "${new_files[@]}"; do
+    mkdir -p "$(dirname "$TREE/$rel")"
+    cp "$PATCHDIR/files/$rel" "$TREE/$rel"
+done
+echo "applied $(basename "$PATCHDIR") to $TREE: ${#diffs[@]} diff(s), ${#new_files[@]} new file(s)"

@@ -1,0 +1,26 @@
+"""Where things are: the files this package ships, and where its outputs go.
+
+Shipped files (patch sets, the model file, the apply script, the Dockerfiles, the demo corpus) are
+package data, found through importlib.resources, so a regular `pip install` works from any folder:
+pip installs packages as plain folders, so each is a real path. Outputs go under the current
+folder (build/, dist/), as `make` in a checkout has always put them.
+"""
+
+from importlib.resources import files
+from pathlib import Path
+
+
+def shipped(*parts: str) -> Path:
+    return Path(str(files("ministream").joinpath(*parts)))
+
+
+PATCH_SETS = shipped("fork", "patches")  # patches/vX/: one patch set per supported vLLM release
+MODEL_FILE = shipped("fork", "models", "ministream.py")  # the hand-made model file (0.32.0's llama.py + ours)
+APPLY_SCRIPT = shipped("fork", "apply_patch.sh")  # applies a patch set to a vLLM tree
+DOCKER = shipped("fork", "docker")  # Dockerfiles and their scripts
+CORPUS = shipped("data", "corpus.txt")  # the demo models' training text
+
+# Outputs, relative to the current folder (the checkout's root under `make`).
+BUILD = Path("build")  # build/vllm-X/ (patched trees), build/cache/ (release artifacts), build/bench/
+DIST = Path("dist")  # our wheels
+CACHE = BUILD / "cache"

@@ -1,0 +1,1 @@
+"""Using an engine: settings for this machine, generate, serve, verify, doctor, bench."""

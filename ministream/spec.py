@@ -1,0 +1,309 @@
+"""MiniStream stated once: its names, the train config and its HF-config map, the tensor table and its
+inverse, and the shapes a config implies. The contract is shared/ministream-format.md.
+
+Every other module asks this one; it imports nothing of the package but the error class. One tensor
+table, read forwards to convert and backwards to restore (torchtitan's adapter, llama.cpp's table),
+so `raw -> HF -> raw` is provably lossless.
+"""
+
+import dataclasses
+import re
+from dataclasses import dataclass
+
+import torch
+
+from . import MiniStreamError
+
+# --- names --------------------------------------------------------------------------------------
+ARCH = "MiniStreamForCausalLM"  # config.json architectures[0]; vLLM's and transformers' class
+MODEL_TYPE = "ministream"  # config.json model_type; also the model's module name in vLLM
+CONFIG_CLASS = "MiniStreamConfig"  # the config class registered for MODEL_TYPE
+FORMAT_VERSION = 1  # the training checkpoint format this package reads
+
+# dtype name -> (torch dtype, safetensors code)
+DTYPES = {"float32": (torch.float32, "F32"), "bfloat16": (torch.bfloat16, "BF16"), "float16": (torch.float16, "F16")}
+TORCH_DTYPES = {name: t for name, (t, _) in DTYPES.items()}
+SAFETENSORS_CODES = {t: code for t, code in DTYPES.values()}
+
+
+# --- the train config ---------------------------------------------------------------------------
+
+@dataclass
+class TrainConfig:
+    vocab_size: int  # rows of embedding.weight; may exceed the tokenizer's size (padding)
+    d_model: int  # hidden size H
+    n_layers: int  # number of blocks L
+    n_heads: int  # query heads Nq
+    d_ff: int  # MLP inner size F
+    max_seq_len: int  # trained context length
+    norm_eps: float  # RMSNorm epsilon
+    rope_theta: float  # RoPE base
+    bos_id: int
+    eos_id: int
+    n_kv_heads: int | None = None  # key/value heads Nkv; divides n_heads; default n_heads
+    head_dim: int | None = None  # per-head size D; default d_model // n_heads (need not be equal)
+    tie_embeddings: bool = True  # output head shares embedding.weight
+
+    def __post_init__(self):
+        if self.n_kv_heads is None:
+            self.n_kv_heads = self.n_heads
+        if self.head_dim is None:
+            if self.n_heads <= 0 or self.d_model % self.n_heads:
+                raise MiniStreamError(
+                    f"head_dim is not set and d_model={self.d_model} is not a multiple of "
+                    f"n_heads={self.n_heads}: give head_dim explicitly")
+            self.head_dim = self.d_model // self.n_heads
+        for name in INT_FIELDS[:-2]:
+            if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
+                raise MiniStreamError(f"train config {name}={getattr(self, name)!r}: must be a positive integer")
+        if self.n_heads % self.n_kv_heads:
+            raise MiniStreamError(
+                f"train config n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}: "
+                "each key/value head must serve a whole group of query heads")
+        if self.head_dim % 2:
+            raise MiniStreamError(f"train config head_dim={self.head_dim} is odd: rotate-half RoPE needs an even head_dim")
+        if not self.norm_eps > 0 or not self.rope_theta > 0:
+            raise MiniStreamError(
+                f"train config norm_eps={self.norm_eps} and rope_theta={self.rope_theta} must both be positive")
+        for name in ("bos_id", "eos_id"):
+            if not 0 <= getattr(self, name) < self.vocab_size:
+                raise MiniStreamError(
+                    f"train config {name}={getattr(self, name)} is outside the vocabulary [0, {self.vocab_size})")
+
+    @classmethod
+    def from_dict(cls, d: dict, source: str = "train config") -> "TrainConfig":
+        missing = sorted(REQUIRED_FIELDS - {k for k, v in d.items() if v is not None})
+        if missing:
+            raise MiniStreamError(
+                f"{source} lacks {', '.join(missing)}: pass them as flags (e.g. --{missing[0].replace('_', '-')} N)")
+        known = {f.name for f in dataclasses.fields(cls)}
+        kwargs = {k: v for k, v in d.items() if k in known and v is not None}
+        for k in INT_FIELDS:
+            if k in kwargs:
+                if isinstance(kwargs[k], bool) or int(kwargs[k]) != kwargs[k]:
+                    raise MiniStreamError(f"{source} {k}={kwargs[k]!r}: must be an integer")
+                kwargs[k] = int(kwargs[k])
+        for k in ("norm_eps", "rope_theta"):
+            if k in kwargs:
+                kwargs[k] = float(kwargs[k])
+        return cls(**kwargs)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @property
+    def qkv_sizes(self) -> list[int]:
+        """Row split of Wqkv: all query heads, then all key heads, then all value heads."""
+        return [self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim, self.n_kv_heads * self.head_dim]
+
+    @property
+    def w12_sizes(self) -> list[int]:
+        """Row split of w12: gate, then up."""
+        return [self.d_ff, self.d_ff]
+
+
+INT_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff", "max_seq_len",
+              "bos_id", "eos_id")
+REQUIRED_FIELDS = {f.name for f in dataclasses.fields(TrainConfig) if f.default is dataclasses.MISSING}
+
+# TrainConfig field -> config.json key (LLaMA's names); read backwards to restore the train config.
+CONFIG_MAP = {
+    "vocab_size": "vocab_size",
+    "d_model": "hidden_size",
+    "n_layers": "num_hidden_layers",
+    "n_heads": "num_attention_heads",
+    "n_kv_heads": "num_key_value_heads",
+    "head_dim": "head_dim",
+    "d_ff": "intermediate_size",
+    "max_seq_len": "max_position_embeddings",
+    "norm_eps": "rms_norm_eps",
+    "rope_theta": "rope_theta",
+    "tie_embeddings": "tie_word_embeddings",
+    "bos_id": "bos_token_id",
+    "eos_id": "eos_token_id",
+}
+
+
+def hf_config(cfg: TrainConfig, dtype: str, converter: str = "") -> dict:
+    """config.json for a converted folder: every value explicit, under LLaMA's keys."""
+    config = {"architectures": [ARCH], "model_type": MODEL_TYPE}
+    config.update({hf: getattr(cfg, f) for f, hf in CONFIG_MAP.items()})
+    config.update({
+        # transformers >= 5 reads rope_parameters, older releases rope_theta: write both
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "initializer_range": 0.02,
+        "dtype": dtype,
+        "torch_dtype": dtype,
+    })
+    if converter:
+        config["ministream_converter"] = converter
+    return config
+
+
+def train_config_from_hf(config: dict, source: str = "config.json") -> TrainConfig:
+    return TrainConfig.from_dict({f: config.get(hf) for f, hf in CONFIG_MAP.items()}, source)
+
+
+# --- the tensor table ---------------------------------------------------------------------------
+
+# Roles other modules ask for by name; the strings themselves live only in the table below.
+EMBEDDING, HEAD = "embedding.weight", "lm_head.weight"
+QKV, W12 = "blocks.{i}.attn.Wqkv.weight", "blocks.{i}.mlp.w12.weight"
+
+# training name                        HF names (LLaMA's)                                    row split      shape
+LAYER_TABLE = [
+    ("blocks.{i}.norm1.weight",          ["model.layers.{i}.input_layernorm.weight"],          None,
+     lambda c: (c.d_model,)),
+    # Wqkv rows: all query heads, then all key heads, then all value heads
+    (QKV,                                ["model.layers.{i}.self_attn.q_proj.weight",
+                                          "model.layers.{i}.self_attn.k_proj.weight",
+                                          "model.layers.{i}.self_attn.v_proj.weight"],         "qkv_sizes",
+     lambda c: (sum(c.qkv_sizes), c.d_model)),
+    ("blocks.{i}.attn.out_proj.weight",  ["model.layers.{i}.self_attn.o_proj.weight"],         None,
+     lambda c: (c.d_model, c.n_heads * c.head_dim)),
+    ("blocks.{i}.norm2.weight",          ["model.layers.{i}.post_attention_layernorm.weight"], None,
+     lambda c: (c.d_model,)),
+    # w12 rows: gate, then up (silu applies to the gate)
+    (W12,                                ["model.layers.{i}.mlp.gate_proj.weight",
+                                          "model.layers.{i}.mlp.up_proj.weight"],              "w12_sizes",
+     lambda c: (2 * c.d_ff, c.d_model)),
+    ("blocks.{i}.mlp.w3.weight",         ["model.layers.{i}.mlp.down_proj.weight"],            None,
+     lambda c: (c.d_model, c.d_ff)),
+]
+GLOBAL_TABLE = [
+    (EMBEDDING,                          ["model.embed_tokens.weight"],                        None,
+     lambda c: (c.vocab_size, c.d_model)),
+    ("norm_f.weight",                    ["model.norm.weight"],                                None,
+     lambda c: (c.d_model,)),
+    (HEAD,                               ["lm_head.weight"],                                   None,  # untied only
+     lambda c: (c.vocab_size, c.d_model)),
+]
+# what each shape is made of, for errors that explain a mismatch
+_SHAPE_WORDS = {
+    QKV: "(n_heads + 2*n_kv_heads)*head_dim = ({n_heads} + 2*{n_kv_heads})*{head_dim} rows, d_model={d_model} columns",
+    "blocks.{i}.attn.out_proj.weight": "d_model={d_model} rows, n_heads*head_dim = {n_heads}*{head_dim} columns",
+    W12: "2*d_ff = 2*{d_ff} rows, d_model={d_model} columns",
+    "blocks.{i}.mlp.w3.weight": "d_model={d_model} rows, d_ff={d_ff} columns",
+    EMBEDDING: "vocab_size={vocab_size} rows, d_model={d_model} columns",
+    HEAD: "vocab_size={vocab_size} rows, d_model={d_model} columns",
+}
+_BLOCK = re.compile(r"^blocks\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class Row:
+    raw: str  # the training checkpoint's key
+    hf: tuple[str, ...]  # the HF folder's keys, in row order
+    split: tuple[int, ...] | None  # rows of `raw` that go to each HF key; None: one key, unchanged
+    shape: tuple[int, ...]  # shape of `raw`
+    template: str  # the table's key, {i} unfilled
+
+
+def table(cfg: TrainConfig) -> list[Row]:
+    """The table instantiated for a config, in file order (layers, then embedding, final norm, head)."""
+    rows = []
+    for i in range(cfg.n_layers):
+        for raw, hf, split, shape in LAYER_TABLE:
+            rows.append(Row(raw.format(i=i), tuple(h.format(i=i) for h in hf),
+                            tuple(getattr(cfg, split)) if split else None, shape(cfg), raw))
+    for raw, hf, split, shape in GLOBAL_TABLE:
+        if raw != HEAD or not cfg.tie_embeddings:
+            rows.append(Row(raw, tuple(hf), None, shape(cfg), raw))
+    return rows
+
+
+def hf_names(template: str, layer: int | None = None) -> list[str]:
+    """The HF keys a training key becomes: hf_names(QKV, 0) -> layer 0's q_proj, k_proj, v_proj."""
+    for raw, hf, _, _ in LAYER_TABLE + GLOBAL_TABLE:
+        if raw == template:
+            return [h.format(i=layer) for h in hf]
+    raise KeyError(template)
+
+
+def raw_to_hf(cfg: TrainConfig, state: dict):
+    """Yield (HF name, tensor) in file order; splits are views, so nothing is copied here."""
+    for row in table(cfg):
+        parts = state[row.raw].split(list(row.split), dim=0) if row.split else [state[row.raw]]
+        yield from zip(row.hf, parts)
+
+
+def hf_to_raw(cfg: TrainConfig, hf_state: dict) -> dict:
+    """The inverse of raw_to_hf: concatenating the split rows restores each training tensor."""
+    return {row.raw: torch.cat([hf_state[h] for h in row.hf], dim=0) if row.split else hf_state[row.hf[0]]
+            for row in table(cfg)}
+
+
+def raw_shapes(cfg: TrainConfig) -> dict[str, tuple[int, ...]]:
+    """Every training tensor the config implies, with its shape."""
+    return {row.raw: row.shape for row in table(cfg)}
+
+
+def hf_shapes(cfg: TrainConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor of a converted folder the config implies, with its shape."""
+    shapes = {}
+    for row in table(cfg):
+        sizes = row.split or (row.shape[0],)
+        shapes.update({h: (n, *row.shape[1:]) for h, n in zip(row.hf, sizes)})
+    return shapes
+
+
+def block_index(key: str) -> int | None:
+    """The block number of a training key (blocks.3.norm1.weight -> 3), None for a global tensor."""
+    m = _BLOCK.match(key)
+    return int(m.group(1)) if m else None
+
+
+def renumber_block(key: str, shift: int) -> str:
+    return _BLOCK.sub(lambda m: f"blocks.{int(m.group(1)) + shift}.", key)
+
+
+def infer_shapes(state: dict) -> dict:
+    """What the tensor shapes say about the config (to help a user whose checkpoint has none)."""
+    got = {}
+    if EMBEDDING in state:
+        got["vocab_size"], got["d_model"] = state[EMBEDDING].shape
+    ids = {i for k in state if (i := block_index(k)) is not None}
+    if ids:
+        got["n_layers"] = max(ids) + 1
+    w3 = LAYER_TABLE[-1][0].format(i=0)
+    if w3 in state:
+        got["d_ff"] = state[w3].shape[1]
+    got["tie_embeddings"] = HEAD not in state
+    return got
+
+
+def check_state(state: dict, cfg: TrainConfig, source: str) -> None:
+    """Every tensor the config implies is there with its shape, and nothing else is."""
+    want = {row.raw: row for row in table(cfg)}
+    missing = [k for k in want if k not in state]
+    extra = [k for k in state if k not in want]
+    if HEAD in extra and cfg.tie_embeddings:
+        raise MiniStreamError(
+            f"{source}: has {HEAD} but the config says tie_embeddings=true; "
+            "set tie_embeddings false (--untied) if the head was trained separately")
+    if missing:
+        hint = ""
+        if missing == [HEAD]:
+            hint = "; the config says tie_embeddings=false: set it true (--tied) if the head shares the embedding"
+        raise MiniStreamError(
+            f"{source}: missing {len(missing)} tensor(s) the config implies, first {missing[0]!r}{hint} "
+            f"(n_layers={cfg.n_layers}; keys present: {_summarize(state)})")
+    if extra:
+        raise MiniStreamError(
+            f"{source}: {len(extra)} unexpected tensor(s), first {extra[0]!r}: "
+            "not part of MiniStream format 1 (biases? another architecture? wrong n_layers?)")
+    for k, row in want.items():
+        got = tuple(state[k].shape)
+        if got != row.shape:
+            words = _SHAPE_WORDS.get(row.template, "d_model={d_model}").format(**cfg.to_dict())
+            raise MiniStreamError(
+                f"{source}: {k} has shape {list(got)} but the config implies {list(row.shape)} "
+                f"({words}); fix the config values or the checkpoint")
+
+
+def _summarize(state: dict) -> str:
+    keys = sorted(state)
+    return ", ".join(keys[:4]) + (f", ... ({len(keys)} in all)" if len(keys) > 4 else "")
