@@ -1,40 +1,80 @@
-"""Output folders that appear whole or not at all, and never overwrite a user's work unasked."""
+"""Output folders that appear whole or not at all, never overwrite a user's work unasked, and never
+destroy an input: a training checkpoint can be weeks of GPU time."""
 
 import shutil
 import tempfile
+from collections.abc import Iterable
 from contextlib import contextmanager
 from pathlib import Path
 
 from . import MiniStreamError
 
 
-def check_output(out: Path, force: bool = False) -> None:
-    """Refuse a file at `out`, and a non-empty folder unless `force`: before any long work starts."""
+def check_output(out: Path, force: bool = False, inputs: Iterable[Path] = ()) -> None:
+    """Before any long work starts: refuse a file at `out`, a non-empty folder unless `force`, and an
+    output that is, holds or lies inside one of the `inputs` (resolved through symlinks, `.` and `..`)."""
+    out = Path(out)
+    check_apart(out, inputs)
     if out.exists() and not out.is_dir():
         raise MiniStreamError(f"{out} is a file, not a folder: choose another output path")
-    if out.is_dir() and any(out.iterdir()) and not force:
+    if _non_empty(out) and not force:
         raise MiniStreamError(f"{out} exists and is not empty: choose another output folder or pass --force to replace it")
 
 
-@contextmanager
-def new_folder(out: str | Path, force: bool = False):
-    """Yield an empty temporary folder beside `out`; on success it replaces `out`, on error it vanishes.
+def check_apart(out: Path, inputs: Iterable[Path]) -> None:
+    """Refuse an output that would replace, or be written into, something the command reads."""
+    where = Path(out).resolve()
+    for given in inputs:
+        path = Path(given).resolve()
+        if where == path:
+            how = "is"
+        elif where in path.parents:
+            how = "holds"
+        elif path in where.parents:
+            how = "lies inside"
+        else:
+            continue
+        raise MiniStreamError(f"the output {out} {how} the input {given}: replacing it would destroy what the "
+                              "command reads; choose an output folder outside it")
 
-    A non-empty `out` is refused unless `force`; a file at `out` is always refused.
+
+def _non_empty(folder: Path) -> bool:
+    return folder.is_dir() and any(folder.iterdir())
+
+
+@contextmanager
+def new_folder(out: str | Path, force: bool = False, inputs: Iterable[Path] = ()):
+    """Yield an empty temporary folder beside `out`; on success it replaces `out`, on error or interrupt
+    (KeyboardInterrupt, SystemExit: the CLI turns SIGTERM into one) it vanishes and `out` stays as it was.
+
+    A non-empty `out` is refused unless `force`, also one that appeared or filled up while the work ran;
+    a file at `out`, and an `out` that overlaps an input, are always refused.
     """
     out = Path(out)
-    check_output(out, force)
+    inputs = list(inputs)
+    check_output(out, force, inputs)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         yield tmp
-        old = None
-        if out.exists():
-            old = out.with_name(f".{out.name}.old-{tmp.name.rsplit('-', 1)[-1]}")
-            out.rename(old)
-        tmp.rename(out)
-        if old is not None:
-            shutil.rmtree(old)
+        check_output(out, force, inputs)  # again: something may have appeared at `out` meanwhile
+        _replace(out, tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _replace(out: Path, tmp: Path) -> None:
+    """`tmp` takes `out`'s name; an old `out` is moved aside first and removed only once `tmp` is in place."""
+    old = None
+    if out.exists():
+        old = out.with_name(f".{out.name}.old-{tmp.name.rsplit('-', 1)[-1]}")
+        out.rename(old)
+    try:
+        tmp.rename(out)
+    except BaseException:
+        if old is not None:
+            old.rename(out)
+        raise
+    if old is not None:
+        shutil.rmtree(old)

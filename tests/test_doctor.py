@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ministream.run.doctor import check_vocab, doctor
+from ministream.run.folder import Tensor
 
 
 def broken(tiny_hf: Path, where: Path, tensors=None, tokenizer=None, **config) -> Path:
@@ -71,6 +72,8 @@ def test_unpatched_vllm_is_named_with_make_install(tiny_hf, tmp_path):
     (fake / "model_executor/models/registry.py").write_text(
         '_TEXT_GENERATION_MODELS = {\n    "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),\n}\n')
     (fake / "transformers_utils/config.py").write_text("_CONFIG_REGISTRY = LazyConfigDict(\n    eagle=\"EAGLEConfig\",\n)\n")
+    (fake / "transformers_utils/configs").mkdir()
+    (fake / "transformers_utils/configs/__init__.py").write_text('__all__ = ["EAGLEConfig"]\n')
     found = errors(doctor(tiny_hf, vllm_dir=fake))
     assert any("does not register MiniStreamForCausalLM; fix: install the patched vLLM" in f for f in found), found
     assert any("'ministream' is known to neither" in f for f in found), found
@@ -111,7 +114,7 @@ def test_tokenizer_bigger_than_the_vocabulary_is_an_error(tiny_hf, tmp_path):
 
 
 def test_vocabulary_padded_beyond_the_tokenizer_is_fine():
-    f = check_vocab({"vocab_size": 576}, {"model.embed_tokens.weight": {"shape": [576, 8]}}, 514)
+    f = check_vocab({"vocab_size": 576}, {"model.embed_tokens.weight": Tensor((576, 8), "F32", Path("x"))}, 514)
     assert f.level == "ok" and "62 padding rows" in str(f)
 
 
@@ -133,6 +136,16 @@ def test_kv_cache_too_small_for_max_model_len_says_what_fits(tiny_hf):
     # tiny: 2 layers x 2 kv heads x 64 x 2 (k and v) x 4 bytes = 2048 bytes a token
     found = errors(doctor(tiny_hf, kv_cache_gib=256 * 2048 / 2**30))
     assert len(found) == 1 and "max_model_len 512 needs 1 MiB" in found[0] and "max_model_len <= 256" in found[0]
+
+
+def test_kv_cache_judged_is_the_one_serve_would_choose(tiny_hf, monkeypatch):
+    from ministream.run import engine
+
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    monkeypatch.setattr(engine, "kv_cache_gib", lambda *a, **k: 3)
+    assert any("cache 3072 MiB" in str(f) for f in doctor(tiny_hf) if f.topic == "memory")
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "2")  # the user's setting wins, as it does for serve
+    assert any("cache 2048 MiB" in str(f) for f in doctor(tiny_hf) if f.topic == "memory")
 
 
 def test_weights_bigger_than_memory_is_an_error(tiny_hf):

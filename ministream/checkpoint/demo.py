@@ -94,11 +94,14 @@ def train(model: MiniStream, tok: Tokenizer, steps: int, seed: int, corpus: Path
 
 
 def init_weights(model: MiniStream, seed: int) -> None:
+    """GPT-2's init: N(0, 0.02), the projections that write into the residual stream scaled by 1/sqrt(2L);
+    the norms' weights stay ones."""
     g = torch.Generator().manual_seed(seed)
-    for name, p in model.named_parameters():
-        if name.endswith(("norm1.weight", "norm2.weight", "norm_f.weight")):
-            continue  # ones
-        std = 0.02 / math.sqrt(2 * model.cfg.n_layers) if name.endswith(("out_proj.weight", "w3.weight")) else 0.02
+    into_residual = {id(p) for b in model.blocks for p in (b.attn.out_proj.weight, b.mlp.w3.weight)}
+    for p in model.parameters():
+        if p.ndim == 1:
+            continue  # a norm's weight
+        std = 0.02 / math.sqrt(2 * model.cfg.n_layers) if id(p) in into_residual else 0.02
         with torch.no_grad():
             p.copy_(torch.randn(p.shape, generator=g) * std)
 

@@ -1,30 +1,31 @@
 #!/usr/bin/env bash
 # Apply a MiniStream patch set to a vLLM source tree, all or nothing.
 #
-#   scripts/apply_patch.sh TREE PATCHDIR
+#   apply_patch.sh TREE PATCH_SET
 #
 # TREE is the directory that holds the vllm/ package (a checkout's root, or a
-# tree extracted from a release wheel). PATCHDIR (e.g. patches/v0.32.0) holds:
+# tree extracted from a release wheel). PATCH_SET (e.g. patches/v0.32.0) holds:
 #   *.diff   git-style diffs with paths relative to TREE, applied with `git apply`;
 #            model.diff is a copy diff: TREE's llama.py + model.diff -> ministream.py
-#   files/   new files, copied to the same relative path under TREE
-# Everything is checked first (`git apply --check`, no file of files/ already
+#   files/   new files of this patch set only, copied to the same relative path under TREE
+# and every patch set adds the files of PATCH_SET/../common/files/ (stored once) the same way.
+# Everything is checked first (`git apply --check`, no added file already
 # present); on any failure this prints the file and hunk at fault, exits 1 and
 # leaves TREE untouched.
 set -euo pipefail
 
 if [[ $# -ne 2 ]]; then
-    echo "usage: $0 TREE PATCHDIR" >&2
+    echo "usage: $0 TREE PATCH_SET" >&2
     exit 2
 fi
 TREE=$(cd "$1" && pwd)
-PATCHDIR=$(cd "$2" && pwd)
+PATCH_SET=$(cd "$2" && pwd)
 
 shopt -s nullglob
-diffs=("$PATCHDIR"/*.diff)
+diffs=("$PATCH_SET"/*.diff)
 shopt -u nullglob
 if [[ ${#diffs[@]} -eq 0 ]]; then
-    echo "error: no *.diff in $PATCHDIR" >&2
+    echo "error: no *.diff in $PATCH_SET" >&2
     exit 1
 fi
 if [[ ! -d $TREE/vllm ]]; then
@@ -52,28 +53,31 @@ if ! check=$(git apply --check --verbose "${diffs[@]}" 2>&1); then
                          printf "error: %s: hunk #%d does not apply: %s (%s)\n", path, n, $0, FILENAME }
             ' "${diffs[@]}" >&2
         done
-    echo "error: the patch set $PATCHDIR does not apply to $TREE (see the file and hunk above); nothing was changed" >&2
+    echo "error: the patch set $PATCH_SET does not apply to $TREE (see the file and hunk above); nothing was changed" >&2
     failed=1
 fi
-new_files=()
-if [[ -d $PATCHDIR/files ]]; then
+new_files=()  # "folder<TAB>relative path" of each file to add
+for folder in "$(dirname "$PATCH_SET")/common/files" "$PATCH_SET/files"; do
+    [[ -d $folder ]] || continue
     while IFS= read -r -d '' f; do
-        rel=${f#"$PATCHDIR/files/"}
-        new_files+=("$rel")
+        rel=${f#"$folder/"}
+        new_files+=("$folder"$'\t'"$rel")
         if [[ -e $TREE/$rel ]]; then
             echo "error: $TREE/$rel already exists; the patch set adds it (is the tree already patched?)" >&2
             failed=1
         fi
-    done < <(find "$PATCHDIR/files" -type f ! -name '*.pyc' ! -path '*/__pycache__/*' -print0 | sort -z)
-fi
+    done < <(find "$folder" -type f ! -name '*.pyc' ! -path '*/__pycache__/*' -print0 | sort -z)
+done
 if [[ $failed -ne 0 ]]; then
     exit 1
 fi
 
 # 2. apply: git apply is atomic over all the diffs it is given
 git apply "${diffs[@]}"
-for rel in "${new_files[@]}"; do
+for entry in "${new_files[@]}"; do
+    folder=${entry%%$'\t'*}
+    rel=${entry#*$'\t'}
     mkdir -p "$(dirname "$TREE/$rel")"
-    cp "$PATCHDIR/files/$rel" "$TREE/$rel"
+    cp "$folder/$rel" "$TREE/$rel"
 done
-echo "applied $(basename "$PATCHDIR") to $TREE: ${#diffs[@]} diff(s), ${#new_files[@]} new file(s)"
+echo "applied $(basename "$PATCH_SET") to $TREE: ${#diffs[@]} diff(s), ${#new_files[@]} new file(s)"

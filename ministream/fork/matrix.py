@@ -3,21 +3,20 @@
     ministream matrix                          all versions of patches/versions.json
     ministream matrix --versions 0.6.3,0.20.0  those (any release of a supported line)
 
-For each version: the release's pristine files (from the cached release wheel), then
+For each version: the release's pristine files (single files of its release wheel, cached), then
   pristine      the files the patch touches are the release's (sha256 in the manifest)
-  applies       scripts/apply_patch.sh applies the patch set cleanly
+  applies       apply_patch.sh applies the patch set cleanly
   compiles      every file the patch adds or changes compiles
   architecture  registry.py maps MiniStreamForCausalLM to ministream.py, which defines it
   config        model_type "ministream" -> MiniStreamConfig in that release's config registry form
   interface     MiniStreamForCausalLM has LlamaForCausalLM's methods and signatures (constructor,
                 forward, embedding method), and ministream.py names no Llama class it lacks
-The table is printed and written to build/matrix.json and build/matrix.md.
+The table is printed and written to build/matrix.json and build/matrix.md (or --out).
 """
 
 import ast
 import json
 import py_compile
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -25,12 +24,15 @@ from pathlib import Path
 from packaging.version import Version
 
 from .. import MiniStreamError
-from .patch import APPLY, BUILD, LLAMA, MINISTREAM, PATCHES, check_pristine, patch_dir, supported_versions
-from .port import (ARCH, CONFIG, CONFIG_CLASS, CONFIG_MODULE, CONFIGS, MODEL_TYPE, REGISTRY, TOUCHED,
-                   _assignment, config_forms, release_files)
+from ..paths import BUILD, PATCH_SETS
+from ..spec import ARCH, CONFIG_CLASS, MODEL_TYPE
+from . import patchset, registry
+from .patch import LLAMA, MINISTREAM
+from .patchset import ApplyError, added_files, check_pristine, patch_set_dir, pinned, supported_versions
+from .port import TOUCHED
+from .release import release_files
 
 CHECKS = ["pristine", "applies", "compiles", "architecture", "config", "interface"]
-CONFIG_FILE = "vllm/transformers_utils/configs/ministream.py"
 
 
 class Failed(Exception):
@@ -39,23 +41,24 @@ class Failed(Exception):
 
 # --- the checks, each on the pristine tree and the patched tree ------------------------------
 
-def _pristine(tree: Path, patched: Path, version: str, patchdir: Path) -> str:
+def _pristine(tree: Path, patched: Path, version: str, folder: Path) -> str:
     try:
-        check_pristine(tree, version, patchdir, f"the vllm {version} release wheel")
+        check_pristine(tree, version, folder, f"the vllm {version} release wheel")
     except MiniStreamError as e:
         raise Failed(str(e)) from None
-    return f"patch set {patchdir.name}"
+    return f"patch set {folder.name}"
 
 
-def _applies(tree: Path, patched: Path, version: str, patchdir: Path) -> str:
-    run = subprocess.run(["bash", str(APPLY), str(patched), str(patchdir)], capture_output=True, text=True)
-    if run.returncode != 0:
-        raise Failed(run.stderr.strip().splitlines()[0] if run.stderr.strip() else "apply_patch.sh failed")
+def _applies(tree: Path, patched: Path, version: str, folder: Path) -> str:
+    try:
+        patchset.apply(patched, folder)
+    except ApplyError as e:
+        raise Failed(e.at_fault[0]) from None
     return ""
 
 
-def _compiles(tree: Path, patched: Path, version: str, patchdir: Path) -> str:
-    files = [MINISTREAM, CONFIG_FILE, REGISTRY, CONFIG, CONFIGS]
+def _compiles(tree: Path, patched: Path, version: str, folder: Path) -> str:
+    files = [MINISTREAM, *registry.FILES, *added_files(folder)]
     with tempfile.TemporaryDirectory() as tmp:
         for rel in files:
             try:
@@ -69,41 +72,28 @@ def _parse(patched: Path, rel: str) -> ast.Module:
     return ast.parse((patched / rel).read_text())
 
 
-def _architecture(tree: Path, patched: Path, version: str, patchdir: Path) -> str:
-    models = _assignment(_parse(patched, REGISTRY), "_TEXT_GENERATION_MODELS")
-    entry = {k.value: v for k, v in zip(models.keys, models.values) if isinstance(k, ast.Constant)}.get(ARCH)
-    if entry is None or ast.literal_eval(entry) != (MODEL_TYPE, ARCH):
-        raise Failed(f"{REGISTRY}: _TEXT_GENERATION_MODELS has no {ARCH!r}: ({MODEL_TYPE!r}, {ARCH!r})")
+def _registries(patched: Path) -> registry.Registries:
+    return registry.read({rel: (patched / rel).read_text() for rel in registry.FILES})
+
+
+def _architecture(tree: Path, patched: Path, version: str, folder: Path) -> str:
+    if _registries(patched).architectures.get(ARCH) != (MODEL_TYPE, ARCH):
+        raise Failed(f"{registry.REGISTRY_PY}: _TEXT_GENERATION_MODELS has no {ARCH!r}: ({MODEL_TYPE!r}, {ARCH!r})")
     if not any(isinstance(n, ast.ClassDef) and n.name == ARCH for n in _parse(patched, MINISTREAM).body):
         raise Failed(f"{MINISTREAM} defines no class {ARCH}")
     return ""
 
 
-def _config(tree: Path, patched: Path, version: str, patchdir: Path) -> str:
-    registry, exports = config_forms((tree / CONFIG).read_text(), (tree / CONFIGS).read_text())
-    config = _parse(patched, CONFIG)
-    node = _assignment(config, "_CONFIG_REGISTRY")
-    if registry == "dict":
-        value = {k.value: v for k, v in zip(node.keys, node.values) if isinstance(k, ast.Constant)}.get(MODEL_TYPE)
-        ok = isinstance(value, ast.Name) and value.id == CONFIG_CLASS and any(
-            isinstance(n, ast.ImportFrom) and n.module == "vllm.transformers_utils.configs"
-            and any(a.name == CONFIG_CLASS for a in n.names) for n in config.body)
-    else:
-        value = {k.arg: k.value for k in node.keywords}.get(MODEL_TYPE)
-        ok = isinstance(value, ast.Constant) and value.value == CONFIG_CLASS
-    if not ok:
-        raise Failed(f"{CONFIG}: _CONFIG_REGISTRY ({registry}) does not map {MODEL_TYPE!r} to {CONFIG_CLASS}")
-    configs = _parse(patched, CONFIGS)
-    if CONFIG_CLASS not in ast.literal_eval(_assignment(configs, "__all__")):
-        raise Failed(f"{CONFIGS}: {CONFIG_CLASS} not in __all__")
-    if exports == "class-to-module":
-        ok = ast.literal_eval(_assignment(configs, "_CLASS_TO_MODULE")).get(CONFIG_CLASS) == CONFIG_MODULE
-    else:
-        ok = any(isinstance(n, ast.ImportFrom) and n.module == CONFIG_MODULE
-                 and any(a.name == CONFIG_CLASS for a in n.names) for n in configs.body)
-    if not ok:
-        raise Failed(f"{CONFIGS} ({exports}) does not export {CONFIG_CLASS} from {CONFIG_MODULE}")
-    return f"{registry} registry, {exports}"
+def _config(tree: Path, patched: Path, version: str, folder: Path) -> str:
+    found = _registries(patched)
+    config_form, exports = found.forms
+    if found.config_types.get(MODEL_TYPE) != CONFIG_CLASS:
+        raise Failed(f"{registry.CONFIG_PY}: _CONFIG_REGISTRY ({config_form}) does not map {MODEL_TYPE!r} "
+                     f"to {CONFIG_CLASS}")
+    if found.config_exports.get(CONFIG_CLASS) != registry.CONFIG_MODULE:
+        raise Failed(f"{registry.CONFIGS_INIT_PY} ({exports}) does not export {CONFIG_CLASS} "
+                     f"from {registry.CONFIG_MODULE}")
+    return f"{config_form} registry, {exports}"
 
 
 def _methods(module: ast.Module, cls: str) -> tuple[list[str], dict[str, str]]:
@@ -122,7 +112,7 @@ def _methods(module: ast.Module, cls: str) -> tuple[list[str], dict[str, str]]:
     return [norm(ast.unparse(b)) for b in node.bases], methods
 
 
-def _interface(tree: Path, patched: Path, version: str, patchdir: Path) -> str:
+def _interface(tree: Path, patched: Path, version: str, folder: Path) -> str:
     llama, model = _parse(patched, LLAMA), _parse(patched, MINISTREAM)
     found = {}
     for theirs_name, ours_name in (("LlamaForCausalLM", ARCH), ("LlamaModel", "MiniStreamModel")):
@@ -159,13 +149,12 @@ CHECK_FUNCS = {"pristine": _pristine, "applies": _applies, "compiles": _compiles
                "architecture": _architecture, "config": _config, "interface": _interface}
 
 
-def check_version(version: str, patches: Path = PATCHES) -> dict:
+def check_version(version: str, patch_sets: Path = PATCH_SETS) -> dict:
     """{check: {"ok": bool, "detail": str}} for one version; a failed check skips the rest."""
     start = time.monotonic()
-    results = {}
     try:
-        patchdir = patch_dir(version, patches)
-        files = release_files(version, TOUCHED)
+        folder = patch_set_dir(version, patch_sets)
+        files = release_files(version, TOUCHED, pinned(folder, version))
     except MiniStreamError as e:
         return {"patch_set": None, "checks": {c: {"ok": False, "detail": str(e) if c == "pristine" else "skipped"}
                                               for c in CHECKS}, "seconds": round(time.monotonic() - start, 1)}
@@ -175,24 +164,29 @@ def check_version(version: str, patches: Path = PATCHES) -> dict:
             for rel, text in files.items():
                 (root / rel).parent.mkdir(parents=True, exist_ok=True)
                 (root / rel).write_text(text)
-        failed = False
-        for check in CHECKS:
-            if failed:
-                results[check] = {"ok": False, "detail": "skipped"}
-                continue
-            try:
-                results[check] = {"ok": True, "detail": CHECK_FUNCS[check](tree, patched, version, patchdir)}
-            except Failed as e:
-                results[check] = {"ok": False, "detail": str(e)}
-                failed = True
-    return {"patch_set": patchdir.name, "checks": results, "seconds": round(time.monotonic() - start, 1)}
+        results = _run_checks(tree, patched, version, folder)
+    return {"patch_set": folder.name, "checks": results, "seconds": round(time.monotonic() - start, 1)}
 
 
-def run_matrix(versions: list[str], patches: Path = PATCHES, out: Path | None = BUILD) -> dict:
+def _run_checks(tree: Path, patched: Path, version: str, folder: Path) -> dict:
+    results, failed = {}, False
+    for check in CHECKS:
+        if failed:
+            results[check] = {"ok": False, "detail": "skipped"}
+            continue
+        try:
+            results[check] = {"ok": True, "detail": CHECK_FUNCS[check](tree, patched, version, folder)}
+        except Failed as e:
+            results[check] = {"ok": False, "detail": str(e)}
+            failed = True
+    return results
+
+
+def run_matrix(versions: list[str], patch_sets: Path = PATCH_SETS, out: Path | None = BUILD) -> dict:
     """Check each version; write out/matrix.json and out/matrix.md (out=None: write nothing)."""
     results = {}
     for v in versions:
-        results[v] = check_version(v, patches)
+        results[v] = check_version(v, patch_sets)
         print(_row(v, results[v]), flush=True)
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
@@ -222,22 +216,13 @@ def ok(results: dict) -> bool:
     return all(c["ok"] for r in results.values() for c in r["checks"].values())
 
 
-# --- command line ---------------------------------------------------------------------------
-
-def register(sub) -> None:
-    p = sub.add_parser("matrix", help="check every supported vLLM version's patch set (static)",
-                       description=__doc__.split("\n\n")[0])
-    p.add_argument("--versions", help="comma-separated vLLM releases (default: all of patches/versions.json)")
-    p.add_argument("--out", type=Path, default=BUILD, help="where matrix.json and matrix.md go (default: %(default)s)")
-    p.set_defaults(func=_cmd)
-
-
-def _cmd(args) -> int:
-    versions = args.versions.split(",") if args.versions else sorted(supported_versions(), key=Version)
+def run(versions: str | None, out: Path) -> int:
+    """`ministream matrix [--versions a,b]`: the exit status."""
+    versions = versions.split(",") if versions else sorted(supported_versions(), key=Version)
     print(f"{'vLLM':<12} {'patch set':<12} {' '.join(CHECKS)}")
-    results = run_matrix(versions, out=args.out)
-    print(f"wrote {args.out / 'matrix.json'} and {args.out / 'matrix.md'}")
+    results = run_matrix(versions, out=out)
+    print(f"wrote {out / 'matrix.json'} and {out / 'matrix.md'}")
     if not ok(results):
-        print("error: some checks failed; see build/matrix.md", flush=True)
+        print(f"error: some checks failed; see {out / 'matrix.md'}", flush=True)
         return 1
     return 0

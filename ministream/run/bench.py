@@ -6,7 +6,7 @@ new tokens (EOS ignored), each system gets output tokens/s, time to first token 
   1. MiniStream on the patched vLLM vs the same safetensors under LlamaForCausalLM names, same vLLM
   2. the patched vLLM vs the reference model (reference.py): batched with a KV cache, and one request
      at a time as the team's original script served
-  3. vLLM's own CPU core binding (VLLM_CPU_OMP_THREADS_BIND unset = "auto") vs ours (generate.vllm_env)
+  3. vLLM's own CPU core binding (VLLM_CPU_OMP_THREADS_BIND unset = "auto") vs ours (engine.py)
   4. tooling: convert (time, peak memory), wheel from the cached release wheel, patch
   5. single-stream decode tokens/s x weight bytes read per token vs a measured copy bandwidth
 
@@ -15,7 +15,6 @@ peak memory is that process tree's, sampled. The machine is noisy: read ratios, 
 Writes OUT/bench.json (every figure and the machine) and OUT/bench.png, and prints a table.
 """
 
-import argparse
 import json
 import math
 import os
@@ -31,6 +30,8 @@ from pathlib import Path
 
 from .. import MiniStreamError
 from ..paths import BUILD
+from . import engine
+from .folder import open_folder
 
 DEFAULT_OUT = BUILD / "bench"
 VLLM_VERSION = "0.32.0"
@@ -48,9 +49,9 @@ SYSTEMS = {
 # (model preset, dtype) pairs; the GQA variant in bf16 only, to keep the full run near 20 minutes on 2 cores
 FULL = dict(configs=["reference:bfloat16", "reference:float32", "reference-gqa:bfloat16"], batches=[1, 8, 64],
             new_tokens=128, prompt_len=32, repeats=2, serial_requests=4, bind_configs=["reference:bfloat16"],
-            copy_mib=1024, kv_cache_gib=2, tooling=True)
+            copy_mib=1024, kv_cache_gib=None, tooling=True)
 QUICK = dict(configs=["reference:bfloat16"], batches=[1, 8], new_tokens=16, prompt_len=32, repeats=1,
-             serial_requests=2, bind_configs=["reference:bfloat16"], copy_mib=256, kv_cache_gib=2, tooling=True)
+             serial_requests=2, bind_configs=["reference:bfloat16"], copy_mib=256, kv_cache_gib=None, tooling=True)
 
 
 # ---------------------------------------------------------------- prompts and measurement (in the workers)
@@ -195,7 +196,7 @@ class TreeMemory:
 
 
 def run_worker(name: str, spec: dict, out: Path, env: dict | None = None, timeout: float = 1800) -> dict:
-    """Run _worker(spec) in `python -m ministream.bench` with its own environment; figures + peak memory."""
+    """Run _worker(spec) in `python -m ministream.run.bench` with its own environment; figures + peak memory."""
     (out / "logs").mkdir(parents=True, exist_ok=True)
     spec_file, result_file, log = (out / "logs" / f"{name}.{x}" for x in ("spec.json", "result.json", "log"))
     spec_file.write_text(json.dumps(spec))
@@ -205,7 +206,7 @@ def run_worker(name: str, spec: dict, out: Path, env: dict | None = None, timeou
     print(f"bench: {name} ...", end=" ", flush=True)
     t = time.perf_counter()
     with open(log, "w") as logf:
-        proc = subprocess.Popen([sys.executable, "-m", "ministream.bench", str(spec_file), str(result_file)],
+        proc = subprocess.Popen([sys.executable, "-m", "ministream.run.bench", str(spec_file), str(result_file)],
                                 stdout=logf, stderr=subprocess.STDOUT, env=full_env, start_new_session=True)
         mem = TreeMemory(proc.pid)
         try:
@@ -266,22 +267,13 @@ def prepare_model(preset: str, models: Path) -> dict:
     config = json.loads((hf / "config.json").read_text())
     config.update(architectures=["LlamaForCausalLM"], model_type="llama")
     (llama / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    from tokenizers import Tokenizer
-
-    params = sum(math.prod(v["shape"]) for k, v in _safetensors_header(hf / "model.safetensors").items()
-                 if k != "__metadata__")
-    return {"preset": preset, "raw": str(raw), "hf": str(hf), "llama": str(llama), "parameters": params,
-            "vocab": Tokenizer.from_file(str(hf / "tokenizer.json")).get_vocab_size(),
+    converted = open_folder(hf)
+    return {"preset": preset, "raw": str(raw), "hf": str(hf), "llama": str(llama), "parameters": converted.parameters,
+            "vocab": converted.tokenizer_size,
             "config": {k: config[k] for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
                                               "num_key_value_heads", "head_dim", "intermediate_size",
                                               "vocab_size", "tie_word_embeddings")},
             "convert_float32": convert}
-
-
-def _safetensors_header(path: Path) -> dict:
-    with open(path, "rb") as f:
-        n = int.from_bytes(f.read(8), "little")
-        return json.loads(f.read(n))
 
 
 def tooling(model: dict, out: Path) -> dict:
@@ -328,71 +320,44 @@ def machine() -> dict:
 def _model_file() -> dict | None:
     """The installed vLLM's ministream.py: which patch set it came from, and its sha256 (imports nothing)."""
     import hashlib
-    import importlib.util
 
-    spec = importlib.util.find_spec("vllm")
-    if spec is None or not spec.submodule_search_locations:
+    from ..spec import MODEL_TYPE
+    from .doctor import installed_vllm, patch_version
+
+    vllm_dir = installed_vllm()
+    path = vllm_dir and vllm_dir / "model_executor" / "models" / f"{MODEL_TYPE}.py"
+    if not path or not path.is_file():
         return None
-    path = Path(list(spec.submodule_search_locations)[0]) / "model_executor" / "models" / "ministream.py"
-    if not path.is_file():
-        return None
-    data = path.read_bytes()
-    version = re.search(rb'MINISTREAM_PATCH_VERSION = "([^"]+)"', data)
-    return {"path": str(path), "sha256": hashlib.sha256(data).hexdigest(),
-            "patch_version": version.group(1).decode() if version else None}
+    return {"path": str(path), "sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
+            "patch_version": patch_version(vllm_dir)}
 
 
 # ---------------------------------------------------------------- the run
 
 
 def run_bench(out: Path, configs: list[str], batches: list[int], new_tokens: int, prompt_len: int, repeats: int,
-              serial_requests: int, bind_configs: list[str], copy_mib: int, kv_cache_gib: int = 2,
+              serial_requests: int, bind_configs: list[str], copy_mib: int, kv_cache_gib: int | None = None,
               tooling_on: bool = True, systems: list[str] | None = None, note: str = "") -> dict:
+    """Prepare the models, measure the machine and the tooling, then every system on every (model, dtype)."""
     systems = systems or list(SYSTEMS)
     pairs = [tuple(c.split(":", 1)) for c in configs]
     if any(len(p) != 2 for p in pairs):
         raise MiniStreamError(f"--configs takes model:dtype pairs, e.g. reference:bfloat16; got {','.join(configs)}")
-    models = list(dict.fromkeys(m for m, _ in pairs))
+    # one KV cache size for every vLLM system, chosen once (a later choice would see other free memory):
+    # the one `ministream serve` would take now, unless --kv-cache-gib says
+    kv_cache_gib = kv_cache_gib or engine.kv_cache_gib()
     out.mkdir(parents=True, exist_ok=True)
     started = time.time()
-    result = {"schema": SCHEMA, "command": " ".join(sys.argv), "note": note,
-              "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
-              "load_average_start": os.getloadavg(), "machine": machine(),
-              "settings": dict(configs=configs, batches=batches, new_tokens=new_tokens,
-                               prompt_len=prompt_len, repeats=repeats, serial_requests=serial_requests,
-                               bind_configs=bind_configs, copy_mib=copy_mib, kv_cache_gib=kv_cache_gib,
-                               systems=systems),
-              "models": {}, "runs": []}
-    for preset in models:
-        print(f"bench: preparing {preset}", flush=True)
-        result["models"][preset] = prepare_model(preset, out / "models")
-    result["bandwidth"] = run_worker("bandwidth", {"kind": "bandwidth", "copy_mib": copy_mib}, out)
-    if tooling_on:
-        print("bench: tooling (convert, patch, wheel)", flush=True)
-        result["tooling"] = tooling(result["models"][models[0]], out)
-
+    result = new_result(started, dict(configs=configs, batches=batches, new_tokens=new_tokens, prompt_len=prompt_len,
+                             repeats=repeats, serial_requests=serial_requests, bind_configs=bind_configs,
+                             copy_mib=copy_mib, kv_cache_gib=kv_cache_gib, systems=systems), note)
+    prepare(result, list(dict.fromkeys(m for m, _ in pairs)), out, copy_mib, tooling_on)
     common = dict(batches=batches, new_tokens=new_tokens, prompt_len=prompt_len, repeats=repeats,
                   serial_requests=serial_requests)
-    # a KV cache that holds the largest batch whole in float32 (generate.vllm_env's 1 GiB does not), so no
-    # batch is preempted; the same for every vLLM system
-    kv = {"VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib)}
     for i, (preset, dtype) in enumerate(pairs):
         m = result["models"][preset]
         base = {**common, "vocab": m["vocab"], "dtype": dtype}
-        jobs = [("ministream", {"kind": "vllm", "model_dir": m["hf"]}, kv),
-                ("llama", {"kind": "vllm", "model_dir": m["llama"]}, kv)]
-        if i % 2:  # alternate the order, so drift on a shared machine does not always favour one
-            jobs.reverse()
-        if f"{preset}:{dtype}" in bind_configs:
-            # "auto" is vLLM 0.32's own default for the variable: what a user gets without our defaults
-            jobs.append(("ministream_vllm_bind", {"kind": "vllm", "model_dir": m["hf"]},
-                         {**kv, "VLLM_CPU_OMP_THREADS_BIND": "auto"}))
-        jobs.append(("reference", {"kind": "reference", "model_dir": m["hf"]}, {}))
-        for system, spec, env in jobs:
-            if system == "reference" and not {"reference_batched", "reference_serial"} & set(systems):
-                continue
-            if system != "reference" and system not in systems:
-                continue
+        for system, spec, env in jobs(m, f"{preset}:{dtype}" in bind_configs, systems, kv_cache_gib, reverse=i % 2):
             r = run_worker(f"{preset}-{dtype}-{system}", {**base, **spec}, out, env)
             result["runs"].append({"model": preset, "dtype": dtype, "system": system, **r})
             save(result, out, partial=True)  # an interrupted run keeps what it measured
@@ -400,6 +365,39 @@ def run_bench(out: Path, configs: list[str], batches: list[int], new_tokens: int
     result["seconds"] = time.time() - started
     save(result, out)
     return result
+
+
+def new_result(started: float, settings: dict, note: str) -> dict:
+    return {"schema": SCHEMA, "command": " ".join(sys.argv), "note": note,
+            "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
+            "load_average_start": os.getloadavg(), "machine": machine(), "settings": settings,
+            "models": {}, "runs": []}
+
+
+def prepare(result: dict, presets: list[str], out: Path, copy_mib: int, tooling_on: bool) -> None:
+    """The models (made and converted), the copy bandwidth and, if asked, the tooling costs."""
+    for preset in presets:
+        print(f"bench: preparing {preset}", flush=True)
+        result["models"][preset] = prepare_model(preset, out / "models")
+    result["bandwidth"] = run_worker("bandwidth", {"kind": "bandwidth", "copy_mib": copy_mib}, out)
+    if tooling_on:
+        print("bench: tooling (convert, patch, wheel)", flush=True)
+        result["tooling"] = tooling(result["models"][presets[0]], out)
+
+
+def jobs(model: dict, with_vllm_bind: bool, systems: list[str], kv_cache_gib: int, reverse: bool):
+    """(system, worker spec, environment) for one (model, dtype), the systems not asked for left out."""
+    kv = {engine.KV_CACHE: str(kv_cache_gib)}
+    vllm = [("ministream", {"kind": "vllm", "model_dir": model["hf"]}, kv),
+            ("llama", {"kind": "vllm", "model_dir": model["llama"]}, kv)]
+    if reverse:  # alternate the order, so drift on a shared machine does not always favour one
+        vllm.reverse()
+    if with_vllm_bind:
+        # "auto" is vLLM 0.32's own default for the variable: what a user gets without our defaults
+        vllm.append(("ministream_vllm_bind", {"kind": "vllm", "model_dir": model["hf"]}, {**kv, engine.BIND: "auto"}))
+    yield from (job for job in vllm if job[0] in systems)
+    if {"reference_batched", "reference_serial"} & set(systems):
+        yield "reference", {"kind": "reference", "model_dir": model["hf"]}, {}
 
 
 def save(result: dict, out: Path, partial: bool = False) -> Path:
@@ -570,52 +568,24 @@ def chart(result: dict, path: Path) -> Path | None:
 # ---------------------------------------------------------------- command line
 
 
-def _list(kind):
-    return lambda text: [kind(x) for x in text.split(",") if x]
-
-
-def register(sub) -> None:
-    p = sub.add_parser("bench", help="throughput, latency and memory: patched vLLM vs LLaMA, the reference "
-                       "model, core binding; tooling costs", description=__doc__,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output folder (default: %(default)s)")
-    p.add_argument("--quick", action="store_true", help="smoke run: reference bf16, batches 1 and 8, 16 new tokens")
-    p.add_argument("--configs", type=_list(str), help="model:dtype pairs, comma-separated; models are "
-                   "`ministream checkpoint` presets (default: " + ",".join(FULL["configs"]) + ")")
-    p.add_argument("--batches", type=_list(int), help="batch sizes, e.g. 1,8,64")
-    p.add_argument("--new-tokens", type=int)
-    p.add_argument("--prompt-len", type=int)
-    p.add_argument("--repeats", type=int, help="timed runs per batch size (the fastest counts)")
-    p.add_argument("--serial-requests", type=int, help="requests timed one at a time for the serial reference")
-    p.add_argument("--bind-configs", type=_list(str), help="model:dtype pairs that also run vLLM's own binding")
-    p.add_argument("--copy-mib", type=int, help="size of the bandwidth copy")
-    p.add_argument("--kv-cache-gib", type=int, help="VLLM_CPU_KVCACHE_SPACE for every engine")
-    p.add_argument("--systems", type=_list(str), help=f"subset of {','.join(SYSTEMS)}")
-    p.add_argument("--no-tooling", dest="tooling", action="store_false", default=None)
-    p.add_argument("--note", default="", help="free text stored in the JSON (e.g. 'machine shared')")
-    p.add_argument("--report", action="store_true", help="measure nothing: the table and the chart again, "
-                   "from OUT/bench.json (also of an interrupted run)")
-    p.set_defaults(func=_main)
-
-
-def _main(a) -> int:
-    if a.report:
-        path = a.out / "bench.json"
+def bench(out: Path, quick: bool = False, report_only: bool = False, systems: list[str] | None = None,
+          note: str = "", **settings) -> int:
+    """`ministream bench`: the FULL (or QUICK) settings with the given ones (not None) in their place; with
+    report_only, the table and the chart again from OUT/bench.json. 1 if a system failed."""
+    if report_only:
+        path = out / "bench.json"
         if not path.is_file():
-            raise MiniStreamError(f"{path}: no such file; run `ministream bench --out {a.out}` first")
+            raise MiniStreamError(f"{path}: no such file; run `ministream bench --out {out}` first")
         result = json.loads(path.read_text())
         result["summary"] = summarize(result)
-        return report(result, a.out)
-    settings = dict(QUICK if a.quick else FULL)
-    for key in settings:
-        if getattr(a, key, None) is not None:
-            settings[key] = getattr(a, key)
-    unknown = set(a.systems or []) - set(SYSTEMS)
+        return report(result, out)
+    chosen = dict(QUICK if quick else FULL)
+    chosen.update({k: v for k, v in settings.items() if v is not None})
+    unknown = set(systems or []) - set(SYSTEMS)
     if unknown:
         raise MiniStreamError(f"unknown --systems {', '.join(sorted(unknown))}; choose from {', '.join(SYSTEMS)}")
-    tooling_on = settings.pop("tooling")
-    result = run_bench(a.out, tooling_on=tooling_on, systems=a.systems, note=a.note, **settings)
-    return report(result, a.out)
+    tooling_on = chosen.pop("tooling")
+    return report(run_bench(out, tooling_on=tooling_on, systems=systems, note=note, **chosen), out)
 
 
 def report(result: dict, out: Path) -> int:

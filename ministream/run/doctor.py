@@ -1,28 +1,24 @@
 """`ministream doctor MODEL`: why vLLM will not load a converted folder, or will load it and compute wrong.
 
-The troubleshooting checklist, automated; no engine is started, no weights are loaded (safetensors
-headers only). Each finding is one line, `ok`, `warn` or `error`, with what to do. Exit 1 on any error.
+The troubleshooting checklist, automated; no engine is started, and of the weights only an untied head
+is read (to see it is not all zeros); the rest comes from the safetensors headers (folder.py). Each finding is one line, `ok`, `warn` or `error`, with what to do. Exit 1 on any error.
 """
 
-import argparse
 import importlib.metadata
 import importlib.util
 import json
 import os
 import re
-import struct
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from .. import MiniStreamError
+from ..fork.registry import read_package
 from ..paths import PATCH_SETS
-
-ARCH = "MiniStreamForCausalLM"
-BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "F32": 4, "BF16": 2, "F16": 2}
-# the tensor names vLLM's MiniStreamForCausalLM loads (LLaMA's); lm_head only when the head is untied
-LAYER_KEYS = ["input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-              "post_attention_layernorm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
+from ..spec import ARCH, MODEL_TYPE, QKV, TORCH_DTYPES, hf_names
+from . import engine
+from .folder import EMBED, HEAD, Folder, FolderError, Tensor, config_names, name_differences, open_folder
 
 
 @dataclass
@@ -41,17 +37,6 @@ class Finding:
 def installed_vllm() -> Path | None:
     spec = importlib.util.find_spec("vllm")
     return Path(spec.origin).parent if spec and spec.origin else None
-
-
-def registered_architectures(vllm_dir: Path) -> set[str]:
-    text = (vllm_dir / "model_executor/models/registry.py").read_text()
-    return set(re.findall(r'^\s+"(\w+)": \(', text, re.M))
-
-
-def vllm_config_types(vllm_dir: Path) -> set[str]:
-    """model_types vLLM brings its own config class for (_CONFIG_REGISTRY)."""
-    text = (vllm_dir / "transformers_utils/config.py").read_text()
-    return set(re.findall(r'^\s+(\w+)="\w+",?$', text, re.M))
 
 
 def transformers_config_types() -> set[str]:
@@ -86,53 +71,7 @@ def checkout_patch_version(vllm_version: str) -> str | None:
         return None
 
 
-# --- the folder -----------------------------------------------------------------------------
-
-def safetensors_headers(folder: Path) -> dict[str, dict]:
-    """name -> {"dtype", "shape", "file", "offsets" (absolute)} from each file's JSON header."""
-    tensors = {}
-    for f in sorted(folder.glob("*.safetensors")):
-        with open(f, "rb") as fh:
-            (n,) = struct.unpack("<Q", fh.read(8))
-            header = json.loads(fh.read(n))
-        for name, info in header.items():
-            if name != "__metadata__":
-                start, end = info["data_offsets"]
-                tensors[name] = {**info, "file": f, "offsets": (8 + n + start, 8 + n + end)}
-    return tensors
-
-
-def all_zero(info: dict) -> bool:
-    start, end = info["offsets"]
-    with open(info["file"], "rb") as fh:
-        fh.seek(start)
-        while start < end:
-            block = fh.read(min(1 << 22, end - start))
-            if block.strip(b"\0") or not block:
-                return False
-            start += len(block)
-    return True
-
-
-def expected_keys(config: dict) -> set[str]:
-    keys = {"model.embed_tokens.weight", "model.norm.weight"}
-    for i in range(int(config.get("num_hidden_layers", 0))):
-        keys |= {f"model.layers.{i}.{k}.weight" for k in LAYER_KEYS}
-    if not config.get("tie_word_embeddings", False):
-        keys.add("lm_head.weight")
-    return keys
-
-
-def tokenizer_size(folder: Path) -> int | None:
-    if not (folder / "tokenizer.json").is_file():
-        return None
-    from tokenizers import Tokenizer
-
-    return Tokenizer.from_file(str(folder / "tokenizer.json")).get_vocab_size(with_added_tokens=True)
-
-
-def _names(keys) -> str:
-    keys = sorted(keys)
+def _names(keys: list[str]) -> str:
     return ", ".join(keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
 
 
@@ -159,8 +98,8 @@ def check_model_type(config: dict, vllm_types: set[str], hf_types: set[str]) -> 
     where = [n for n, known in (("vLLM", mt in vllm_types), ("transformers", mt in hf_types)) if known]
     if where:
         return Finding("ok", "model_type", f"{mt!r} is known to the installed {' and '.join(where)}")
-    fix = ('set "model_type": "ministream" and install the patched vLLM (make install), which registers its config'
-           if mt == "ministream" else 'set "model_type": "ministream" in config.json')
+    fix = (f'set "model_type": "{MODEL_TYPE}" and install the patched vLLM (make install), which registers its config'
+           if mt == MODEL_TYPE else f'set "model_type": "{MODEL_TYPE}" in config.json')
     return Finding("error", "model_type", f"{mt!r} is known to neither the installed vLLM nor transformers: "
                    "vLLM refuses it (\"Transformers does not recognize this architecture\")", fix)
 
@@ -181,14 +120,14 @@ def check_patch(vllm_dir: Path | None, dist: str | None) -> Finding:
     return Finding("ok", "vllm", f"installed vLLM {dist} carries MiniStream patch {ours}{label}")
 
 
-def check_head_dim(config: dict, tensors: dict) -> Finding:
+def check_head_dim(config: dict, tensors: dict[str, Tensor]) -> Finding:
     heads, kv = config.get("num_attention_heads"), config.get("num_key_value_heads", config.get("num_attention_heads"))
     hidden, said = config.get("hidden_size"), config.get("head_dim")
-    q, k = tensors.get("model.layers.0.self_attn.q_proj.weight"), tensors.get("model.layers.0.self_attn.k_proj.weight")
+    q, k = (tensors.get(name) for name in hf_names(QKV, 0)[:2])
     if not (heads and kv and hidden and q and k):
         return Finding("error", "head_dim", "cannot check: num_attention_heads, hidden_size or layer 0's q_proj/k_proj "
                        "is missing", "convert again")
-    d_q, d_k = q["shape"][0] / heads, k["shape"][0] / kv
+    d_q, d_k = q.shape[0] / heads, k.shape[0] / kv
     used = said if said is not None else hidden // heads
     if d_q != d_k:
         return Finding("error", "head_dim", f"q_proj gives {d_q:g} per head, k_proj {d_k:g}: num_attention_heads "
@@ -196,36 +135,36 @@ def check_head_dim(config: dict, tensors: dict) -> Finding:
     if used != d_q:
         how = f"config.json head_dim={said}" if said is not None else f"no head_dim, so hidden_size/heads={used}"
         return Finding("error", "head_dim", f"{how}, but the weights have {d_q:g} per head (q_proj "
-                       f"{q['shape'][0]} rows / {heads} heads)", f'set "head_dim": {d_q:g} in config.json')
+                       f"{q.shape[0]} rows / {heads} heads)", f'set "head_dim": {d_q:g} in config.json')
     return Finding("ok", "head_dim", f"{used} per head, as the weights say")
 
 
-def check_head(config: dict, tensors: dict) -> Finding:
-    tied, has_head = config.get("tie_word_embeddings"), "lm_head.weight" in tensors
+def check_head(folder: Folder) -> Finding:
+    tied, has_head = folder.config.get("tie_word_embeddings"), HEAD in folder.tensors
     if tied is None:
-        return Finding("warn", "lm_head", "tie_word_embeddings is not set: LLaMA's default is false, so vLLM expects "
-                       "lm_head.weight" + ("" if has_head else ", which is missing"),
+        return Finding("warn", "lm_head", f"tie_word_embeddings is not set: LLaMA's default is false, so vLLM expects "
+                       f"{HEAD}" + ("" if has_head else ", which is missing"),
                        "set tie_word_embeddings explicitly (true when the head shares embed_tokens)")
     if tied and has_head:
-        return Finding("warn", "lm_head", "tie_word_embeddings is true and lm_head.weight is present: vLLM ignores "
-                       "the tensor and uses embed_tokens", "drop lm_head.weight, or set tie_word_embeddings false "
+        return Finding("warn", "lm_head", f"tie_word_embeddings is true and {HEAD} is present: vLLM ignores "
+                       f"the tensor and uses embed_tokens", f"drop {HEAD}, or set tie_word_embeddings false "
                        "if the head was trained separately")
     if not tied and not has_head:
-        return Finding("error", "lm_head", "tie_word_embeddings is false but there is no lm_head.weight: vLLM's head "
+        return Finding("error", "lm_head", f"tie_word_embeddings is false but there is no {HEAD}: vLLM's head "
                        "stays uninitialized", "set tie_word_embeddings true if the head shares embed_tokens, "
                        "else convert again")
-    if not tied and all_zero(tensors["lm_head.weight"]):
-        return Finding("error", "lm_head", "lm_head.weight is all zeros (an untied head that was never copied): "
+    if not tied and folder.all_zero(HEAD):
+        return Finding("error", "lm_head", f"{HEAD} is all zeros (an untied head that was never copied): "
                        "every token gets the same logit", "set tie_word_embeddings true if the training "
                        "checkpoint ties it, else convert again")
-    return Finding("ok", "lm_head", "tied to embed_tokens" if tied else "untied, lm_head.weight present")
+    return Finding("ok", "lm_head", "tied to embed_tokens" if tied else f"untied, {HEAD} present")
 
 
-def check_vocab(config: dict, tensors: dict, tok: int | None) -> Finding:
-    vocab, embed = config.get("vocab_size"), tensors.get("model.embed_tokens.weight")
-    if embed and vocab != embed["shape"][0]:
-        return Finding("error", "vocab", f"vocab_size={vocab}, but embed_tokens has {embed['shape'][0]} rows",
-                       f'set "vocab_size": {embed["shape"][0]} in config.json')
+def check_vocab(config: dict, tensors: dict[str, Tensor], tok: int | None) -> Finding:
+    vocab, embed = config.get("vocab_size"), tensors.get(EMBED)
+    if embed and vocab != embed.shape[0]:
+        return Finding("error", "vocab", f"vocab_size={vocab}, but embed_tokens has {embed.shape[0]} rows",
+                       f'set "vocab_size": {embed.shape[0]} in config.json')
     if tok is None:
         return Finding("warn", "vocab", "no tokenizer.json to compare vocab_size with",
                        "copy the training tokenizer.json into the folder (make convert does)")
@@ -236,41 +175,40 @@ def check_vocab(config: dict, tensors: dict, tok: int | None) -> Finding:
     return Finding("ok", "vocab", f"vocab_size {vocab} covers the tokenizer's {tok} tokens{pad}")
 
 
-def check_keys(config: dict, tensors: dict) -> list[Finding]:
-    want, have = expected_keys(config), set(tensors)
+def check_names(config: dict, tensors: dict[str, Tensor]) -> list[Finding]:
+    missing, unexpected = name_differences(tensors, config_names(config))
     found = []
-    if want - have:
-        found.append(Finding("error", "tensors", f"missing from the safetensors files: {_names(want - have)}",
+    if missing:
+        found.append(Finding("error", "tensors", f"missing from the safetensors files: {_names(missing)}",
                              "convert again (or check num_hidden_layers / tie_word_embeddings)"))
-    if have - want:
-        found.append(Finding("error", "tensors", f"not parameters of {ARCH}: {_names(have - want)}; vLLM stops at "
+    if unexpected:
+        found.append(Finding("error", "tensors", f"not parameters of {ARCH}: {_names(unexpected)}; vLLM stops at "
                              "names it does not know", "convert again; the converter writes LLaMA's names"))
-    return found or [Finding("ok", "tensors", f"the {len(have)} tensors are exactly {ARCH}'s parameters")]
+    return found or [Finding("ok", "tensors", f"the {len(tensors)} tensors are exactly {ARCH}'s parameters")]
 
 
-def check_memory(config: dict, tensors: dict, dtype: str | None, max_model_len: int | None,
+def check_memory(folder: Folder, dtype: str | None, max_model_len: int | None,
                  memory_gib: float | None, kv_cache_gib: float | None) -> list[Finding]:
-    found = []
+    """Weights and one sequence of max_model_len against the memory and the KV cache an engine gets: on the
+    CPU the cache `ministream serve` would choose now (engine.py), unless --kv-cache-gib says."""
+    config, found = folder.config, []
     dtype = dtype or config.get("dtype") or config.get("torch_dtype")
-    if dtype not in BYTES:
+    if dtype not in TORCH_DTYPES:
         found.append(Finding("warn", "dtype", f"config.json names no dtype ({dtype!r}); vLLM picks one",
                              'set "dtype" (float32 or bfloat16), or pass --dtype to vLLM'))
         dtype = "bfloat16"
-    size = BYTES[dtype]
-    params = sum(_numel(t["shape"]) for t in tensors.values())
-    weights = params * size
-    L, kv = config.get("num_hidden_layers", 0), config.get("num_key_value_heads", config.get("num_attention_heads", 0))
-    D = config.get("head_dim") or (config.get("hidden_size", 0) // max(1, config.get("num_attention_heads", 1)))
-    per_token = 2 * L * kv * D * size
+    size = TORCH_DTYPES[dtype].itemsize
+    weights = folder.parameters * size
+    per_token = kv_bytes_per_token(config, size)
     length = max_model_len or config.get("max_position_embeddings", 2048)
     gpu = _gpu_memory()
     total = memory_gib * 2**30 if memory_gib else (gpu or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     kv_space = (kv_cache_gib * 2**30 if kv_cache_gib else
-                0.9 * total - weights if gpu or memory_gib else float(os.environ.get("VLLM_CPU_KVCACHE_SPACE", 1)) * 2**30)
+                0.9 * total - weights if gpu or memory_gib else engine.kv_cache_bytes())
     mib = 2**20
     if weights > 0.9 * total:
-        found.append(Finding("error", "memory", f"{params / 1e6:.1f}M parameters in {dtype} take {weights / mib:.0f} "
-                             f"MiB, more than 90% of the {total / mib:.0f} MiB there is",
+        found.append(Finding("error", "memory", f"{folder.parameters / 1e6:.1f}M parameters in {dtype} take "
+                             f"{weights / mib:.0f} MiB, more than 90% of the {total / mib:.0f} MiB there is",
                              "use bfloat16, or tensor parallelism (--tp)"))
     if per_token * length > kv_space:
         fits = int(kv_space // per_token) if per_token else 0
@@ -285,11 +223,12 @@ def check_memory(config: dict, tensors: dict, dtype: str | None, max_model_len: 
     return found
 
 
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
+def kv_bytes_per_token(config: dict, size: int) -> int:
+    """Keys and values of every layer for one token: 2 x layers x kv heads x head_dim x bytes."""
+    layers = config.get("num_hidden_layers", 0)
+    kv = config.get("num_key_value_heads", config.get("num_attention_heads", 0))
+    head_dim = config.get("head_dim") or (config.get("hidden_size", 0) // max(1, config.get("num_attention_heads", 1)))
+    return 2 * layers * kv * head_dim * size
 
 
 def _gpu_memory() -> int | None:
@@ -327,49 +266,46 @@ def check_rope_eps(config: dict) -> list[Finding]:
 
 def doctor(folder: Path, vllm_dir: Path | None = None, dtype: str | None = None, max_model_len: int | None = None,
            memory_gib: float | None = None, kv_cache_gib: float | None = None) -> list[Finding]:
-    folder = Path(folder)
     try:
-        config = json.loads((folder / "config.json").read_text())
-    except (OSError, ValueError) as e:
-        return [Finding("error", "config.json", f"{folder / 'config.json'} cannot be read ({e})",
-                        "point MODEL at the converted folder (make convert)")]
-    tensors = safetensors_headers(folder)
-    if not tensors:
-        return [Finding("error", "weights", f"no *.safetensors in {folder}", "convert again (make convert)")]
+        f = open_folder(folder)
+    except FolderError as e:
+        return [Finding("error", e.topic, e.text, e.fix)]
     vllm_dir = vllm_dir or installed_vllm()
-    found = []
-    if vllm_dir is not None:
-        found.append(check_architecture(config, registered_architectures(vllm_dir)))
-        found.append(check_model_type(config, vllm_config_types(vllm_dir), transformers_config_types()))
-    found.append(check_patch(vllm_dir, vllm_dist_version()))
-    found.append(check_head_dim(config, tensors))
-    found.append(check_head(config, tensors))
-    found.append(check_vocab(config, tensors, tokenizer_size(folder)))
-    found += check_keys(config, tensors)
-    found += check_memory(config, tensors, dtype, max_model_len, memory_gib, kv_cache_gib)
-    found += check_rope_eps(config)
+    found = installed_vllm_findings(f.config, vllm_dir)
+    found.append(check_head_dim(f.config, f.tensors))
+    found.append(check_head(f))
+    found.append(check_vocab(f.config, f.tensors, f.tokenizer_size))
+    found += check_names(f.config, f.tensors)
+    found += check_memory(f, dtype, max_model_len, memory_gib, kv_cache_gib)
+    found += check_rope_eps(f.config)
     return found
 
 
-def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("doctor", help="check a converted folder and the installed vLLM (no engine)",
-                       description=__doc__)
-    p.add_argument("model", type=Path, help="converted HF-style folder")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="dtype to serve in (default: config.json's)")
-    p.add_argument("--max-model-len", type=int, help="context to serve (default: max_position_embeddings)")
-    p.add_argument("--memory-gib", type=float, help="memory for weights + KV cache (default: the GPU's, else RAM)")
-    p.add_argument("--kv-cache-gib", type=float, help="KV cache size (default on CPU: VLLM_CPU_KVCACHE_SPACE or 1)")
-    p.add_argument("--vllm-dir", type=Path, help=argparse.SUPPRESS)  # tests: another vllm/ package to read
-    p.set_defaults(func=_main)
+def installed_vllm_findings(config: dict, vllm_dir: Path | None) -> list[Finding]:
+    """Does the installed vLLM know the folder's architecture and model_type, and is it our patched build?"""
+    found = []
+    if vllm_dir is not None:
+        try:
+            registries = read_package(vllm_dir)
+        except MiniStreamError as e:
+            found.append(Finding("error", "vllm", f"the installed vLLM's registries cannot be read: {e}",
+                                 "install the patched vLLM: make install"))
+        else:
+            found.append(check_architecture(config, set(registries.architectures)))
+            found.append(check_model_type(config, set(registries.config_types), transformers_config_types()))
+    found.append(check_patch(vllm_dir, vllm_dist_version()))
+    return found
 
 
-def _main(a) -> int:
-    if not a.model.is_dir():
-        raise MiniStreamError(f"{a.model}: no such folder; MODEL is the converted folder (make convert)")
-    found = doctor(a.model, a.vllm_dir, a.dtype, a.max_model_len, a.memory_gib, a.kv_cache_gib)
+def run_doctor(model: Path, vllm_dir: Path | None = None, dtype: str | None = None, max_model_len: int | None = None,
+               memory_gib: float | None = None, kv_cache_gib: float | None = None) -> int:
+    """`ministream doctor`: one line per finding, then the count; 1 if any is an error."""
+    if not model.is_dir():
+        raise MiniStreamError(f"{model}: no such folder; MODEL is the converted folder (make convert)")
+    found = doctor(model, vllm_dir, dtype, max_model_len, memory_gib, kv_cache_gib)
     for f in found:
         print(f)
     errors = sum(f.level == "error" for f in found)
-    print(f"{a.model}: {errors} error(s), {sum(f.level == 'warn' for f in found)} warning(s)")
+    print(f"{model}: {errors} error(s), {sum(f.level == 'warn' for f in found)} warning(s)")
     sys.stdout.flush()
     return 1 if errors else 0

@@ -4,18 +4,15 @@ Both engines get identical prompt token ids (tokenized once with the folder's to
 so any difference in the outputs is the models', never the tokenizers'.
 """
 
-import argparse
 import functools
 import json
-import os
 import sys
 import time
 from pathlib import Path
 
-import torch
-
 from .. import MiniStreamError
-from ..spec import DTYPES, TORCH_DTYPES
+from ..spec import TORCH_DTYPES
+from . import engine
 
 DEFAULT_PROMPTS = [
     "The river runs through",
@@ -73,34 +70,14 @@ def reference_generate(source: Path, prompt_ids: list[list[int]], max_tokens: in
     return [model.generate([p], max_tokens, stop_ids=stop_ids, logprobs=logprobs)[0] for p in prompt_ids]
 
 
-def vllm_env(tp: int = 1, kv_cache_gib: int = 1) -> dict:
-    """CPU defaults for vLLM where the user set none: the model gets every core (vLLM keeps one for its
-    front end otherwise, about half the speed on 2 cores), one core per rank under tensor parallelism,
-    and a KV cache of a fixed size (GiB) instead of a fraction of system memory."""
-    if torch.cuda.is_available():
-        return {}
-    cores = os.sched_getaffinity(0)
-    ordered = sorted(cores)
-    if tp > 1:
-        per = max(1, len(ordered) // tp)
-        bind = "|".join(f"{ordered[r * per]}-{ordered[r * per + per - 1]}" if per > 1 else str(ordered[r])
-                        for r in range(tp))
-    else:
-        bind = f"{ordered[0]}-{ordered[-1]}" if len(ordered) > 1 else str(ordered[0])
-    return {"VLLM_CPU_OMP_THREADS_BIND": bind, "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib)}
-
-
-def vllm_engine(model: Path, dtype: str = "float32", tp: int = 1, max_model_len: int | None = None, **kwargs):
-    for k, v in vllm_env(tp).items():
-        os.environ.setdefault(k, v)
+def vllm_engine(model: Path, dtype: str = "float32", tp: int = 1, max_model_len: int | None = None, **overrides):
+    """The installed vLLM's offline engine on a converted folder, with this machine's settings (engine.py)."""
+    engine.use_defaults(tp)
     try:
         from vllm import LLM
     except ImportError:
         raise MiniStreamError("vllm is not installed in this environment: run `make install` first") from None
-    config = json.loads((Path(model) / "config.json").read_text())
-    max_len = min(config.get("max_position_embeddings", 2048), max_model_len or 2048)
-    return LLM(model=str(model), dtype=dtype, tensor_parallel_size=tp, max_model_len=max_len,
-               seed=0, enforce_eager=kwargs.pop("enforce_eager", not torch.cuda.is_available()), **kwargs)
+    return LLM(**engine.llm_kwargs(model, dtype, tp, max_model_len, **overrides))
 
 
 def vllm_generate(llm, prompt_ids: list[list[int]], max_tokens: int, logprobs: int = 0,
@@ -118,53 +95,44 @@ def vllm_generate(llm, prompt_ids: list[list[int]], max_tokens: int, logprobs: i
     return results
 
 
-def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("generate", help="greedy text from the reference model and the installed vLLM",
-                       description=__doc__)
-    p.add_argument("model", type=Path, help="converted HF-style folder")
-    p.add_argument("--raw", type=Path, help="training checkpoint folder for the reference model "
-                   "(default: the reference model reads the converted folder)")
-    p.add_argument("--engine", default="both", choices=["both", "reference", "vllm"])
-    p.add_argument("--prompt", action="append", help="prompt text (repeatable; default: a built-in set)")
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--dtype", default="float32", choices=list(DTYPES))
-    p.add_argument("--tp", type=int, default=1, help="vLLM tensor_parallel_size")
-    p.add_argument("--logprobs", type=int, default=0, help="also record the top-k logprobs of each new token")
-    p.add_argument("--stop-at-eos", action="store_true", help="stop at the eos token (default: exactly --max-tokens)")
-    p.add_argument("--json", type=Path, help="write token ids, logprobs, texts and timings here")
-    p.set_defaults(func=_main)
-
-
-def _main(a) -> int:
-    prompts = a.prompt or DEFAULT_PROMPTS
-    ids = tokenize(a.model, prompts)
-    eos = json.loads((a.model / "config.json").read_text())["eos_token_id"]
-    results = {"prompts": prompts, "prompt_ids": ids, "dtype": a.dtype, "max_tokens": a.max_tokens}
-    if a.engine in ("both", "reference"):
+def generate(model: Path, raw: Path | None = None, engines: str = "both", prompts: list[str] | None = None,
+             max_tokens: int = 32, dtype: str = "float32", tp: int = 1, logprobs: int = 0,
+             stop_at_eos: bool = False, json_path: Path | None = None) -> dict:
+    """`ministream generate`: the same prompt ids through the reference model and/or vLLM, printed side by
+    side; engines is "both", "reference" or "vllm"."""
+    prompts = prompts or DEFAULT_PROMPTS
+    ids = tokenize(model, prompts)
+    results = {"prompts": prompts, "prompt_ids": ids, "dtype": dtype, "max_tokens": max_tokens}
+    if engines in ("both", "reference"):
+        eos = json.loads((model / "config.json").read_text())["eos_token_id"]
         t = time.time()
-        results["reference"] = reference_generate(a.raw or a.model, ids, a.max_tokens, a.dtype, a.logprobs,
-                                                  stop_ids=(eos,) if a.stop_at_eos else ())
+        results["reference"] = reference_generate(raw or model, ids, max_tokens, dtype, logprobs,
+                                                  stop_ids=(eos,) if stop_at_eos else ())
         results["reference_seconds"] = time.time() - t
-    if a.engine in ("both", "vllm"):
+    if engines in ("both", "vllm"):
         t = time.time()
-        llm = vllm_engine(a.model, a.dtype, a.tp)
+        llm = vllm_engine(model, dtype, tp)
         results["vllm_start_seconds"] = time.time() - t
         t = time.time()
-        results["vllm"] = vllm_generate(llm, ids, a.max_tokens, a.logprobs, ignore_eos=not a.stop_at_eos)
+        results["vllm"] = vllm_generate(llm, ids, max_tokens, logprobs, ignore_eos=not stop_at_eos)
         results["vllm_seconds"] = time.time() - t
-    for engine in ("reference", "vllm"):
-        for r in results.get(engine, []):
-            r["text"] = detokenize(a.model, r["ids"])
-    for i, prompt in enumerate(prompts):
+    for system in ("reference", "vllm"):
+        for r in results.get(system, []):
+            r["text"] = detokenize(model, r["ids"])
+    print_side_by_side(results)
+    if json_path:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(results, indent=1))
+    sys.stdout.flush()
+    return results
+
+
+def print_side_by_side(results: dict) -> None:
+    for i, prompt in enumerate(results["prompts"]):
         print(f"prompt: {prompt!r}")
-        for engine in ("reference", "vllm"):
-            if engine in results:
-                print(f"  {engine:<9}: {results[engine][i]['text']!r}")
+        for system in ("reference", "vllm"):
+            if system in results:
+                print(f"  {system:<9}: {results[system][i]['text']!r}")
     if "reference" in results and "vllm" in results:
         same = sum(r["ids"] == v["ids"] for r, v in zip(results["reference"], results["vllm"]))
-        print(f"identical token ids: {same}/{len(prompts)} prompts ({a.dtype})")
-    if a.json:
-        a.json.parent.mkdir(parents=True, exist_ok=True)
-        a.json.write_text(json.dumps(results, indent=1))
-    sys.stdout.flush()
-    return 0
+        print(f"identical token ids: {same}/{len(results['prompts'])} prompts ({results['dtype']})")

