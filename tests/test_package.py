@@ -75,8 +75,8 @@ def test_installed_patch_wheel_and_doctor_work_from_another_folder(installed, tm
            "MINISTREAM_CACHE": str(CHECKOUT / "build" / "cache")}  # the release wheels this checkout downloaded
     work = tmp_path / "elsewhere"
     work.mkdir()
-    run(installed / "ministream", "patch", "0.32.0", "--build-dir", "trees", cwd=work, env=env)
-    tree = work / "trees" / "vllm-0.32.0"
+    run(installed / "ministream", "patch", "0.32.0", "--out", "tree", cwd=work, env=env)
+    tree = work / "tree"
     assert (tree / "vllm/model_executor/models/ministream.py").is_file()
     run(installed / "ministream", "wheel", "0.32.0", "--device", "cpu", "--tree", tree, "--dist", "wheels",
         cwd=work, env=env)

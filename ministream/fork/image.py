@@ -184,15 +184,3 @@ def run_command(eng: list, name: str, model: str, port: int = PORT, host: str | 
     if eng[0] == "docker" and name.endswith("-cuda"):
         cmd += ["--gpus", "all"]
     return [*cmd, name, *extra]
-
-
-def _main(a):
-    build(a.version, a.device, a.tag)
-
-
-def register(sub):
-    p = sub.add_parser("image", help="build the serving container image (docker, else podman)", description=__doc__)
-    p.add_argument("version", help="vLLM release, e.g. 0.32.0")
-    p.add_argument("--device", required=True, choices=["cuda", "cpu"])
-    p.add_argument("--tag", help="image name (default: ministream-vllm:VERSION-DEVICE)")
-    p.set_defaults(func=_main)

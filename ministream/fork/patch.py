@@ -237,18 +237,19 @@ def _make_pristine(tree: Path, version: str, folder: Path, git_url: str | None) 
 
 
 def patch_tree(version: str, src: Path | None = None, git_url: str | None = None,
-               build: Path = BUILD, patch_sets: Path = PATCH_SETS) -> Path:
+               build: Path = BUILD, patch_sets: Path = PATCH_SETS, out: Path | None = None) -> Path:
     """The vLLM `version` source tree with the MiniStream patch set committed on top; returns its root.
 
-    src: patch that git checkout in place on a new branch. Otherwise build/vllm-<version>,
-    made from a clone of `git_url` at tag v<version>, or from the release wheel's vllm/ package.
+    src: patch that git checkout in place on a new branch. Otherwise `out` (default
+    build/vllm-<version>), made from a clone of `git_url` at tag v<version>, or from the release
+    wheel's vllm/ package.
     """
     folder = patch_set_dir(version, patch_sets)
     if src is not None:
         src = Path(src)
         _apply(_checkout(src, version), version, folder, _shown(src))
         return src
-    tree = Path(build) / f"vllm-{version}"
+    tree = Path(out) if out else Path(build) / f"vllm-{version}"
     if not tree.exists():
         _make_pristine(tree, version, folder, git_url)
     try:

@@ -3,8 +3,9 @@
 The model is served under the folder's name (`out/demo/hf` -> "hf"; --name to choose another), so
 clients name the same model whatever path the server was started with. The engine settings are this
 machine's (engine.py): without a GPU, every core for the model and a KV cache of a quarter of the memory
-available (1 to 64 GiB), unless the environment already sets them; with a GPU, vLLM's own defaults. SIGTERM and SIGINT are passed to the server, which shuts down its engine
-processes; whatever of its process group is left after --stop-timeout seconds is killed.
+available (1 to 64 GiB, split among --tp ranks), unless the environment already sets them; with a GPU,
+vLLM's own defaults. SIGTERM and SIGINT are passed to the server, which shuts down its engine processes;
+whatever of its process group is left after --stop-timeout seconds is killed.
 """
 
 import ctypes
