@@ -284,10 +284,12 @@ def add_serve(sub) -> None:
     p.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
     p.add_argument("--max-model-len", type=int, help="longest prompt + output, in tokens (default: the model's)")
     p.add_argument("--stop-timeout", type=float, default=60, help="seconds to wait after SIGTERM before SIGKILL")
+    p.add_argument("--api-key", help="requests must carry 'Authorization: Bearer KEY'; better set VLLM_API_KEY "
+                   "instead, which keeps the key out of `ps` (vLLM gets it through its environment either way)")
     p.add_argument("--vllm-args", default="", help="more `vllm serve` options, one string, e.g. "
                    "--vllm-args='--max-num-seqs 64'")
     p.set_defaults(func=lambda a: serve.serve(a.model, a.host, a.port, a.name, a.dtype, a.tp, a.max_model_len,
-                                              shlex.split(a.vllm_args), a.stop_timeout))
+                                              shlex.split(a.vllm_args), a.stop_timeout, a.api_key))
 
 
 def add_serve_bench(sub) -> None:

@@ -18,17 +18,20 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import psutil
 import pytest
 
 from ministream.checkpoint.convert import convert
 from ministream.run.generate import DEFAULT_PROMPTS, tokenize
 from ministream.run.engine import SEED, core_binding, engine_env, kv_cache_gib, llm_kwargs, server_command
 from ministream.run.loadtest import first_served_model, load_test
-from ministream.run.serve import served_name
+from ministream.run.serve import exposure_warning, served_name
 
 MAX_TOKENS = 16
 MAX_MODEL_LEN = 256
 START_TIMEOUT = 600
+API_KEY = "test-key"  # the module's server asks for it (VLLM_API_KEY)
+HEADERS = {"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"}
 # A template in the style of the chat checkpoints: bos, one line per message, then the assistant's turn.
 CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}<|assistant|>{% endif %}")
@@ -73,6 +76,18 @@ def test_user_settings_win_over_cpu_defaults():
     env = engine_env(1, {"VLLM_CPU_KVCACHE_SPACE": "3", "PATH": "/bin"})
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "3" and env["PATH"] == "/bin"
     assert "VLLM_CPU_OMP_THREADS_BIND" in env  # every core for the model on a machine without a GPU
+
+
+def test_no_engine_this_project_starts_reports_usage_stats():
+    env = engine_env(1, {"PATH": "/bin"})
+    assert env["VLLM_NO_USAGE_STATS"] == "1" and env["DO_NOT_TRACK"] == "1"
+
+
+def test_listening_beyond_loopback_without_an_api_key_warns():
+    assert exposure_warning("127.0.0.1", {}) is None
+    assert exposure_warning("0.0.0.0", {"VLLM_API_KEY": "k"}) is None
+    warning = exposure_warning("0.0.0.0", {})
+    assert "WARNING" in warning and "without an API key" in warning and "VLLM_API_KEY" in warning
 
 
 def test_server_command_names_the_model_and_listens_where_asked(tmp_path):
@@ -135,10 +150,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def call(url: str, body=None, raw: bytes | None = None, timeout: float = 120) -> tuple[int, dict]:
-    """(HTTP status, JSON body) of a GET (no body) or POST."""
+def call(url: str, body=None, raw: bytes | None = None, timeout: float = 120, headers=HEADERS) -> tuple[int, dict]:
+    """(HTTP status, JSON body) of a GET (no body) or POST, with the API key unless `headers` say otherwise."""
     data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
-    req = urllib.request.Request(url, data, {"Content-Type": "application/json"})
+    req = urllib.request.Request(url, data, headers)
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return r.status, json.loads(r.read() or b"{}")  # /health answers with no body
@@ -160,7 +175,8 @@ def booting(chat_hf, tmp_path_factory):
     port = free_port()
     log = tmp_path_factory.mktemp("serve-log") / "server.log"
     exe = Path(sys.executable).parent / "ministream"
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}  # lean: the tiny model needs little
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1",  # lean: the tiny model needs little
+           "VLLM_API_KEY": API_KEY}
     with open(log, "w") as out:
         proc = subprocess.Popen([str(exe), "serve", str(chat_hf), "--port", str(port), "--dtype", "float32",
                                  "--max-model-len", str(MAX_MODEL_LEN)], stdout=out, stderr=subprocess.STDOUT,
@@ -214,6 +230,15 @@ def complete(server, prompt, max_tokens=MAX_TOKENS, **extra) -> tuple[int, dict]
 
 
 @pytest.mark.vllm
+def test_a_request_without_the_api_key_is_refused(server):
+    status, _ = call(f"{server['url']}/v1/completions", {"model": server["name"], "prompt": "x", "max_tokens": 1},
+                     headers={"Content-Type": "application/json"})
+    assert status == 401
+    tree = [server["proc"].pid, *(c.pid for c in psutil.Process(server["proc"].pid).children(recursive=True))]
+    assert not [pid for pid in tree if API_KEY in " ".join(psutil.Process(pid).cmdline())]  # out of `ps`
+
+
+@pytest.mark.vllm
 def test_models_lists_the_folder_under_its_name(server):
     status, body = call(f"{server['url']}/v1/models")
     assert status == 200
@@ -238,7 +263,7 @@ def test_streaming_returns_the_same_text_in_chunks(server):
     whole = complete(server, prompt)[1]["choices"][0]["text"]
     body = json.dumps({"model": server["name"], "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
                        "ignore_eos": True, "stream": True}).encode()
-    req = urllib.request.Request(f"{server['url']}/v1/completions", body, {"Content-Type": "application/json"})
+    req = urllib.request.Request(f"{server['url']}/v1/completions", body, HEADERS)
     chunks, done = [], False
     with urllib.request.urlopen(req, timeout=120) as r:
         assert r.headers["Content-Type"].startswith("text/event-stream")

@@ -19,6 +19,8 @@ SEED = 0  # every engine samples from the same seed, so runs repeat
 # The server keeps the model's own length (or --max-model-len): what doctor judges.
 OFFLINE_MAX_MODEL_LEN = 2048
 BIND, KV_CACHE = "VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE"  # vLLM's CPU settings (GiB for the cache)
+# vLLM reports usage to its authors unless told not to: nothing this project starts phones home
+NO_USAGE_STATS = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
 
 
 def has_gpu() -> bool:
@@ -79,10 +81,15 @@ def cpu_defaults(tp: int = 1) -> dict[str, str]:
     return {BIND: core_binding(tp), KV_CACHE: str(kv_cache_gib(tp=tp))}
 
 
+def defaults(tp: int = 1) -> dict[str, str]:
+    """Every engine's environment defaults: no usage reporting, and this machine's CPU settings."""
+    return {**NO_USAGE_STATS, **cpu_defaults(tp)}
+
+
 def engine_env(tp: int = 1, environ: dict | None = None) -> dict:
     """An engine's environment: `environ` (this one by default) plus the defaults it does not set."""
     env = dict(os.environ if environ is None else environ)
-    for k, v in cpu_defaults(tp).items():
+    for k, v in defaults(tp).items():
         env.setdefault(k, v)
     return env
 
@@ -108,8 +115,8 @@ def llm_kwargs(model: Path, dtype: str, tp: int = 1, max_model_len: int | None =
 
 
 def use_defaults(tp: int = 1) -> None:
-    """Put this machine's defaults into this process's environment (vLLM's engine processes inherit it)."""
-    for k, v in cpu_defaults(tp).items():
+    """Put the defaults into this process's environment (vLLM's engine processes inherit it)."""
+    for k, v in defaults(tp).items():
         os.environ.setdefault(k, v)
 
 

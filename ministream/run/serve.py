@@ -68,15 +68,33 @@ def _pgroup_alive(pgid: int) -> bool:
         return True
 
 
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+API_KEY = "VLLM_API_KEY"  # vLLM's own: every /v1 request must then carry "Authorization: Bearer <key>"
+
+
+def exposure_warning(host: str, env: dict) -> str | None:
+    """A warning when the server would answer anyone who reaches `host` with no key asked of them."""
+    if host in LOOPBACK or env.get(API_KEY):
+        return None
+    return (f"ministream serve: WARNING: listening on {host} without an API key: anyone who reaches this port "
+            f"can use the model. Set {API_KEY}=<key> (or --api-key) so that requests must carry it.")
+
+
 def serve(model: Path, host: str = "127.0.0.1", port: int = 8000, name: str | None = None,
           dtype: str | None = None, tp: int = 1, max_model_len: int | None = None, extra: list[str] = (),
-          stop_timeout: float = 60) -> int:
-    """Run the server until it exits or this process gets SIGTERM/SIGINT; its exit status."""
+          stop_timeout: float = 60, api_key: str | None = None) -> int:
+    """Run the server until it exits or this process gets SIGTERM/SIGINT; its exit status.
+
+    api_key goes to vLLM through its environment (VLLM_API_KEY), never on a command line `ps` shows."""
     read_config(model)  # a folder vLLM can read, before minutes of engine start
     if importlib.util.find_spec("vllm") is None:
         raise MiniStreamError(f"vllm is not installed in {sys.prefix}: run `make install` first") from None
     name = name or served_name(model)
     env = engine.engine_env(tp)
+    if api_key:
+        env[API_KEY] = api_key
+    if warning := exposure_warning(host, env):
+        print(warning, file=sys.stderr, flush=True)
     cmd = engine.server_command(model, host, port, name, dtype, tp, max_model_len, list(extra), engine.has_gpu())
     url = local_url(host, port)
     shown = " ".join(f"{k}={env[k]}" for k in SHOWN if k in env)
