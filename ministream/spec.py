@@ -83,7 +83,10 @@ class TrainConfig:
                 f"{source} lacks {', '.join(missing)}: pass them as flags (e.g. --{missing[0].replace('_', '-')} N)")
         known = {f.name for f in dataclasses.fields(cls)}
         kwargs = {k: _checked_value(k, v, source) for k, v in d.items() if k in known and v is not None}
-        return cls(**kwargs)
+        try:
+            return cls(**kwargs)
+        except MiniStreamError as e:  # a rule between values: say whose values they are
+            raise MiniStreamError(f"{source}: {e}") from None
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
