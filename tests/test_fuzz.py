@@ -21,8 +21,8 @@ from tokenizers import Tokenizer, models
 
 from ministream import MiniStreamError
 from ministream.checkpoint.convert import convert, read_folder
-from ministream.checkpoint.format import load_checkpoint, save_checkpoint
-from ministream.spec import TrainConfig, raw_shapes
+from ministream.checkpoint.format import load_checkpoint
+from ministream.spec import TrainConfig, raw_shapes, renumber_block
 
 EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "120"))
 ERROR_KINDS: Counter = Counter()  # what the project's errors said, by kind: reported at the end
@@ -61,7 +61,7 @@ def write_checkpoint(folder: Path, case: dict) -> dict:
     state = {k: (torch.randn(shape, generator=g) * 0.5).to(getattr(torch, case["dtype"]))
              for k, shape in raw_shapes(cfg).items()}
     if case["one_based"]:
-        state = {re.sub(r"^blocks\.(\d+)\.", lambda m: f"blocks.{int(m.group(1)) + 1}.", k): v for k, v in state.items()}
+        state = {renumber_block(k, +1): v for k, v in state.items()}
     if case["damage"] == "delete_key":
         del state[sorted(state)[int(case["where"] * (len(state) - 1))]]
     if case["damage"] == "nan":

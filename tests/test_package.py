@@ -2,6 +2,7 @@
 from another folder; and its shape: every module imports on its own, and MiniStream is stated once."""
 
 import ast
+import json
 import re
 import subprocess
 import sys
@@ -12,7 +13,6 @@ from pathlib import Path
 import pytest
 import torch
 
-import ministream
 from ministream import spec
 
 CHECKOUT = Path(__file__).resolve().parent.parent
@@ -56,8 +56,8 @@ def test_sdist_and_wheel_ship_the_patch_sets_the_model_file_and_the_scripts(buil
         assert path in sdist, path
         assert path in wheel, path
     sets = [n for n in wheel if n.startswith("ministream/fork/patches/") and n.endswith(".diff")]
-    assert len(sets) >= len({v for v in __import__("json").loads(
-        (PACKAGE / "fork/patches/versions.json").read_text()).values()}), "every patch set's diffs ship"
+    versions = json.loads((PACKAGE / "fork/patches/versions.json").read_text())
+    assert len(sets) >= len(set(versions.values())), "every patch set's diffs ship"
 
 
 def test_the_installed_package_runs_from_another_folder_without_this_checkout(installed, tmp_path):
