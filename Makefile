@@ -25,6 +25,8 @@ TO ?=
 VERSIONS ?=
 VLLM_GIT_URL ?=
 MODEL ?= $(OUT)
+# vllm-tests: COMPARE=1 also runs the other cases of vLLM's test files before and after the patch
+COMPARE ?=
 # verify: a prompt file (one a line, or a JSON list)
 PROMPTS ?=
 # serve
@@ -36,7 +38,7 @@ BENCH_OUT ?= build/bench
 BENCH_QUICK ?=
 BENCH_ARGS ?=
 
-.PHONY: help setup demo test checkpoint convert generate patch wheel install bench clean port matrix serve image image-prereqs test-image verify doctor
+.PHONY: help setup demo test checkpoint convert generate patch wheel install vllm-tests bench clean port matrix serve image image-prereqs test-image verify doctor
 
 help:
 	@echo "make setup                         create $(VENV)/ (torch $(TORCH_VERSION), CPU build without a GPU)"
@@ -45,9 +47,12 @@ help:
 	@echo "make checkpoint PRESET=p RAW=dir   write a format-1 training checkpoint (presets: ministream checkpoint --help)"
 	@echo "make convert RAW=dir OUT=dir       training checkpoint -> HF-style folder [DTYPE=bfloat16] [CONVERT_ARGS=--force]"
 	@echo "make generate MODEL=dir            greedy text from the reference model and the installed vLLM"
-	@echo "make patch VLLM_VERSION=x          pristine vLLM x source + MiniStream patch in build/vllm-x/ [VLLM_SRC=checkout]"
+	@echo "make patch VLLM_VERSION=x          vLLM x's source tree (its sdist) + the MiniStream patch set in build/vllm-x/"
+	@echo "                                   [VLLM_SRC=checkout: patch that git checkout instead] [VLLM_GIT_URL=repo]"
 	@echo "make wheel VLLM_VERSION=x DEVICE=d patched release wheel into dist/ (d: cuda|cpu, now $(DEVICE))"
 	@echo "make install VLLM_VERSION=x        install the patched wheel into $(VENV)/"
+	@echo "make vllm-tests VLLM_VERSION=x     vLLM's own tests of MiniStream (test_registry, test_initialization, our"
+	@echo "                                   generation test) from the patched tree, offline [VLLM_SRC=] [COMPARE=1]"
 	@echo "make verify MODEL=dir [RAW=dir]    reference model's golden outputs vs the installed vLLM: exit 0 if they pass"
 	@echo "                                   the rule for DTYPE (float32|bfloat16), else layer by layer [PROMPTS=file]"
 	@echo "make doctor MODEL=dir              check a converted folder and the installed vLLM, one line per finding"
@@ -89,6 +94,9 @@ matrix: setup
 install: wheel
 	$(MS) install $(VLLM_VERSION) --device $(DEVICE)
 
+vllm-tests: install
+	$(MS) vllm-tests $(VLLM_VERSION) $(if $(VLLM_SRC),--tree $(VLLM_SRC)) $(if $(COMPARE),--compare)
+
 # RAW goes to the reference model when given, or when MODEL is the default (the demo's folders)
 verify: setup
 	$(MS) verify $(MODEL) $(if $(or $(filter command line environment,$(origin RAW)),$(filter file,$(origin MODEL))),--raw $(RAW)) $(if $(DTYPE),--dtype $(DTYPE)) $(if $(PROMPTS),--prompts $(PROMPTS))
@@ -110,6 +118,7 @@ bench: setup
 test: setup
 	$(MAKE) --no-print-directory install DEVICE=cpu
 	$(PY) -m pytest -ra $(PYTEST_ARGS)
+	$(MAKE) --no-print-directory vllm-tests DEVICE=cpu
 
 serve: setup
 	$(MS) serve $(MODEL) --host $(HOST) --port $(PORT) $(if $(DTYPE),--dtype $(DTYPE)) $(if $(TP),--tp $(TP))

@@ -92,7 +92,7 @@ def add_patch(sub) -> None:
     p = _for_release(sub, "patch", patch, "pristine vLLM source tree + the MiniStream patch set, as two git commits")
     p.add_argument("--src", type=Path, help="patch this clean vLLM git checkout in place, on a new branch")
     p.add_argument("--git-url", help="clone the pristine tree from this repository's tag v<version> "
-                                     "instead of extracting the release wheel")
+                                     "instead of extracting the release's sdist")
     p.add_argument("--build-dir", type=Path, default=BUILD, help="where vllm-<version>/ goes (default: %(default)s)")
     p.add_argument("--out", type=Path, help="the patched tree itself (default: BUILD_DIR/vllm-<version>)")
     p.add_argument("--refresh-diff", action="store_true",
@@ -163,6 +163,19 @@ def add_install(sub) -> None:
     p.add_argument("--device", required=True, choices=list(DISTRIBUTIONS), help="which of our wheels: cuda or cpu")
     p.add_argument("--dist", type=Path, help="folder holding the wheel (default: dist/)")
     p.set_defaults(func=lambda a: install.install(a.version, a.device, a.dist) and 0)
+
+
+def add_vllm_tests(sub) -> None:
+    from .fork import vllm_tests
+    from .paths import BUILD
+
+    p = _for_release(sub, "vllm-tests", vllm_tests, "vLLM's own tests of MiniStream, from the patched tree, offline")
+    p.add_argument("--tree", type=Path, help="patched vLLM source tree (default: build/vllm-VERSION)")
+    p.add_argument("--compare", action="store_true", help="also run the other cases of vLLM's test files before "
+                                                          "and after the patch, and report any that differ")
+    p.add_argument("--out", type=Path, default=BUILD / "vllm-tests",
+                   help="reports and the example models' HF cache (default: %(default)s)")
+    p.set_defaults(func=lambda a: vllm_tests.run(a.version, a.tree, a.compare, a.out))
 
 
 def add_image(sub) -> None:
@@ -314,7 +327,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(prog="ministream", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     for add in (add_checkpoint, add_convert,  # the training side
-                add_patch, add_port, add_matrix, add_wheel, add_install, add_image,  # the vLLM side
+                add_patch, add_port, add_matrix, add_wheel, add_install, add_vllm_tests, add_image,  # the vLLM side
                 add_generate, add_verify, add_doctor, add_serve, add_serve_bench, add_bench):  # using an engine
         add(sub)
     args = parser.parse_args(argv)

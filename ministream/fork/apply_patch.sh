@@ -8,6 +8,9 @@
 #   *.diff   git-style diffs with paths relative to TREE, applied with `git apply`;
 #            model.diff is a copy diff: TREE's llama.py + model.diff -> ministream.py
 #   files/   new files of this patch set only, copied to the same relative path under TREE
+#   upstream/  the rest of an upstream pull request: *.diff and files/ for vLLM's tests/ and
+#            docs/ (the example-model entry, the supported-models row, a generation test);
+#            applied when TREE is a source tree (has tests/), left out for a bare vllm/ package
 # and every patch set adds the files of PATCH_SET/../common/files/ (stored once) the same way.
 # Everything is checked first (`git apply --check`, no added file already
 # present); on any failure this prints the file and hunk at fault, exits 1 and
@@ -21,8 +24,13 @@ fi
 TREE=$(cd "$1" && pwd)
 PATCH_SET=$(cd "$2" && pwd)
 
+source_tree=0
+[[ -d $TREE/tests ]] && source_tree=1
 shopt -s nullglob
 diffs=("$PATCH_SET"/*.diff)
+if [[ $source_tree -eq 1 ]]; then
+    diffs+=("$PATCH_SET"/upstream/*.diff)
+fi
 shopt -u nullglob
 if [[ ${#diffs[@]} -eq 0 ]]; then
     echo "error: no *.diff in $PATCH_SET" >&2
@@ -57,7 +65,11 @@ if ! check=$(git apply --check --verbose "${diffs[@]}" 2>&1); then
     failed=1
 fi
 new_files=()  # "folder<TAB>relative path" of each file to add
-for folder in "$(dirname "$PATCH_SET")/common/files" "$PATCH_SET/files"; do
+folders=("$(dirname "$PATCH_SET")/common/files" "$PATCH_SET/files")
+if [[ $source_tree -eq 1 ]]; then
+    folders+=("$PATCH_SET/upstream/files")
+fi
+for folder in "${folders[@]}"; do
     [[ -d $folder ]] || continue
     while IFS= read -r -d '' f; do
         rel=${f#"$folder/"}
@@ -80,4 +92,6 @@ for entry in "${new_files[@]}"; do
     mkdir -p "$(dirname "$TREE/$rel")"
     cp "$folder/$rel" "$TREE/$rel"
 done
-echo "applied $(basename "$PATCH_SET") to $TREE: ${#diffs[@]} diff(s), ${#new_files[@]} new file(s)"
+what="vllm/ only (no tests/: not a source tree)"
+[[ $source_tree -eq 1 ]] && what="vllm/, tests/ and docs/"
+echo "applied $(basename "$PATCH_SET") to $TREE: ${#diffs[@]} diff(s), ${#new_files[@]} new file(s); $what"

@@ -1,6 +1,6 @@
 """patch: a pristine vLLM source tree plus the MiniStream patch set, as two git commits.
 
-    ministream patch 0.32.0                    build/vllm-0.32.0/ from the release wheel
+    ministream patch 0.32.0                    build/vllm-0.32.0/ from the release's sdist
     ministream patch 0.32.0 --git-url URL      ... cloned from URL at tag v0.32.0 instead
     ministream patch 0.32.0 --src CHECKOUT     patch a clean vLLM checkout on branch ministream/v0.32.0
     ministream patch 0.32.0 --refresh-diff     (developer) rewrite patches/v0.32.0/model.diff
@@ -11,11 +11,12 @@ and HEAD~1 is the pristine base; the patch is exactly the files that differ betw
 What a patch set is, and how one is applied: patchset.py.
 """
 
+import os
 import re
 import shutil
 import tempfile
-import zipfile
-from pathlib import Path
+import tarfile
+from pathlib import Path, PurePosixPath
 
 import git
 
@@ -24,7 +25,7 @@ from ..paths import BUILD, MODEL_FILE, PATCH_SETS
 from ..spec import ARCH, MODEL_TYPE
 from . import patchset
 from .patchset import ApplyError, check_pristine, manifest, patch_set_dir, patch_set_hash
-from .release import release_files, release_wheel
+from .release import file_sha256, release_files, release_sdist
 
 LLAMA = "vllm/model_executor/models/llama.py"
 MINISTREAM = "vllm/model_executor/models/ministream.py"
@@ -36,9 +37,6 @@ IDENTITY = {
     "GIT_AUTHOR_NAME": "ministream patch", "GIT_AUTHOR_EMAIL": "ministream@localhost",
     "GIT_COMMITTER_NAME": "ministream patch", "GIT_COMMITTER_EMAIL": "ministream@localhost",
 }
-# Wheel members left out of a source tree: compiled code (ELF files are caught by content too).
-BINARY_SUFFIXES = re.compile(r"\.(so(\.\d+)*|pyd|dylib|a|o|cubin|fatbin)$")
-
 
 # --- model.diff: models/ministream.py as a diff against the release's llama.py -------------
 
@@ -58,33 +56,53 @@ def refresh_diff(version: str, model: Path = MODEL_FILE, patch_sets: Path = PATC
 
 # --- obtaining a pristine tree ------------------------------------------------------------
 
-def extract_wheel(wheel: Path, dest: Path) -> int:
-    """Write the wheel's vllm/ package, compiled files left out, under `dest`; returns the file count."""
-    n = 0
-    with zipfile.ZipFile(wheel) as z:
-        for info in z.infolist():
-            name = info.filename
-            if not name.startswith("vllm/") or name.endswith("/") or BINARY_SUFFIXES.search(name):
+def _member_path(archive: str, name: str, top: str) -> PurePosixPath:
+    """`name` of an archive member relative to its top folder, refused unless it stays below it."""
+    rel = PurePosixPath(name)
+    if rel.is_absolute() or ".." in rel.parts or rel.parts[:1] != (top,) or len(rel.parts) < 2:
+        raise MiniStreamError(f"{archive}: member {name!r} would be written outside {top}/; "
+                              f"the archive is not a vLLM release as published, refused")
+    return PurePosixPath(*rel.parts[1:])
+
+
+def extract_sdist(sdist: Path, dest: Path) -> int:
+    """Write the sdist's files (its top folder vllm-X/ stripped) under `dest`; returns the file count.
+
+    Only regular files and folders are taken, each only below `dest`: a link, a device, an absolute
+    path or a `..` is refused (the sdist's sha256 is checked before, this guards the extraction itself)."""
+    top, n = sdist.name.removesuffix(".tar.gz"), 0
+    with tarfile.open(sdist, "r:gz") as archive:
+        for member in archive:
+            rel = _member_path(sdist.name, member.name, top) if member.name != top else None
+            if member.isdir() or rel is None:
                 continue
-            data = z.read(info)
-            if data[:4] == b"\x7fELF":  # executables without a suffix (vllm/vllm-rs)
-                continue
-            out = dest / name
+            if not member.isfile():
+                raise MiniStreamError(f"{sdist.name}: member {member.name!r} is a link or special file; "
+                                      f"vLLM's sdists hold regular files only, refused")
+            out = dest.joinpath(*rel.parts)
             out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_bytes(data)
+            with archive.extractfile(member) as f:
+                out.write_bytes(f.read())
+            out.chmod(0o755 if member.mode & 0o111 else 0o644)
             n += 1
     return n
 
 
-def _pristine_from_wheel(version: str, dest: Path) -> None:
-    wheel = release_wheel(version, "cuda")
-    n = extract_wheel(wheel, dest)
+def _pristine_from_sdist(version: str, dest: Path) -> None:
+    sdist = release_sdist(version)
+    n = extract_sdist(sdist, dest)
     repo = git.Repo.init(dest, initial_branch=f"ministream/v{version}")
-    (dest / ".git" / "info" / "exclude").write_text("__pycache__/\n*.pyc\n")
-    repo.git.add("-A")
-    _commit(repo, f"vLLM {version}: pristine Python tree of {wheel.name}\n\n"
-                  f"The wheel's vllm/ package ({n} files) without its compiled files.\n")
+    (dest / ".git" / "info" / "exclude").write_text("__pycache__/\n*.pyc\n.pytest_cache/\n")
+    # No detached `git gc --auto` after the commit's thousands of loose objects: it would delete them while
+    # a copy or a clone of the tree may be reading them. One gc, here, packs them instead.
+    repo.git.config("gc.auto", "0")
+    repo.git.add("-A", "--force")  # the release's files, its .gitignore'd ones (vllm/_version.py) too
+    _commit(repo, f"vLLM {version}: pristine source tree of {sdist.name}\n\n"
+                  f"The {n} files of the release's source distribution from PyPI\n"
+                  f"(sha256 {file_sha256(sdist)}), its top folder stripped.\n")
     repo.create_tag(f"v{version}")
+    repo.git.gc("--quiet")
+    repo.git.config("--unset", "gc.auto")
 
 
 def _pristine_from_git(version: str, url: str, dest: Path) -> None:
@@ -110,8 +128,8 @@ def applied_hash(commit: git.Commit) -> str | None:
     return m.group(1) if m else None
 
 
-def _message(version: str, folder: Path, digest: str) -> str:
-    added = "\n".join(f"  {rel}" for rel in [MINISTREAM, *patchset.added_files(folder)])
+def _message(version: str, folder: Path, digest: str, source: bool) -> str:
+    added = "\n".join(f"  {rel}" for rel in [MINISTREAM, *patchset.added_files(folder, upstream=source)])
     return (f"{SUBJECT}{folder.name}\n\n"
             f"MiniStream (the LLaMA architecture under its own name) for vLLM {version}: adds\n"
             f"{added}\nand registers {ARCH} and model_type \"{MODEL_TYPE}\". The parent commit is the\n"
@@ -122,7 +140,7 @@ def _message(version: str, folder: Path, digest: str) -> str:
 
 def _dirt(repo: git.Repo) -> list[str]:
     changed = [d.a_path for d in repo.index.diff(None)] + [d.a_path for d in repo.index.diff("HEAD")]
-    untracked = [p for p in repo.untracked_files if p.startswith("vllm/")]
+    untracked = [p for p in repo.untracked_files if p.split("/")[0] in patchset.ROOTS]
     return sorted(set(changed + untracked))
 
 
@@ -184,8 +202,9 @@ def _apply(repo: git.Repo, version: str, folder: Path, where: str) -> bool:
                 f"patch set {folder} does not apply to {where}: {'; '.join(e.at_fault)}; "
                 f"the tree is unchanged. Is it vLLM {version}? A newer release needs its own patch set: "
                 f"make port FROM=<nearest supported> TO={version}") from None
-        repo.git.add("-A", "--", "vllm")
-        _commit(repo, _message(version, folder, digest))
+        tree = Path(repo.working_tree_dir)
+        repo.git.add("-A", "--", *(r for r in patchset.ROOTS if (tree / r).exists()))
+        _commit(repo, _message(version, folder, digest, patchset.is_source_tree(tree)))
     except BaseException:
         _restore(repo, head, current, branch)
         raise
@@ -226,14 +245,45 @@ def _make_pristine(tree: Path, version: str, folder: Path, git_url: str | None) 
             _pristine_from_git(version, git_url, partial)
             origin = f"{git_url} (tag v{version})"
         else:
-            print(f"extracting the vLLM {version} release wheel's Python files into {_shown(tree)}")
-            _pristine_from_wheel(version, partial)
-            origin = f"the vllm {version} release wheel"
+            print(f"extracting the vLLM {version} source distribution into {_shown(tree)}")
+            _pristine_from_sdist(version, partial)
+            origin = f"the vllm {version} sdist"
         check_pristine(partial, version, folder, origin)
         partial.rename(tree)  # only a complete, checked tree gets the real name
     finally:
         if partial.exists():
             shutil.rmtree(partial)
+
+
+WHEEL_MADE = "pristine Python tree of "  # the base commit's subject in trees made by ministream <= 0.1.0
+
+
+def _wheel_made(tree: Path, version: str) -> bool:
+    """A tree an older ministream made from the release wheel's vllm/ package (no tests/, no docs/)."""
+    try:
+        root = list(git.Repo(tree).iter_commits())[-1]
+    except (git.InvalidGitRepositoryError, ValueError):
+        return False
+    return root.message.startswith(f"vLLM {version}: {WHEEL_MADE}")
+
+
+def _remake(tree: Path, version: str, folder: Path, git_url: str | None) -> None:
+    """Replace a wheel-made tree with the release's source tree, if nothing in it is the user's."""
+    repo = git.Repo(tree)
+    foreign = [c.hexsha[:12] for c in repo.iter_commits() if c.author.email != IDENTITY["GIT_AUTHOR_EMAIL"]]
+    if foreign or _dirt(repo) or len(repo.heads) > 1:
+        raise MiniStreamError(f"{_shown(tree)} was made from the release wheel by an older ministream (no tests/ or "
+                              f"docs/) and holds work of yours ({', '.join(foreign) or 'changes or branches'}); "
+                              f"move it aside (mv {tree} {tree}.old) and run again")
+    print(f"{_shown(tree)} was made from the release wheel by an older ministream; remaking it from the sdist")
+    old = tree.with_name(f".{tree.name}.wheel-made-{os.getpid()}")
+    tree.rename(old)
+    try:
+        _make_pristine(tree, version, folder, git_url)
+    except BaseException:
+        old.rename(tree)
+        raise
+    shutil.rmtree(old)
 
 
 def patch_tree(version: str, src: Path | None = None, git_url: str | None = None,
@@ -250,6 +300,8 @@ def patch_tree(version: str, src: Path | None = None, git_url: str | None = None
         _apply(_checkout(src, version), version, folder, _shown(src))
         return src
     tree = Path(out) if out else Path(build) / f"vllm-{version}"
+    if tree.exists() and _wheel_made(tree, version):
+        _remake(tree, version, folder, git_url)
     if not tree.exists():
         _make_pristine(tree, version, folder, git_url)
     try:

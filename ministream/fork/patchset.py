@@ -6,6 +6,9 @@ patches/ (paths.PATCH_SETS) holds one folder per patch set and what they share:
   vX/model.diff        a copy diff: the tree's llama.py -> ministream.py
   vX/registry.diff     the registrations (registry.py, config.py, configs/__init__.py)
   vX/files/            files only this patch set adds (optional)
+  vX/upstream/         the rest of an upstream pull request, for source trees (those with tests/):
+                       *.diff (the example-model entry in tests/models/registry.py, the docs row)
+                       and files/ (a generation test in vLLM's own style); optional
   vX/manifest.json     patch_version; pristine_sha256: {version: {path: sha256}} of the files the
                        diffs touch; for a derived set, ported_from and generated_by
 v0.32.0 is made by hand (from models/ministream.py); every other set is derived from it by
@@ -24,6 +27,14 @@ from .. import MiniStreamError
 from ..paths import APPLY_SCRIPT, PATCH_SETS
 
 COMMON = "common"  # patches/common/files/: added by every patch set
+UPSTREAM = "upstream"  # vX/upstream/: tests/ and docs/ changes, applied to source trees only
+# The top folders a patch set changes: the package, and in a source tree vLLM's tests and docs.
+ROOTS = ("vllm", "tests", "docs")
+
+
+def is_source_tree(tree: Path) -> bool:
+    """A release's or a checkout's whole source (tests/ beside vllm/), not a bare vllm/ package."""
+    return (tree / "tests").is_dir()
 
 
 def supported_versions(patch_sets: Path = PATCH_SETS) -> dict[str, str]:
@@ -69,10 +80,12 @@ def _files_under(folder: Path) -> list[Path]:
                   if p.is_file() and "__pycache__" not in p.parts and p.suffix != ".pyc")
 
 
-def added_files(patch_set_dir: Path) -> dict[str, Path]:
-    """Tree-relative path -> the file the patch set adds there: common/files/, then its own files/."""
+def added_files(patch_set_dir: Path, upstream: bool = False) -> dict[str, Path]:
+    """Tree-relative path -> the file the patch set adds there: common/files/, then its own files/,
+    and with `upstream` its upstream/files/."""
     found = {}
-    for folder in (patch_set_dir.parent / COMMON / "files", patch_set_dir / "files"):
+    folders = [patch_set_dir.parent / COMMON / "files", patch_set_dir / "files"]
+    for folder in folders + ([patch_set_dir / UPSTREAM / "files"] if upstream else []):
         for p in _files_under(folder) if folder.is_dir() else ():
             rel = p.relative_to(folder).as_posix()
             if rel in found:
@@ -87,7 +100,8 @@ def patch_set_hash(patch_set_dir: Path) -> str:
     files, common ones included): changes whenever the patch does."""
     named = [(p.relative_to(patch_set_dir).as_posix(), p) for p in _files_under(patch_set_dir)
              if p.relative_to(patch_set_dir).parts[0] != "files"]
-    named += [(f"files/{rel}", p) for rel, p in added_files(patch_set_dir).items()]
+    named = [(name, p) for name, p in named if not name.startswith(f"{UPSTREAM}/files/")]
+    named += [(f"files/{rel}", p) for rel, p in added_files(patch_set_dir, upstream=True).items()]
     h = hashlib.sha256()
     for name, p in sorted(named):
         h.update(name.encode() + b"\0" + p.read_bytes() + b"\0")
@@ -95,8 +109,10 @@ def patch_set_hash(patch_set_dir: Path) -> str:
 
 
 def _hashes(tree: Path, expected: dict[str, str]) -> dict[str, str]:
+    """sha256 of each expected file in `tree`; a bare vllm/ package is checked on its own files only."""
+    source = is_source_tree(tree)
     return {rel: hashlib.sha256((tree / rel).read_bytes()).hexdigest() if (tree / rel).is_file() else "missing"
-            for rel in expected}
+            for rel in expected if source or rel.startswith("vllm/")}
 
 
 def check_pristine(tree: Path, version: str, patch_set_dir: Path, origin: str) -> None:
@@ -118,7 +134,7 @@ def check_pristine(tree: Path, version: str, patch_set_dir: Path, origin: str) -
     if not same_line:
         raise MiniStreamError(f"{where} has no pristine_sha256 entry for vLLM {version}; "
                               f"add one (sha256 of each file the patch touches in that release)")
-    if any(_hashes(tree, expected) == expected for expected in same_line.values()):
+    if any(all(expected[rel] == got for rel, got in _hashes(tree, expected).items()) for expected in same_line.values()):
         return
     v, expected = max(same_line.items(), key=lambda kv: Version(kv[0]))
     differ = [rel for rel, got in _hashes(tree, expected).items() if got != expected[rel]]

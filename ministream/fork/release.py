@@ -1,5 +1,10 @@
-"""Official vLLM release artifacts: whole wheels (for `wheel` and `patch`) and single files of them
-(for `port` and `matrix`), downloaded once and cached under build/cache/."""
+"""Official vLLM release artifacts: whole wheels (for `wheel`), sdists (for `patch`) and single files
+of wheels (for `port` and `matrix`), downloaded once and cached under build/cache/.
+
+Nothing downloaded is trusted: a whole wheel or sdist, cached or fresh, must have the sha256 that PyPI
+publishes for it, pinned in releases.json for the supported releases (so a poisoned cache is
+refused even offline) and read from PyPI's index for any other release of a supported line.
+"""
 
 import hashlib
 import io
@@ -7,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import tarfile
 import tempfile
 import urllib.request
 import zipfile
@@ -14,9 +20,10 @@ from functools import lru_cache
 from pathlib import Path
 
 from .. import MiniStreamError
-from ..paths import CACHE as CACHE_ROOT
+from ..paths import CACHE as CACHE_ROOT, RELEASE_PINS
 
 CACHE = CACHE_ROOT / "wheels"
+SDISTS = CACHE_ROOT / "sdists"
 MEMBERS = CACHE_ROOT / "members"  # members/<version>/<path in the wheel>
 
 # DEVICE -> the PyPI distribution whose release wheel carries that device's compiled kernels.
@@ -27,14 +34,70 @@ INDEX_TYPE = "application/vnd.pypi.simple.v1+json"
 TIMEOUT = 60
 
 
+# --- trust: each release file against the sha256 PyPI publishes ------------------------------
+
+def _pins() -> dict:
+    return json.loads(RELEASE_PINS.read_text())
+
+
+def expected_sha256(dist: str, version: str, filename: str) -> str:
+    """The sha256 PyPI publishes for `filename`: pinned in releases.json, else read from the index."""
+    pinned = _pins().get(dist, {}).get(version)
+    if pinned is not None:
+        if filename not in pinned:
+            raise MiniStreamError(f"{filename} is not a file of the {dist} {version} release (releases.json lists "
+                                  f"{', '.join(pinned)}); delete it from the cache and run again")
+        return pinned[filename]
+    found = [f["hashes"].get("sha256") for f in _index(dist) if f["filename"] == filename]
+    if not found or not found[0]:
+        raise MiniStreamError(f"PyPI's index of {dist} publishes no sha256 for {filename}: it is not an official "
+                              f"release file and is not used; delete it from the cache")
+    return found[0]
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def verified(path: Path, dist: str, version: str, name: str | None = None) -> Path:
+    """`path` (the release file `name`, by default its own name), once its sha256 is the one PyPI
+    publishes for that file; refused otherwise."""
+    want, got = expected_sha256(dist, version, name or path.name), file_sha256(path)
+    if got != want:
+        raise MiniStreamError(f"{path} is not the official {dist} {version} release file: its sha256 is {got[:16]}..., "
+                              f"PyPI publishes {want[:16]}... (pinned in {RELEASE_PINS.name}); it is corrupt or was "
+                              f"tampered with: delete it and run again to download it anew")
+    return path
+
+
+def pin_releases(versions: list[str], pins: Path = RELEASE_PINS) -> None:
+    """Record in releases.json the sha256 PyPI publishes for every file of `versions` (both distributions)."""
+    data = json.loads(pins.read_text())
+    for dist in DISTRIBUTIONS.values():
+        stem = dist.replace("-", "_")
+        for v in versions:
+            files = {f["filename"]: f["hashes"]["sha256"] for f in _index(dist)
+                     if f["filename"] in (f"{dist}-{v}.tar.gz", f"{stem}-{v}.tar.gz")
+                     or (f["filename"].startswith(f"{stem}-{v}-") and f["filename"].endswith(".whl"))}
+            if files:
+                data.setdefault(dist, {})[v] = dict(sorted(files.items()))
+    _write_atomic(pins, (json.dumps(data, indent=1) + "\n").encode())
+
+
+# --- whole wheels and sdists ------------------------------------------------------------------
+
 def release_wheel(version: str, device: str = "cuda", cache: Path = CACHE) -> Path:
-    """The official release wheel of vLLM `version` for `device`, from the cache or PyPI."""
+    """The official release wheel of vLLM `version` for `device`, from the cache or PyPI, verified."""
     if device not in DISTRIBUTIONS:
         raise MiniStreamError(f"unknown DEVICE {device!r}: use one of {', '.join(DISTRIBUTIONS)}")
     dist = DISTRIBUTIONS[device]
     hit = cached_wheel(version, dist, cache)
     if hit:
-        return hit
+        return verified(hit, dist, version)
     cache.mkdir(parents=True, exist_ok=True)
     stem = dist.replace("-", "_")
     with tempfile.TemporaryDirectory(dir=cache) as tmp:
@@ -47,13 +110,41 @@ def release_wheel(version: str, device: str = "cuda", cache: Path = CACHE) -> Pa
                 f"could not download the {dist}=={version} release wheel with pip "
                 f"({run.stderr.strip().splitlines()[-1] if run.stderr.strip() else 'no wheel found'}); "
                 f"check the version exists on PyPI, or put the wheel in {cache}/")
-        # rename into place only once complete, so an interrupted download is never cached
-        return got[0].rename(cache / got[0].name)
+        # checked, then renamed into place: an interrupted or bad download is never cached
+        return verified(got[0], dist, version).rename(cache / got[0].name)
 
 
 def cached_wheel(version: str, dist: str = "vllm", cache: Path = CACHE) -> Path | None:
     hits = sorted(cache.glob(f"{dist.replace('-', '_')}-{version}-*.whl"))
     return hits[-1] if hits else None
+
+
+def release_sdist(version: str, cache: Path = SDISTS) -> Path:
+    """The vllm `version` source distribution (setup.py, csrc/, tests/, docs/, vllm/), verified.
+
+    Fetched straight from the URL PyPI's index gives: `pip download --no-binary` would build the
+    sdist's metadata, which needs vLLM's build dependencies."""
+    name = f"vllm-{version}.tar.gz"
+    path = cache / name
+    if path.is_file():
+        return verified(path, "vllm", version)
+    found = [f for f in _index("vllm") if f["filename"] == name]
+    if not found:
+        raise MiniStreamError(f"PyPI has no sdist {name}: check the version "
+                              f"(https://pypi.org/project/vllm/{version}/#files), or put {name} in {cache}/")
+    cache.mkdir(parents=True, exist_ok=True)
+    partial = cache / f".{name}.partial-{os.getpid()}"
+    try:
+        with urllib.request.urlopen(found[0]["url"], timeout=TIMEOUT) as r, open(partial, "wb") as f:
+            while block := r.read(1 << 20):
+                f.write(block)
+        verified(partial, "vllm", version, name).rename(path)
+        return path
+    except OSError as e:
+        raise MiniStreamError(f"could not download {found[0]['url']} ({e}); check the network, "
+                              f"or put {name} in {cache}/") from None
+    finally:
+        partial.unlink(missing_ok=True)
 
 
 # --- single files of a release wheel ------------------------------------------------------------
@@ -159,3 +250,108 @@ def _write_atomic(path: Path, data: bytes) -> None:
     tmp = path.with_name(f".{path.name}.partial-{os.getpid()}")
     tmp.write_bytes(data)
     tmp.rename(path)
+
+
+# --- single files of a release sdist -------------------------------------------------------------
+
+class NoSdist(MiniStreamError):
+    """PyPI publishes no sdist for the release (vllm 0.15.1 has wheels only)."""
+
+
+def sdist_files(version: str, paths, pinned: dict[str, str] | None = None,
+                cache: Path = CACHE_ROOT) -> dict[str, str | None]:
+    """The text of `paths` (tree-relative, e.g. tests/models/registry.py) in the vllm `version` sdist;
+    None for a path the sdist lacks (0.6's has no tests/models/registry.py).
+
+    port and matrix need a few files of tests/ and docs/, which only the sdist has: the sdist is
+    streamed once (or read from sdists/ when `patch` cached it there), hashed as it streams, and
+    nothing of it is kept until its sha256 is the one PyPI publishes; then the files asked for and
+    the list of all its files (sdist_names) are kept under cache/members/<version>/sdist/.
+    `pinned` (path -> sha256, from a patch set manifest) is checked. Raises NoSdist when PyPI has none."""
+    folder = cache / "members" / version / "sdist"
+    names = _cached_names(folder)
+    if names is None or any(p in names and not (folder / p).is_file() for p in paths):
+        names, got = _stream_sdist(version, set(paths) | {p for p in (names or ()) if (folder / p).is_file()}, cache)
+        for p, data in got.items():
+            _write_atomic(folder / p, data)
+        _write_atomic(folder / NAMES, ("\n".join(sorted(names)) + "\n").encode())  # last: marks the cache whole
+    got = {p: (folder / p).read_bytes() if p in names else None for p in paths}
+    for p, sha in (pinned or {}).items():
+        if p in got and got[p] is not None and hashlib.sha256(got[p]).hexdigest() != sha:
+            raise MiniStreamError(f"{p} of the vllm {version} sdist (cached in {folder}) does not have the sha256 "
+                                  f"its patch set manifest pins ({sha[:12]}); delete {folder} and run again")
+    return {p: None if data is None else data.decode() for p, data in got.items()}
+
+
+def sdist_names(version: str, cache: Path = CACHE_ROOT) -> set[str]:
+    """Every file path of the vllm `version` sdist (tree-relative), from the cache or one streaming read."""
+    names = _cached_names(cache / "members" / version / "sdist")
+    if names is None:
+        sdist_files(version, [], cache=cache)
+        names = _cached_names(cache / "members" / version / "sdist")
+    return names
+
+
+NAMES = ".names"  # members/<version>/sdist/.names: the sdist's file paths, one a line
+
+
+def _cached_names(folder: Path) -> set[str] | None:
+    f = folder / NAMES
+    return set(f.read_text().split("\n")) - {""} if f.is_file() else None
+
+
+class _Hashing(io.RawIOBase):
+    """A read-only stream that hashes what is read through it."""
+
+    def __init__(self, raw):
+        self.raw, self.sha, self.size = raw, hashlib.sha256(), 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        data = self.raw.read(len(buffer))
+        self.sha.update(data)
+        self.size += len(data)
+        buffer[:len(data)] = data
+        return len(data)
+
+
+def _stream_sdist(version: str, paths: set[str], cache: Path) -> tuple[set[str], dict[str, bytes]]:
+    """(all file paths, {path: bytes} of `paths` it has) of the sdist, read as one stream and verified."""
+    name = f"vllm-{version}.tar.gz"
+    local = cache / "sdists" / name
+    if local.is_file():
+        raw, where = open(local, "rb"), str(local)
+    else:
+        found = [f for f in _index("vllm") if f["filename"] == name]
+        if not found:
+            raise NoSdist(f"no sdist on PyPI for {version}")
+        where = found[0]["url"]
+        try:
+            raw = urllib.request.urlopen(where, timeout=TIMEOUT)
+        except OSError as e:
+            raise MiniStreamError(f"could not download {where} ({e}); check the network") from None
+    top, names, got = name.removesuffix(".tar.gz") + "/", set(), {}
+    stream = _Hashing(raw)
+    try:
+        with raw, tarfile.open(fileobj=stream, mode="r|gz") as archive:
+            for member in archive:
+                if not member.isfile() or not member.name.startswith(top):
+                    continue
+                rel = member.name[len(top):]
+                names.add(rel)
+                if rel in paths:
+                    got[rel] = archive.extractfile(member).read()
+            while stream.read(1 << 20):  # the rest (tar padding, gzip trailer): all of the file is hashed
+                pass
+    except (OSError, tarfile.TarError, EOFError) as e:
+        raise MiniStreamError(f"could not read {where} ({e}); check the network, or delete {local} if it is there "
+                              f"and run again") from None
+    want, sha = expected_sha256("vllm", version, name), stream.sha.hexdigest()
+    if sha != want:
+        raise MiniStreamError(f"{where} is not the official vllm {version} sdist: its sha256 is {sha[:16]}..., PyPI "
+                              f"publishes {want[:16]}... (pinned in {RELEASE_PINS.name}); nothing of it was kept: "
+                              f"delete it if it is cached and run again")
+    return names, got
+
