@@ -3,7 +3,9 @@
 Every supported release, as `make matrix` checks them.
 """
 
+import functools
 import json
+import shutil
 
 import git
 import pytest
@@ -12,15 +14,18 @@ from ministream.fork.matrix import CHECKS, check_version, run_matrix
 from ministream.fork.patch import patch_tree
 from ministream.fork.patchset import patch_set_dir, supported_versions
 from ministream.fork.port import pristine_files
+from ministream.paths import PATCH_SETS
 
 # every supported release, and 0.20.0: not listed, same files as 0.20.2 (mapped by hash); cheap, since
-# only the 4 files each needs are read from its release wheel (cached under build/cache/members)
+# only the 4 files each needs are read from its release wheel, and the 3 its upstream part needs from
+# its sdist (both cached under build/cache/members)
 VERSIONS = [*supported_versions(), "0.20.0"]
+checked = functools.cache(check_version)  # each version's matrix row, for the tests that read it
 
 
 @pytest.mark.parametrize("version", VERSIONS)
 def test_patch_set_passes_every_check(version):
-    result = check_version(version)
+    result = checked(version)
     failed = {c: r["detail"] for c, r in result["checks"].items() if not r["ok"]}
     assert not failed, f"vLLM {version}: {failed}"
 
@@ -61,6 +66,66 @@ def test_matrix_writes_a_table_and_json(tmp_path):
     results = run_matrix(["0.32.0", "0.5.5"], out=tmp_path)
     assert json.loads((tmp_path / "matrix.json").read_text()) == results
     md = (tmp_path / "matrix.md").read_text()
-    assert md.startswith("| vLLM | patch set | pristine | applies | compiles | architecture | config | interface |")
-    assert "| 0.32.0 | v0.32.0 | ✓ | ✓ | ✓ | ✓ | ✓ | ✓ | lazy registry, class-to-module |" in md
+    assert md.startswith("| vLLM | patch set | pristine | applies | compiles | architecture | config | interface "
+                         "| upstream |")
+    assert "| 0.32.0 | v0.32.0 | ✓ | ✓ | ✓ | ✓ | ✓ | ✓ | ✓ | lazy registry, class-to-module |" in md
     assert "- 0.5.5 pristine: no MiniStream patch set" in md
+
+
+# --- upstream: the set's tests/ and docs/ part on the release's own sdist files ----------------------
+
+NO_SDIST = {"0.15.1": "no sdist on PyPI for 0.15.1"}
+
+
+@pytest.mark.parametrize("version", [v for v in supported_versions() if v not in NO_SDIST])
+def test_the_upstream_part_applies_to_the_releases_sdist_files(version):
+    upstream = checked(version)["checks"]["upstream"]
+    assert upstream["ok"] and upstream.get("applies", True), f"vLLM {version}: {upstream['detail']}"
+    assert "/test_ministream.py" in upstream["detail"] and "supported_models" in upstream["detail"]
+
+
+def test_a_release_without_an_sdist_shows_why_it_has_no_upstream_part(tmp_path):
+    results = run_matrix(["0.15.1"], out=tmp_path)
+    assert results["0.15.1"]["checks"]["upstream"] == {"ok": True, "applies": False,
+                                                      "detail": "n/a: no sdist on PyPI for 0.15.1"}
+    md = (tmp_path / "matrix.md").read_text()
+    assert "| 0.15.1 | v0.15.1 | ✓ | ✓ | ✓ | ✓ | ✓ | ✓ | n/a |" in md
+    assert "- 0.15.1 upstream: n/a: no sdist on PyPI for 0.15.1" in md
+
+
+@pytest.fixture
+def patch_sets(tmp_path):
+    shutil.copytree(PATCH_SETS, tmp_path / "patches")
+    return tmp_path / "patches"
+
+
+def test_an_upstream_diff_whose_context_does_not_match_is_caught(patch_sets):
+    diff = patch_sets / "v0.31.0/upstream/upstream.diff"
+    text = diff.read_text()
+    context = next(line for line in text.splitlines(keepends=True)[5:] if line.startswith(" ") and line.strip())
+    diff.write_text(text.replace(context, " # not in vLLM's tests/models/registry.py\n", 1))
+    result = check_version("0.31.0", patch_sets)
+    assert [c for c, r in result["checks"].items() if not r["ok"]] == ["upstream"]
+    assert "tests/models/registry.py" in result["checks"]["upstream"]["detail"]
+    assert "hunk #1 does not apply" in result["checks"]["upstream"]["detail"]
+
+
+def test_a_generation_test_importing_what_the_release_lacks_is_caught(patch_sets):
+    test = patch_sets / "v0.7.3/upstream/files/tests/models/decoder_only/language/test_ministream.py"
+    text = test.read_text()
+    test.write_text(text.replace("check_outputs_equal\n", "check_outputs_equal, check_embeddings_close\n", 1))
+    detail = check_version("0.7.3", patch_sets)["checks"]["upstream"]["detail"]
+    assert "imports check_embeddings_close from tests/models/utils.py, which does not define it" in detail
+
+
+def test_a_generation_test_that_does_not_compile_is_caught(patch_sets):
+    test = patch_sets / "v0.9.2/upstream/files/tests/models/language/generation/test_ministream.py"
+    test.write_text(test.read_text() + "\ndef broken(:\n")
+    detail = check_version("0.9.2", patch_sets)["checks"]["upstream"]["detail"]
+    assert detail.startswith("tests/models/language/generation/test_ministream.py:")
+
+
+def test_a_derived_set_without_upstream_part_or_reason_fails(patch_sets):
+    shutil.rmtree(patch_sets / "v0.30.0/upstream")
+    detail = check_version("0.30.0", patch_sets)["checks"]["upstream"]["detail"]
+    assert "has no upstream/ and its manifest.json records no reason" in detail

@@ -11,12 +11,18 @@ For each version: the release's pristine files (single files of its release whee
   config        model_type "ministream" -> MiniStreamConfig in that release's config registry form
   interface     MiniStreamForCausalLM has LlamaForCausalLM's methods and signatures (constructor,
                 forward, embedding method), and ministream.py names no Llama class it lacks
+  upstream      on a source tree of the release's files (the few of its sdist that upstream/ reads or
+                changes, streamed once and cached): they are the release's, apply_patch.sh applies the
+                whole set with upstream/, and the generation test compiles and its relative imports
+                name modules and names the release has; n/a, with the reason, for a release whose set
+                records why it has no upstream/ (0.15.1: no sdist on PyPI)
 The table is printed and written to build/matrix.json and build/matrix.md (or --out).
 """
 
 import ast
 import json
 import py_compile
+import re
 import tempfile
 import time
 from pathlib import Path
@@ -29,14 +35,18 @@ from ..spec import ARCH, CONFIG_CLASS, MODEL_TYPE
 from . import patchset, registry
 from .patch import LLAMA, MINISTREAM
 from .patchset import ApplyError, added_files, check_pristine, patch_set_dir, pinned, supported_versions
-from .port import TOUCHED
-from .release import release_files
+from .port import TOUCHED, import_target, upstream_files
+from .release import release_files, sdist_names
 
-CHECKS = ["pristine", "applies", "compiles", "architecture", "config", "interface"]
+CHECKS = ["pristine", "applies", "compiles", "architecture", "config", "interface", "upstream"]
 
 
 class Failed(Exception):
     """One check failed; the message says how."""
+
+
+class NotApplicable(Exception):
+    """The check does not apply to this release; the message says why (recorded in its patch set)."""
 
 
 # --- the checks, each on the pristine tree and the patched tree ------------------------------
@@ -145,8 +155,85 @@ def _interface(tree: Path, patched: Path, version: str, folder: Path) -> str:
     return f"{len(found[ARCH])} methods, forward({found[ARCH]['forward']}), embedding: {embed[0]}"
 
 
+def _upstream(tree: Path, patched: Path, version: str, folder: Path) -> str:
+    reason = patchset.manifest(folder).get("upstream")
+    if reason:
+        raise NotApplicable(reason)
+    if not (folder / patchset.UPSTREAM).is_dir():
+        raise Failed(f"{folder} has no upstream/ and its manifest.json records no reason (\"upstream\"): "
+                     f"run `make port`")
+    try:
+        files = {rel: text for rel, text in upstream_files(version, folder.parent).items() if text is not None}
+    except MiniStreamError as e:  # a cached file that is not the release's; a download that failed
+        raise Failed(str(e)) from None
+    added = set(added_files(folder, upstream=True)) - set(added_files(folder))
+    with tempfile.TemporaryDirectory() as tmp:
+        source = Path(tmp)
+        for rel, text in [*((p.relative_to(tree).as_posix(), p.read_text()) for p in tree.rglob("*.py")),
+                          *files.items()]:
+            (source / rel).parent.mkdir(parents=True, exist_ok=True)
+            (source / rel).write_text(text)
+        (source / "tests").mkdir(exist_ok=True)  # a source tree: apply_patch.sh applies upstream/ too
+        try:
+            check_pristine(source, version, folder, f"the vllm {version} sdist")
+            patchset.apply(source, folder)
+        except ApplyError as e:
+            raise Failed(e.at_fault[0]) from None
+        except MiniStreamError as e:
+            raise Failed(str(e)) from None
+        for rel in sorted(added):
+            _imports_resolve(source, rel, sdist_names(version))
+    changed = sorted(set(files) & set(_diff_paths(folder)))
+    return ", ".join(changed + sorted(added))
+
+
+def _diff_paths(folder: Path) -> list[str]:
+    """The tree paths upstream/*.diff change."""
+    return [m for d in sorted((folder / patchset.UPSTREAM).glob("*.diff"))
+            for m in re.findall(r"^diff --git a/(\S+) b/", d.read_text(), re.M)]
+
+
+def _imports_resolve(source: Path, rel: str, names: set[str]) -> None:
+    """`rel` compiles, and each of its relative imports names a module of the release that defines
+    the names imported (read where the module is in `source`; else it must be in the sdist)."""
+    try:
+        module = ast.parse((source / rel).read_text(), filename=rel)
+        compile(module, rel, "exec")
+    except SyntaxError as e:
+        raise Failed(f"{rel}: {e}") from None
+    package = Path(rel).parent.as_posix()
+    for node in ast.walk(module):
+        if not (isinstance(node, ast.ImportFrom) and node.level):
+            continue
+        target = import_target(package, node.level, node.module or "")
+        target = next((t for t in (f"{target}.py", f"{target}/__init__.py") if (source / t).is_file() or t in names),
+                      f"{target}.py")
+        if not (source / target).is_file():
+            if target not in names:
+                raise Failed(f"{rel}: line {node.lineno} imports from {target}, which the vllm sdist lacks")
+            continue
+        defined = _top_level_names(ast.parse((source / target).read_text()))
+        lacking = [a.name for a in node.names if a.name not in defined]
+        if lacking:
+            raise Failed(f"{rel}: line {node.lineno} imports {', '.join(lacking)} from {target}, which does not "
+                         f"define {'it' if len(lacking) == 1 else 'them'}")
+
+
+def _top_level_names(module: ast.Module) -> set[str]:
+    names = set()
+    for node in module.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                names |= {n.id for n in ast.walk(target) if isinstance(n, ast.Name)}
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names |= {(a.asname or a.name).split(".")[0] for a in node.names}
+    return names
+
+
 CHECK_FUNCS = {"pristine": _pristine, "applies": _applies, "compiles": _compiles,
-               "architecture": _architecture, "config": _config, "interface": _interface}
+               "architecture": _architecture, "config": _config, "interface": _interface, "upstream": _upstream}
 
 
 def check_version(version: str, patch_sets: Path = PATCH_SETS) -> dict:
@@ -176,6 +263,8 @@ def _run_checks(tree: Path, patched: Path, version: str, folder: Path) -> dict:
             continue
         try:
             results[check] = {"ok": True, "detail": CHECK_FUNCS[check](tree, patched, version, folder)}
+        except NotApplicable as e:
+            results[check] = {"ok": True, "applies": False, "detail": f"n/a: {e}"}
         except Failed as e:
             results[check] = {"ok": False, "detail": str(e)}
             failed = True
@@ -195,8 +284,13 @@ def run_matrix(versions: list[str], patch_sets: Path = PATCH_SETS, out: Path | N
     return results
 
 
+def _mark(result: dict, check: str, ok: str, failed: str) -> str:
+    r = result["checks"][check]
+    return "n/a" if r.get("applies") is False else ok if r["ok"] else failed
+
+
 def _row(version: str, result: dict) -> str:
-    marks = " ".join(("ok" if result["checks"][c]["ok"] else "FAIL").ljust(len(c)) for c in CHECKS)
+    marks = " ".join(_mark(result, c, "ok", "FAIL").ljust(len(c)) for c in CHECKS)
     return f"{version:<12} {str(result['patch_set']):<12} {marks}  {result['seconds']}s"
 
 
@@ -205,10 +299,11 @@ def table(results: dict) -> str:
     lines = ["| vLLM | patch set | " + " | ".join(CHECKS) + " | config form |",
              "|---" * (len(CHECKS) + 3) + "|"]
     for v, r in results.items():
-        marks = " | ".join("✓" if r["checks"][c]["ok"] else "✗" for c in CHECKS)
+        marks = " | ".join(_mark(r, c, "✓", "✗") for c in CHECKS)
         lines.append(f"| {v} | {r['patch_set']} | {marks} | {r['checks']['config']['detail'] if r['checks']['config']['ok'] else ''} |")
     failures = [f"- {v} {c}: {r['checks'][c]['detail']}" for v, r in results.items() for c in CHECKS
-                if not r["checks"][c]["ok"] and r["checks"][c]["detail"] != "skipped"]
+                if (not r["checks"][c]["ok"] and r["checks"][c]["detail"] != "skipped")
+                or r["checks"][c].get("applies") is False]
     return "\n".join(lines + ([""] + failures if failures else [])) + "\n"
 
 
