@@ -14,6 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent  # the checkout
 from ministream.fork.image import DOCKER, MODEL_MOUNT, build_args, dockerfile, engine, engine_env, run_command, tag
 from ministream.fork.wheel import built_wheel, wheel_name
+from ministream.run.engine import NO_USAGE_STATS
 
 VERSION = re.search(r"^VLLM_VERSION \?= (\S+)", (ROOT / "Makefile").read_text(), re.M).group(1)
 
@@ -54,7 +55,8 @@ def test_cuda_installs_our_wheel_with_no_deps_by_the_script_the_cpu_image_runs()
     cuda, cpu = (instructions(dockerfile(d).read_text(), "RUN") for d in ("cuda", "cpu"))
     mount = "--mount=type=bind,source=wheelhouse,target=/tmp/wheelhouse"
     assert cuda == [f'{mount} install.sh --no-deps "${{WHEEL}}"']
-    assert len(cpu) == 1 and cpu[0].startswith(mount) and cpu[0].endswith('install.sh "${WHEEL}"')
+    assert cpu[0].startswith(mount) and cpu[0].endswith('install.sh "${WHEEL}"')
+    assert cpu[1:] == ["useradd --create-home --uid 1000 --shell /usr/sbin/nologin ministream"]
     script = (DOCKER / "install.sh").read_text()
     assert '$pip $nodeps "$house/$wheel"' in script and "--no-index" in script
     assert subprocess.run(["sh", "-n", DOCKER / "install.sh"]).returncode == 0
@@ -67,6 +69,17 @@ def test_both_images_serve_through_the_same_entrypoint():
         assert instructions(text, "ENTRYPOINT") == ['["/usr/local/bin/entrypoint.sh"]']
         assert instructions(text, "EXPOSE") == ["8000"]
         assert instructions(text, "ENV")[-1] == "GIT_PYTHON_REFRESH=quiet"  # no git in the image
+
+
+def test_both_images_serve_as_an_unprivileged_user_with_no_usage_reporting():
+    for device, user in (("cpu", "ministream"), ("cuda", "vllm")):  # the CUDA one: vLLM's image made it
+        text = dockerfile(device).read_text()
+        assert instructions(text, "USER") == [user]
+        # installed as root, served as the user: USER after the install, before the entry point
+        assert text.index('"${WHEEL}"') < text.index(f"USER {user}") < text.index("ENTRYPOINT")
+        env = dict(kv.split("=", 1) for line in instructions(text, "ENV") for kv in line.split())
+        assert env["HOME"] == f"/home/{user}" and instructions(text, "WORKDIR") == [env["HOME"]]
+        assert {k: env.get(k) for k in NO_USAGE_STATS} == NO_USAGE_STATS  # what engine.py gives every engine
 
 
 def test_entrypoint_is_ministream_serve_on_the_mounted_folder():

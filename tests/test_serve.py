@@ -169,19 +169,20 @@ def chat_hf(tiny, tmp_path_factory) -> Path:
     return out
 
 
-@pytest.fixture(scope="module")
-def booting(chat_hf, tmp_path_factory):
-    """`ministream serve` started in its own session (so the test sees its whole process tree)."""
+def start_server(model: Path, log: Path, *args, **env) -> tuple[subprocess.Popen, str]:
+    """`ministream serve MODEL ARGS` on a free loopback port, in its own session (so a test sees its whole
+    process tree and group), its output in `log`; (process, base URL). `env` is added to this environment."""
     port = free_port()
-    log = tmp_path_factory.mktemp("serve-log") / "server.log"
     exe = Path(sys.executable).parent / "ministream"
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1",  # lean: the tiny model needs little
-           "VLLM_API_KEY": API_KEY}
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **env}  # lean: the tiny model needs little
     with open(log, "w") as out:
-        proc = subprocess.Popen([str(exe), "serve", str(chat_hf), "--port", str(port), "--dtype", "float32",
-                                 "--max-model-len", str(MAX_MODEL_LEN)], stdout=out, stderr=subprocess.STDOUT,
-                                env=env, start_new_session=True)
-    yield proc, f"http://127.0.0.1:{port}", log
+        proc = subprocess.Popen([str(exe), "serve", str(model), "--port", str(port), *map(str, args)],
+                                stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    """SIGTERM to a server start_server started, if it still runs; SIGKILL to its session's group after 60 s."""
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
@@ -189,6 +190,15 @@ def booting(chat_hf, tmp_path_factory):
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def booting(chat_hf, tmp_path_factory):
+    """`ministream serve` on the chat model, with an API key."""
+    log = tmp_path_factory.mktemp("serve-log") / "server.log"
+    proc, url = start_server(chat_hf, log, "--dtype", "float32", "--max-model-len", MAX_MODEL_LEN, VLLM_API_KEY=API_KEY)
+    yield proc, url, log
+    stop_server(proc)
 
 
 @pytest.fixture(scope="module")
@@ -333,6 +343,11 @@ def test_sigterm_stops_the_server_and_all_its_processes(server):
     proc = server["proc"]
     family = [proc.pid] + [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
     assert len(family) >= 3  # ministream serve, the API server, its engine core (and more)
+    # two process groups: this session's (ministream serve alone, start_new_session) and the one the API
+    # server makes for itself and its engine processes (serve._die_with_parent)
+    api = psutil.Process(proc.pid).children()[0].pid
+    assert os.getpgid(proc.pid) == proc.pid and os.getpgid(api) == api
+    assert {os.getpgid(p) for p in family} == {proc.pid, api}
     os.kill(proc.pid, signal.SIGTERM)
     assert proc.wait(120) == 0, server["log"].read_text()[-3000:]
     deadline = time.monotonic() + 30
@@ -341,6 +356,7 @@ def test_sigterm_stops_the_server_and_all_its_processes(server):
         left = [p for p in family if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
         time.sleep(0.5)
     assert not left, f"orphans: {[psutil.Process(p).cmdline()[:3] for p in left if psutil.pid_exists(p)]}"
-    with pytest.raises(ProcessLookupError):  # and nothing else is left in the session's process group
-        os.killpg(proc.pid, 0)
+    for group in (proc.pid, api):  # and nothing else is left in either process group
+        with pytest.raises(ProcessLookupError):
+            os.killpg(group, 0)
     assert "stopped" in server["log"].read_text()

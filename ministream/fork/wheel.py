@@ -31,8 +31,9 @@ from packaging.utils import InvalidWheelFilename, parse_wheel_filename
 from packaging.version import Version
 
 from .. import MiniStreamError, __version__
+from ..atomic import check_apart
 from ..paths import BUILD, DIST
-from .release import DISTRIBUTIONS, release_wheel
+from .release import CACHE as RELEASE_CACHE, DISTRIBUTIONS, release_wheel
 
 # The local version label that marks a wheel as ours: vLLM 0.32.0 becomes 0.32.0+ministream.0.1.0.
 LOCAL_LABEL = f"ministream.{__version__}"
@@ -350,11 +351,13 @@ def build_wheel(version: str, device: str, tree: Path | None = None, dist_dir: P
                 quiet: bool = False) -> Path:
     """dist/<dist>-VERSION+ministream.V-<release tags>.whl: the release wheel with the patch commit's files."""
     tree = Path(tree) if tree else default_tree(version)
+    dist_dir = Path(dist_dir) if dist_dir else DIST
+    check_apart(dist_dir, [tree, RELEASE_CACHE])  # a wheel written into what is read would dirty or shadow it
     patch = read_patch(tree, version)
     release = release_wheel(version, device)
     stem, release_version, tags = _split_name(release)
     new_version = patched_version(str(release_version))
-    final = (Path(dist_dir) if dist_dir else DIST) / f"{stem}-{new_version}-{tags}.whl"
+    final = dist_dir / f"{stem}-{new_version}-{tags}.whl"
     with zipfile.ZipFile(release) as src:
         old_info = _dist_info(src, release)
         _check_against_release(patch, src, release, version)

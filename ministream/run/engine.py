@@ -13,6 +13,8 @@ import os
 import sys
 from pathlib import Path
 
+from .. import MiniStreamError
+
 GiB = 1 << 30
 SEED = 0  # every engine samples from the same seed, so runs repeat
 # Offline engines see short prompts; a cap keeps one sequence of a long-context model inside the cache.
@@ -72,6 +74,22 @@ def core_binding(tp: int = 1, cores: set[int] | None = None) -> str:
     per = max(1, len(ordered) // tp)
     return "|".join(f"{ordered[r * per]}-{ordered[r * per + per - 1]}" if per > 1 else str(ordered[r])
                     for r in range(tp))
+
+
+def check_tp(tp: int) -> None:
+    """Refuse a tensor_parallel_size this machine cannot run, before vLLM takes a minute to fail at it:
+    one GPU per rank, or without a GPU one core per rank (of the cores this process may use)."""
+    if tp < 1:
+        raise MiniStreamError(f"--tp {tp}: tensor parallelism needs 1 rank or more")
+    if has_gpu():
+        import torch
+
+        have, unit, which = torch.cuda.device_count(), "GPU", ""
+    else:
+        have, unit, which = len(os.sched_getaffinity(0)), "core", f" ({core_binding(1)})"
+    if tp > have:
+        raise MiniStreamError(f"--tp {tp} needs one {unit} per rank, but this process may use {have} {unit}(s)"
+                              f"{which}: give --tp {have} or less")
 
 
 def cpu_defaults(tp: int = 1) -> dict[str, str]:

@@ -74,6 +74,42 @@ def read_config(folder: Path) -> dict:
                           "point MODEL at the converted folder (make convert)") from None
 
 
+def check_servable(folder: Path) -> dict:
+    """What `serve`, `generate` and `verify` need of a folder before vLLM spends a minute starting: a
+    config.json holding a JSON object whose model settings have the right types and agree (spec's
+    checks), and a tokenizer.json that parses. The config; FolderError naming the file and key otherwise."""
+    folder = Path(folder)
+    path = folder / "config.json"
+    config = read_config(folder)
+    if not isinstance(config, dict):
+        raise FolderError("config.json", f"{path} holds a JSON {type(config).__name__}, not an object",
+                          "convert again (make convert)")
+    missing = [key for f, key in spec.CONFIG_MAP.items() if f in spec.REQUIRED_FIELDS and config.get(key) is None]
+    if missing:
+        raise FolderError("config.json", f"{path} lacks {', '.join(missing)}", "convert again (make convert)")
+    try:
+        spec.train_config_from_hf(config, str(path))
+    except MiniStreamError as e:
+        raise FolderError("config.json", _config_words(str(e)),
+                          "fix that value, or convert again (make convert)") from None
+    try:
+        size = tokenizer_size(folder)
+    except Exception as e:  # tokenizers raises its own errors for a file that is not a tokenizer
+        raise FolderError("tokenizer", f"{folder / 'tokenizer.json'} cannot be read ({str(e).strip()[:200]})",
+                          "copy the training checkpoint's tokenizer.json there, or convert again") from None
+    if size is None:
+        raise FolderError("tokenizer", f"{folder / 'tokenizer.json'}: no such file; the model has no tokenizer",
+                          "copy the training checkpoint's tokenizer.json there, or convert again (make convert)")
+    return config
+
+
+def _config_words(message: str) -> str:
+    """spec's checks name the train config's fields; whoever reads config.json knows its keys."""
+    for f, key in spec.CONFIG_MAP.items():
+        message = re.sub(rf"\b{f}\b", key, message)
+    return message.replace("train config ", "")
+
+
 def read_headers(folder: Path) -> dict[str, Tensor]:
     """name -> shape, dtype and file of every tensor in the folder's *.safetensors files."""
     from safetensors import safe_open

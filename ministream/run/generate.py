@@ -13,6 +13,7 @@ from pathlib import Path
 from .. import MiniStreamError
 from ..spec import TORCH_DTYPES
 from . import engine
+from .folder import check_servable
 
 DEFAULT_PROMPTS = [
     "The river runs through",
@@ -100,6 +101,9 @@ def generate(model: Path, raw: Path | None = None, engines: str = "both", prompt
              stop_at_eos: bool = False, json_path: Path | None = None) -> dict:
     """`ministream generate`: the same prompt ids through the reference model and/or vLLM, printed side by
     side; engines is "both", "reference" or "vllm"."""
+    check_servable(model)  # before the reference model loads or vLLM starts (a minute)
+    if engines in ("both", "vllm"):
+        engine.check_tp(tp)
     prompts = prompts or DEFAULT_PROMPTS
     ids = tokenize(model, prompts)
     results = {"prompts": prompts, "prompt_ids": ids, "dtype": dtype, "max_tokens": max_tokens}

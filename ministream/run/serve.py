@@ -5,7 +5,8 @@ clients name the same model whatever path the server was started with. The engin
 machine's (engine.py): without a GPU, every core for the model and a KV cache of a quarter of the memory
 available (1 to 64 GiB, split among --tp ranks), unless the environment already sets them; with a GPU,
 vLLM's own defaults. SIGTERM and SIGINT are passed to the server, which shuts down its engine processes;
-whatever of its process group is left after --stop-timeout seconds is killed.
+whatever of its process group is left after --stop-timeout seconds is killed. Stopped so, it exits 0; a
+server that ends unasked (its engine died) exits non-zero, whatever status vLLM gave it.
 """
 
 import ctypes
@@ -22,7 +23,7 @@ from pathlib import Path
 
 from .. import MiniStreamError
 from . import engine
-from .folder import read_config
+from .folder import check_servable
 
 SHOWN = (engine.BIND, engine.KV_CACHE)  # the settings the start line shows
 
@@ -86,7 +87,8 @@ def serve(model: Path, host: str = "127.0.0.1", port: int = 8000, name: str | No
     """Run the server until it exits or this process gets SIGTERM/SIGINT; its exit status.
 
     api_key goes to vLLM through its environment (VLLM_API_KEY), never on a command line `ps` shows."""
-    read_config(model)  # a folder vLLM can read, before minutes of engine start
+    check_servable(model)  # a folder vLLM can read, and ranks this machine has, before minutes of engine start
+    engine.check_tp(tp)
     if importlib.util.find_spec("vllm") is None:
         raise MiniStreamError(f"vllm is not installed in {sys.prefix}: run `make install` first") from None
     name = name or served_name(model)
@@ -108,7 +110,10 @@ def serve(model: Path, host: str = "127.0.0.1", port: int = 8000, name: str | No
     if stopping and rc in (0, -signal.SIGTERM, -signal.SIGINT, 128 + signal.SIGTERM):
         print("ministream serve: stopped", flush=True)
         return 0
-    return rc if rc >= 0 else 128 - rc
+    if not stopping:  # nobody asked it to stop: vLLM ends its server with status 0 when the engine dies
+        print(f"ministream serve: the server stopped unasked (status {rc}): its engine died or it could not "
+              "start; the reason is in the log above", file=sys.stderr, flush=True)
+    return 1 if rc == 0 else rc if rc > 0 else 128 - rc
 
 
 def local_url(host: str, port: int) -> str:

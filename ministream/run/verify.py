@@ -31,13 +31,15 @@ from pathlib import Path
 import torch
 
 from .. import MiniStreamError, __version__
+from ..atomic import check_output
 from ..spec import FORMAT_VERSION, QKV, hf_names
-from .folder import EMBED, FINAL_NORM, HEAD, Folder, name_differences, natural, open_folder, read_config
+from .folder import EMBED, FINAL_NORM, HEAD, Folder, check_servable, name_differences, natural, open_folder
 
 GOLDEN_VERSION = 1  # the golden file's own layout
 # cosine similarity below which a stage "diverges": fp32 agrees to ~1e-7; bf16 rounds each layer
 THRESHOLDS = {"float32": 0.9999, "bfloat16": 0.99, "float16": 0.995}
 DUMP_ENV = "MINISTREAM_DUMP_HIDDEN"
+DUMP_FILE = re.compile(r"(forward|logits)-\d+-\d+\.pt")  # what the switch writes, nothing else
 
 
 # --- the rule for the dtype -----------------------------------------------------------------
@@ -143,7 +145,11 @@ def vllm_outputs(model: Path, golden: dict, dump_dir: Path) -> list[dict]:
     """The installed vLLM on the golden prompt ids, every prompt's prefill dumped into dump_dir."""
     from .generate import vllm_engine, vllm_generate
 
-    shutil.rmtree(dump_dir, ignore_errors=True)
+    if dump_dir.is_dir():  # the last run's dumps go; anything else there is not ours to delete
+        if foreign := [p.name for p in dump_dir.iterdir() if not DUMP_FILE.fullmatch(p.name)]:
+            raise MiniStreamError(f"{dump_dir} holds files verify did not write ({', '.join(sorted(foreign)[:3])}"
+                                  f"{', ...' if len(foreign) > 3 else ''}): choose another --out")
+        shutil.rmtree(dump_dir)
     dump_dir.mkdir(parents=True)
     os.environ[DUMP_ENV] = str(dump_dir.resolve())  # inherited by vLLM's engine process
     try:
@@ -366,6 +372,8 @@ def run_vllm(model: Path, golden: dict, out: Path) -> list[dict]:
     """vLLM's outputs on the golden prompt ids, also written to out/vllm-<dtype>.json."""
     try:
         got = vllm_outputs(model, golden, out / "dump")
+    except MiniStreamError:
+        raise
     except Exception as e:  # vLLM refused the folder: the doctor names why
         raise MiniStreamError(f"vLLM could not serve {model} ({type(e).__name__}: {str(e).strip()[-300:]}); "
                               f"run `ministream doctor {model}`") from e
@@ -431,9 +439,12 @@ def run_verify(model: Path, raw: Path | None, dtype: str, prompts_file: Path | N
     """`ministream verify`: 0 if the rule for the dtype passes, else 1 (after the diagnosis)."""
     from .generate import DEFAULT_PROMPTS
 
-    read_config(model)  # MODEL is a converted folder, before the reference model runs
+    check_servable(model)  # MODEL is a converted folder, before the reference model runs
     prompts = read_prompts(prompts_file) if prompts_file else DEFAULT_PROMPTS
     out = out or Path("out/verify") / Path(model).resolve().name
+    # verify rewrites its files in `out` run after run (so a full one is fine) and empties out/dump:
+    # never where an input lies, nor around one
+    check_output(out, force=True, inputs=[model, *([raw] if raw else [])])
     ok = verify(model, raw, dtype, prompts, out, max_tokens, top_k, golden_path, threshold)
     sys.stdout.flush()
     return 0 if ok else 1

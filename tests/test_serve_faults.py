@@ -1,0 +1,343 @@
+"""Nothing lost, nothing trusted blindly (issue 13): faults and hostile inputs, end to end.
+
+A real `ministream serve` on loopback (real vLLM, the tiny model at its own context of 512 tokens, no
+--max-model-len) answers each hostile request with a 4xx and a message and goes on serving; survives a
+client that vanishes mid-stream; streams 64 requests at once. A second server has its engine core
+killed and must exit non-zero, promptly, leaving no process behind. Both boot together (~1-2 min on
+2 cores). Without an engine: `serve`, `generate` and `verify` refuse a machine or folder they cannot
+use in one line before vLLM starts, and `verify --out` / `wheel --dist` never write into an input.
+"""
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import psutil
+import pytest
+
+from ministream import MiniStreamError
+from ministream.fork.release import CACHE as RELEASE_CACHE
+from ministream.fork.wheel import build_wheel
+from ministream.run.folder import check_servable
+from ministream.run.generate import DEFAULT_PROMPTS, tokenize
+from ministream.run.verify import vllm_outputs
+from test_serve import call, start_server, stop_server, wait_ready
+
+CONTEXT = 512  # the tiny preset's max_position_embeddings: the servers' limit
+PROMPTS = DEFAULT_PROMPTS[:8]
+STREAMS = 64
+KILL_DEADLINE = 60  # seconds from the engine's SIGKILL to the server's exit
+
+
+def tree(path: Path) -> dict:
+    """Every file under `path` with its size and mtime: equal before and after means nothing was touched."""
+    return {str(p.relative_to(path)): (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(path.rglob("*"))}
+
+
+# ---------------------------------------------------------------- two real servers
+
+
+@pytest.fixture(scope="module")
+def doomed(tiny_hf, tmp_path_factory):
+    """The server whose engine gets killed: started first, so that it boots while the other does."""
+    log = tmp_path_factory.mktemp("doomed") / "server.log"
+    proc, url = start_server(tiny_hf, log, "--dtype", "float32")
+    yield proc, url, log
+    stop_server(proc)
+
+
+@pytest.fixture(scope="module")
+def server(doomed, tiny_hf, tmp_path_factory):
+    log = tmp_path_factory.mktemp("faults") / "server.log"
+    proc, url = start_server(tiny_hf, log, "--dtype", "float32")
+    try:
+        wait_ready(url, proc, log)
+        yield {"proc": proc, "url": url, "name": tiny_hf.name, "log": log, "model": tiny_hf}
+    finally:
+        stop_server(proc)
+
+
+def complete(server, prompt, max_tokens=16, **extra) -> tuple[int, dict]:
+    return call(f"{server['url']}/v1/completions", {"model": server["name"], "prompt": prompt, "max_tokens": max_tokens,
+                                                    "temperature": 0, "ignore_eos": True, **extra})
+
+
+@pytest.fixture(scope="module")
+def answers(server) -> dict:
+    """Each of PROMPTS' greedy completion, asked one at a time before any fault."""
+    got = {p: complete(server, p) for p in PROMPTS}
+    assert all(status == 200 for status, _ in got.values())
+    return {p: body["choices"][0]["text"] for p, (_, body) in got.items()}
+
+
+def message(body: dict, what: str, status: int) -> str:
+    """The error's text: vLLM's OpenAI-style {"error": {"message"}}, or FastAPI's {"detail"} for a body
+    it could not decode at all; printed (pytest -s) for the record of what each fault got."""
+    text = (body.get("error") or {}).get("message") or body.get("detail")
+    print(f"\n{what}: HTTP {status}: {str(text)[:160]!r}")
+    return text
+
+
+def still_serves(server, answers) -> None:
+    status, body = complete(server, PROMPTS[0])
+    assert status == 200, body
+    assert body["choices"][0]["text"] == answers[PROMPTS[0]]
+
+
+@pytest.mark.vllm
+def test_prompt_longer_than_the_models_context_gets_4xx_naming_the_limit(server, answers):
+    prompt = "the river runs " * 200
+    assert len(tokenize(server["model"], [prompt])[0]) > CONTEXT
+    status, body = complete(server, prompt, 4)
+    assert 400 <= status < 500, body
+    assert str(CONTEXT) in message(body, "prompt longer than the context", status), body
+    still_serves(server, answers)
+
+
+MALFORMED = {
+    "truncated_json": b'{"model": "tiny", "prompt": ',
+    "not_json": b"\xff\xfe\x00 not json at all",
+    "json_array": b"[1, 2, 3]",
+    "max_tokens_a_string": b'{"model": "tiny", "prompt": "Once", "max_tokens": "ten"}',
+    "prompt_a_dict": b'{"model": "tiny", "prompt": {"a": 1}, "max_tokens": 4}',
+}
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("case", MALFORMED)
+def test_malformed_body_gets_4xx_with_a_message(server, answers, case):
+    status, body = call(f"{server['url']}/v1/completions", raw=MALFORMED[case])
+    assert 400 <= status < 500, body
+    assert message(body, case, status), body
+    still_serves(server, answers)
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("max_tokens", [10**9, 2**64, -1, 0])
+def test_max_tokens_out_of_range_gets_4xx_with_a_message(server, answers, max_tokens):
+    status, body = complete(server, PROMPTS[0], max_tokens)
+    assert 400 <= status < 500, body
+    assert message(body, f"max_tokens {max_tokens}", status), body
+    still_serves(server, answers)
+
+
+def metric(url: str, name: str) -> float:
+    """One of vLLM's Prometheus figures from /metrics, summed over its labels."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return sum(float(v) for v in re.findall(rf"^vllm:{name}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("how", ["close", "reset"])
+def test_client_that_vanishes_mid_stream_is_dropped_and_the_server_keeps_serving(server, answers, how):
+    asked = CONTEXT - 16
+    body = json.dumps({"model": server["name"], "prompt": PROMPTS[1], "max_tokens": asked,
+                       "temperature": 0, "ignore_eos": True, "stream": True}).encode()
+    generated = metric(server["url"], "generation_tokens_total")
+    port = int(server["url"].rsplit(":", 1)[1])
+    sock = socket.create_connection(("127.0.0.1", port), timeout=60)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    seen = b""
+    while b"data: {" not in seen:  # the first streamed token
+        chunk = sock.recv(4096)
+        assert chunk, seen
+        seen += chunk
+    assert seen.startswith(b"HTTP/1.1 200")
+    if how == "reset":  # no goodbye: the kernel answers the server with RST
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    sock.close()
+    deadline = time.monotonic() + 30
+    while metric(server["url"], "num_requests_running") and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert metric(server["url"], "num_requests_running") == 0
+    spent = metric(server["url"], "generation_tokens_total") - generated
+    print(f"\nclient gone ({how}) after the first token: {spent:.0f} of {asked} tokens generated")
+    assert spent < asked  # aborted, not computed to the end for nobody
+    still_serves(server, answers)
+
+
+def stream(server, prompt: str) -> tuple[str, bool]:
+    """(the streamed text, whether [DONE] came) of one streaming completion."""
+    body = json.dumps({"model": server["name"], "prompt": prompt, "max_tokens": 16, "temperature": 0,
+                       "ignore_eos": True, "stream": True}).encode()
+    req = urllib.request.Request(f"{server['url']}/v1/completions", body, {"Content-Type": "application/json"})
+    text, done = [], False
+    with urllib.request.urlopen(req, timeout=300) as r:
+        for line in r:
+            line = line.decode().strip()
+            if line == "data: [DONE]":
+                done = True
+            elif line.startswith("data: "):
+                text.extend(c["text"] for c in json.loads(line[6:])["choices"])
+    return "".join(text), done
+
+
+@pytest.mark.vllm
+def test_64_concurrent_streams_all_complete_with_their_answers(server, answers):
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(STREAMS)]
+    with ThreadPoolExecutor(STREAMS) as pool:
+        got = list(pool.map(lambda p: stream(server, p), prompts))
+    assert all(done for _, done in got)
+    assert all(text for text, _ in got)
+    assert [text for text, _ in got] == [answers[p] for p in prompts]
+
+
+@pytest.mark.vllm
+def test_engine_killed_makes_the_server_exit_non_zero_promptly_leaving_no_process(doomed):
+    proc, url, log = doomed
+    wait_ready(url, proc, log)
+    family = psutil.Process(proc.pid).children(recursive=True)
+    engines = [p for p in family if "EngineCore" in " ".join(p.cmdline())]
+    assert len(engines) == 1, [p.cmdline() for p in family]
+    engines[0].send_signal(signal.SIGKILL)
+    start = time.monotonic()
+    try:
+        rc = proc.wait(KILL_DEADLINE)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"still running {KILL_DEADLINE}s after its engine died:\n{log.read_text()[-3000:]}")
+    took = time.monotonic() - start
+    print(f"engine killed: the server exited {rc} after {took:.1f}s")
+    assert rc != 0, log.read_text()[-3000:]
+    assert "the server stopped unasked" in log.read_text()  # vLLM 0.32 itself ends with status 0
+    deadline, left = time.monotonic() + 10, family
+    while left and time.monotonic() < deadline:
+        left = [p for p in family if alive(p)]
+        time.sleep(0.2)
+    assert not left, [p.pid for p in left]
+
+
+def alive(p: psutil.Process) -> bool:
+    try:
+        return p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+# ---------------------------------------------------------------- refused before vLLM starts
+
+
+def broken_copy(model: Path, tmp_path: Path, fault: str) -> Path:
+    """A copy of the converted folder with one fault."""
+    out = tmp_path / "model"
+    shutil.copytree(model, out)
+    config = out / "config.json"
+    if fault == "config_not_json":
+        config.write_text(config.read_text()[:-20])
+    elif fault == "config_wrong_type":
+        config.write_text(json.dumps({**json.loads(config.read_text()), "hidden_size": "128"}))
+    elif fault == "config_a_list":
+        config.write_text("[1, 2]")
+    elif fault == "no_tokenizer":
+        (out / "tokenizer.json").unlink()
+    elif fault == "tokenizer_not_json":
+        (out / "tokenizer.json").write_text("{")
+    return out
+
+
+FAULTS = {  # fault: what the one-line error must hold
+    "tp_beyond_the_cores": f"--tp {len(os.sched_getaffinity(0)) + 1} needs one core per rank",
+    "config_not_json": "config.json cannot be read",
+    "config_wrong_type": "hidden_size='128': must be a number, not str",
+    "no_tokenizer": "tokenizer.json: no such file",
+}
+COMMANDS = ["serve", "generate", "verify"]
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+@pytest.mark.parametrize("command", COMMANDS)
+def test_command_refuses_in_one_line_before_vllm_starts(cli, tiny_hf, tmp_path, command, fault):
+    if fault.startswith("tp_"):
+        if command == "verify":
+            pytest.skip("verify has no --tp: it runs one rank")
+        model, extra = tiny_hf, ["--tp", len(os.sched_getaffinity(0)) + 1]
+    else:
+        model, extra = broken_copy(tiny_hf, tmp_path, fault), []
+    extra += {"serve": [], "generate": ["--engine", "vllm", "--max-tokens", 4],
+              "verify": ["--out", tmp_path / "verify"]}[command]
+    before = tree(model)
+    start = time.monotonic()
+    r = cli(command, model, *extra, timeout=300)
+    took = time.monotonic() - start
+    assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and FAULTS[fault] in lines[0], r.stderr
+    assert "Traceback" not in r.stderr and "vllm" not in r.stdout.lower()  # vLLM never started
+    assert took < 60, took
+    assert tree(model) == before
+
+
+@pytest.mark.parametrize("fault", ["config_a_list", "tokenizer_not_json"])
+def test_folder_check_names_a_config_that_is_no_object_and_a_tokenizer_that_does_not_parse(tiny_hf, tmp_path, fault):
+    model = broken_copy(tiny_hf, tmp_path, fault)
+    want = {"config_a_list": "holds a JSON list, not an object", "tokenizer_not_json": "tokenizer.json cannot be read"}
+    with pytest.raises(MiniStreamError, match=want[fault]):
+        check_servable(model)
+
+
+def test_converted_folder_passes_the_folder_check(tiny_hf):
+    assert check_servable(tiny_hf)["max_position_embeddings"] == CONTEXT
+
+
+# ---------------------------------------------------------------- outputs apart from inputs
+
+
+@pytest.mark.parametrize("where", ["the_model", "inside_the_model", "around_the_model", "inside_raw",
+                                   "a_symlink_to_the_model"])
+def test_verify_refuses_an_out_folder_that_overlaps_an_input(cli, tiny, tiny_hf, tmp_path, where):
+    model = tmp_path / "models" / "tiny"
+    shutil.copytree(tiny_hf, model)
+    raw = tmp_path / "raw"
+    shutil.copytree(tiny, raw)
+    if where == "a_symlink_to_the_model":
+        (tmp_path / "link").symlink_to(model)
+    out, how = {"the_model": (model, "is"), "inside_the_model": (model / "verify", "lies inside"),
+                "around_the_model": (model.parent, "holds"), "inside_raw": (raw / "verify", "lies inside"),
+                "a_symlink_to_the_model": (tmp_path / "link", "is")}[where]
+    before = tree(tmp_path)
+    r = cli("verify", model, "--raw", raw, "--out", out, timeout=300)
+    assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
+    assert f"the output {out} {how} the input" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert tree(tmp_path) == before
+
+
+def test_verify_never_empties_a_dump_folder_holding_files_it_did_not_write(tiny_hf, tmp_path):
+    dump = tmp_path / "dump"
+    dump.mkdir()
+    (dump / "forward-1-0.pt").write_bytes(b"")  # a dump of an earlier run: may go
+    (dump / "thesis.tex").write_text("weeks of work")  # not verify's
+    with pytest.raises(MiniStreamError, match=r"holds files verify did not write \(thesis.tex\)"):
+        vllm_outputs(tiny_hf, {}, dump)
+    assert (dump / "thesis.tex").read_text() == "weeks of work"
+
+
+@pytest.mark.parametrize("where", ["the_tree", "inside_the_tree", "around_the_tree", "inside_the_release_cache",
+                                   "a_symlink_to_the_tree"])
+def test_wheel_refuses_a_dist_folder_that_overlaps_the_tree_or_the_release_cache(tmp_path, where):
+    tree_dir = tmp_path / "build" / "vllm-0.32.0"
+    tree_dir.mkdir(parents=True)
+    (tmp_path / "link").symlink_to(tree_dir)
+    dist, how = {"the_tree": (tree_dir, "is"), "inside_the_tree": (tree_dir / "dist", "lies inside"),
+                 "around_the_tree": (tree_dir.parent, "holds"),
+                 "inside_the_release_cache": (RELEASE_CACHE / "dist", "lies inside"),
+                 "a_symlink_to_the_tree": (tmp_path / "link", "is")}[where]
+    with pytest.raises(MiniStreamError, match=f"the output {re.escape(str(dist))} {how} the input"):
+        build_wheel("0.32.0", "cpu", tree_dir, dist)
+    assert not (RELEASE_CACHE / "dist").exists()
+
+
+def test_wheel_command_refuses_an_overlapping_dist_in_one_line(cli, tmp_path):
+    r = cli("wheel", "0.32.0", "--device", "cpu", "--tree", tmp_path, "--dist", tmp_path / "dist", timeout=300)
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        f"error: the output {tmp_path / 'dist'} lies inside the input {tmp_path}: replacing it would destroy what "
+        "the command reads; choose an output folder outside it"], r.stderr
