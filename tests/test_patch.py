@@ -524,3 +524,18 @@ def test_dump_unset_traces_away_under_torch_compile(monkeypatch):
     explained = torch._dynamo.explain(forward)(torch.ones(3))
     assert explained.graph_break_count == 0 and explained.graph_count == 1
     assert [n.op for n in explained.graphs[0].graph.nodes].count("call_function") == 2  # the two multiplies
+
+
+# --- outputs never destroy inputs -------------------------------------------------------------
+
+@pytest.mark.parametrize("where", ["cache", "inside-cache", "patch-sets"])
+def test_a_tree_that_is_holds_or_lies_inside_an_input_is_refused(tmp_path, monkeypatch, where):
+    from ministream.paths import CACHE
+
+    monkeypatch.chdir(tmp_path)
+    out = {"cache": CACHE.parent, "inside-cache": CACHE / "sdists" / "tree", "patch-sets": PATCH_SETS / "v0.32.0"}[where]
+    before = sorted(p for p in PATCH_SETS.rglob("*"))
+    with pytest.raises(MiniStreamError, match=r"the output .* (is|holds|lies inside) the input"):
+        patch_tree(VERSION, out=out)
+    assert sorted(p for p in PATCH_SETS.rglob("*")) == before
+    assert not out.exists() or where != "inside-cache"

@@ -21,7 +21,8 @@ from pathlib import Path, PurePosixPath
 import git
 
 from .. import MiniStreamError
-from ..paths import BUILD, MODEL_FILE, PATCH_SETS
+from ..atomic import check_apart
+from ..paths import BUILD, CACHE, MODEL_FILE, PATCH_SETS
 from ..spec import ARCH, MODEL_TYPE
 from . import patchset
 from .patchset import ApplyError, check_pristine, manifest, patch_set_dir, patch_set_hash
@@ -249,6 +250,9 @@ def _make_pristine(tree: Path, version: str, folder: Path, git_url: str | None) 
             _pristine_from_sdist(version, partial)
             origin = f"the vllm {version} sdist"
         check_pristine(partial, version, folder, origin)
+        if tree.exists():
+            raise MiniStreamError(f"{_shown(tree)} appeared while the tree was being made; it is left as it is: "
+                                  f"remove it, or choose another --out, and run again")
         partial.rename(tree)  # only a complete, checked tree gets the real name
     finally:
         if partial.exists():
@@ -300,6 +304,7 @@ def patch_tree(version: str, src: Path | None = None, git_url: str | None = None
         _apply(_checkout(src, version), version, folder, _shown(src))
         return src
     tree = Path(out) if out else Path(build) / f"vllm-{version}"
+    check_apart(tree, [CACHE, patch_sets])  # what the tree is made from
     if tree.exists() and _wheel_made(tree, version):
         _remake(tree, version, folder, git_url)
     if not tree.exists():
