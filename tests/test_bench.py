@@ -146,3 +146,21 @@ def test_reference_only_run_writes_the_json_and_the_chart(cli, tiny, tmp_path):
     assert result["summary"]["rows"][1]["tokens_per_s"]["reference_batched"] > 0
     assert (tmp_path / "bench.png").is_file() or "no chart" in r.stderr
     assert "tiny          float32      2" in r.stdout
+
+
+def test_the_table_names_the_machine_and_its_instruction_sets():
+    from ministream.run.bench import machine_line
+
+    line = machine_line({"cpu": "Intel Xeon", "logical_cpus": 2, "memory_gib": 24,
+                         "isa": {"avx2": True, "avx512f": True, "avx512_bf16": True, "amx_tile": True,
+                                 "amx_bf16": True, "torch_capability": "AVX512"}})
+    assert line == ("machine: Intel Xeon, 2 logical CPUs, 24 GiB; avx2 avx512f avx512_bf16 amx_tile amx_bf16; "
+                    "torch kernels AVX512")
+    assert "flags not recorded" in machine_line({})
+
+
+def test_copy_bandwidth_is_a_median_of_repeats_with_its_spread():
+    from ministream.run.bench import copy_bandwidth
+
+    bw = copy_bandwidth(8, repeats=5)
+    assert bw["samples"] == 5 and bw["gb_per_s_min"] <= bw["gb_per_s"] <= bw["gb_per_s_max"]

@@ -21,6 +21,7 @@ import os
 import platform
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -134,21 +135,24 @@ def _worker(spec: dict) -> dict:
     return result
 
 
-def copy_bandwidth(mib: int, repeats: int = 5) -> dict:
-    """Memory bandwidth as torch sees it: best of `repeats` copies of a `mib` MiB tensor, read + write bytes."""
+def copy_bandwidth(mib: int, repeats: int = 15) -> dict:
+    """Memory bandwidth as torch sees it: the median of `repeats` copies of a `mib` MiB tensor, read +
+    write bytes. One copy is unsteady (14 and 31 GB/s in two runs on one machine): every sample is kept."""
     import torch
 
     src = torch.ones(mib * 2**20 // 4, dtype=torch.float32)
     dst = torch.empty_like(src)
     dst.copy_(src)  # fault the pages in
-    best = math.inf
+    seconds = []
     for _ in range(repeats):
         t = time.perf_counter()
         dst.copy_(src)
-        best = min(best, time.perf_counter() - t)
+        seconds.append(time.perf_counter() - t)
     moved = 2 * src.numel() * 4
-    return {"copy_mib": mib, "threads": torch.get_num_threads(), "seconds": best, "bytes_moved": moved,
-            "gb_per_s": moved / best / 1e9}
+    rates = sorted(moved / s / 1e9 for s in seconds)
+    return {"copy_mib": mib, "threads": torch.get_num_threads(), "seconds": statistics.median(seconds),
+            "bytes_moved": moved, "gb_per_s": statistics.median(rates), "gb_per_s_min": rates[0],
+            "gb_per_s_max": rates[-1], "samples": len(rates)}
 
 
 # ---------------------------------------------------------------- processes and their memory
@@ -293,6 +297,22 @@ def tooling(model: dict, out: Path) -> dict:
     return result
 
 
+# The CPU features that decide which kernels PyTorch and vLLM run (AMX and AVX512-BF16: bf16 matmuls
+# several times faster), as /proc/cpuinfo names them.
+ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
+
+
+def instruction_sets() -> dict:
+    import torch
+
+    flags = set()
+    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").is_file() else ():
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+            break
+    return {**{f: f in flags for f in ISA_FLAGS}, "torch_capability": torch.backends.cpu.get_cpu_capability()}
+
+
 def machine() -> dict:
     import importlib.metadata as md
 
@@ -311,7 +331,7 @@ def machine() -> dict:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True).stdout.strip()
     except OSError:
         commit = None
-    return {"cpu": cpu, "logical_cpus": os.cpu_count(), "affinity": sorted(os.sched_getaffinity(0)),
+    return {"cpu": cpu, "isa": instruction_sets(), "logical_cpus": os.cpu_count(), "affinity": sorted(os.sched_getaffinity(0)),
             "memory_gib": psutil.virtual_memory().total / 2**30, "gpu": torch.cuda.is_available(),
             "platform": platform.platform(), "python": platform.python_version(), "versions": versions,
             "torch_threads": torch.get_num_threads(), "commit": commit, "installed_model_file": _model_file()}
@@ -486,9 +506,18 @@ def _f(x, fmt="{:.0f}"):
     return "-" if x is None else fmt.format(x)
 
 
+def machine_line(machine: dict) -> str:
+    """Which machine the figures are of: they differ by CPU far more than between runs."""
+    isa = machine.get("isa") or {}
+    has = [f for f in ISA_FLAGS if isa.get(f)] or ["flags not recorded"]
+    return (f"machine: {machine.get('cpu', '?')}, {machine.get('logical_cpus', '?')} logical CPUs, "
+            f"{machine.get('memory_gib', 0):.0f} GiB; {' '.join(has)}; torch kernels {isa.get('torch_capability', '?')}")
+
+
 def table(result: dict) -> str:
     sm = result["summary"]
-    lines = ["output tokens/s (batch x %d new tokens, EOS ignored); ratios of the patched vLLM (MiniStream)"
+    lines = [machine_line(result.get("machine", {})),
+             "output tokens/s (batch x %d new tokens, EOS ignored); ratios of the patched vLLM (MiniStream)"
              % result["settings"]["new_tokens"],
              f"{'model':<14}{'dtype':<9}{'batch':>5} {'vLLM MS':>8} {'vLLM LLaMA':>10} {'MS/LLaMA':>8} "
              f"{'vLLM bind':>9} {'ours/bind':>9} {'ref batch':>9} {'x':>6} {'ref 1-by-1':>10} {'x':>6} "
@@ -515,7 +544,8 @@ def table(result: dict) -> str:
     for c in sm["bandwidth_ceiling"]:
         lines.append(f"decode ceiling {c['model']} {c['dtype']} {c['system']}: {c['decode_tokens_per_s']:.0f} tok/s x "
                      f"{c['weight_bytes'] / 1e6:.0f} MB = {c['weights_gb_per_s']:.1f} GB/s of {c['copy_gb_per_s']:.1f} "
-                     f"GB/s copy ({100 * c['fraction_of_copy_bandwidth']:.0f}%; ceiling "
+                     f"GB/s copy, median of {result['bandwidth'].get('samples', 1)} "
+                     f"({100 * c['fraction_of_copy_bandwidth']:.0f}%; ceiling "
                      f"{c['ceiling_tokens_per_s']:.0f} tok/s)")
     for name, t in result.get("tooling", {}).items():
         lines.append(f"tooling {name:<18} {t['seconds']:6.1f}s  peak RSS {t['peak_rss_mib']:.0f} MiB"
