@@ -33,12 +33,14 @@ PROMPTS ?=
 HOST ?= 127.0.0.1
 PORT ?= 8000
 TP ?=
+# pipeline stages across Ray nodes (multi-node recipe, README "Which route?")
+PP ?=
 # bench: BENCH_QUICK=1 for a smoke run; BENCH_ARGS for any `ministream bench` option (--configs, --batches, ...)
 BENCH_OUT ?= build/bench
 BENCH_QUICK ?=
 BENCH_ARGS ?=
 
-.PHONY: help setup demo test checkpoint convert generate patch wheel install vllm-tests bench clean port matrix serve image image-prereqs test-image verify doctor
+.PHONY: help setup demo test checkpoint convert generate patch wheel install vllm-tests plugin bench clean port matrix serve image image-prereqs test-image verify doctor
 
 help:
 	@echo "make setup                         create $(VENV)/ (torch $(TORCH_VERSION), CPU build without a GPU)"
@@ -51,12 +53,13 @@ help:
 	@echo "                                   [VLLM_SRC=checkout: patch that git checkout instead] [VLLM_GIT_URL=repo]"
 	@echo "make wheel VLLM_VERSION=x DEVICE=d patched release wheel into dist/ (d: cuda|cpu, now $(DEVICE))"
 	@echo "make install VLLM_VERSION=x        install the patched wheel into $(VENV)/"
+	@echo "make plugin VLLM_VERSION=x         the model as a vLLM plugin wheel for a fixed (stock) vLLM x -> dist/"
 	@echo "make vllm-tests VLLM_VERSION=x     vLLM's own tests of MiniStream (test_registry, test_initialization, our"
 	@echo "                                   generation test) from the patched tree, offline [VLLM_SRC=] [COMPARE=1]"
 	@echo "make verify MODEL=dir [RAW=dir]    reference model's golden outputs vs the installed vLLM: exit 0 if they pass"
 	@echo "                                   the rule for DTYPE (float32|bfloat16), else layer by layer [PROMPTS=file]"
 	@echo "make doctor MODEL=dir              check a converted folder and the installed vLLM, one line per finding"
-	@echo "make serve MODEL=dir [PORT=8000]   OpenAI-compatible server on the patched vLLM [DTYPE=] [TP=] [HOST=127.0.0.1]"
+	@echo "make serve MODEL=dir [PORT=8000]   OpenAI-compatible server on the patched vLLM [DTYPE=] [TP=] [PP=] [HOST=127.0.0.1]"
 	@echo "make image VLLM_VERSION=x DEVICE=d container image ministream-vllm:x-d (docker, else podman)"
 	@echo "make test-image                    build the CPU image and check it serves like make serve (slow, not in test)"
 	@echo "make bench [BENCH_QUICK=1]         patched vLLM vs LLaMA names, reference model, core binding; tooling costs"
@@ -94,6 +97,9 @@ matrix: setup
 install: wheel
 	$(MS) install $(VLLM_VERSION) --device $(DEVICE)
 
+plugin: setup
+	$(MS) plugin $(VLLM_VERSION)
+
 vllm-tests: install
 	$(MS) vllm-tests $(VLLM_VERSION) $(if $(VLLM_SRC),--tree $(VLLM_SRC)) $(if $(COMPARE),--compare)
 
@@ -121,7 +127,8 @@ test: setup
 	$(MAKE) --no-print-directory vllm-tests DEVICE=cpu
 
 serve: setup
-	$(MS) serve $(MODEL) --host $(HOST) --port $(PORT) $(if $(DTYPE),--dtype $(DTYPE)) $(if $(TP),--tp $(TP))
+	$(MS) serve $(MODEL) --host $(HOST) --port $(PORT) $(if $(DTYPE),--dtype $(DTYPE)) $(if $(TP),--tp $(TP)) \
+		$(if $(PP),--vllm-args='--pipeline-parallel-size $(PP) --distributed-executor-backend ray')
 
 # podman, runc and debootstrap from apt, unless a Docker engine answers
 image-prereqs:

@@ -155,6 +155,14 @@ def add_wheel(sub) -> None:
     p.set_defaults(func=run)
 
 
+def add_plugin(sub) -> None:
+    from .fork import plugin
+
+    p = _for_release(sub, "plugin", plugin, "the model as an out-of-tree vLLM plugin wheel -> dist/ (for a fixed vLLM)")
+    p.add_argument("--dist", type=Path, help="output folder (default: dist/)")
+    p.set_defaults(func=lambda a: plugin.run(a.version, a.dist))
+
+
 def add_install(sub) -> None:
     from .fork import install
     from .fork.release import DISTRIBUTIONS
@@ -327,7 +335,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(prog="ministream", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     for add in (add_checkpoint, add_convert,  # the training side
-                add_patch, add_port, add_matrix, add_wheel, add_install, add_vllm_tests, add_image,  # the vLLM side
+                add_patch, add_port, add_matrix, add_wheel, add_plugin, add_install, add_vllm_tests, add_image,  # the vLLM side
                 add_generate, add_verify, add_doctor, add_serve, add_serve_bench, add_bench):  # using an engine
         add(sub)
     args = parser.parse_args(argv)

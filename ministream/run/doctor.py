@@ -4,6 +4,7 @@ The troubleshooting checklist, automated; no engine is started, and of the weigh
 is read (to see it is not all zeros); the rest comes from the safetensors headers (folder.py). Each finding is one line, `ok`, `warn` or `error`, with what to do. Exit 1 on any error.
 """
 
+import ast
 import importlib.metadata
 import importlib.util
 import json
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .. import MiniStreamError
+from ..fork import plugin as vllm_plugin
 from ..fork.registry import read_package
 from ..paths import PATCH_SETS
 from ..spec import ARCH, MODEL_TYPE, QKV, TORCH_DTYPES, hf_names
@@ -60,6 +62,24 @@ def vllm_dist_version() -> str | None:
         except importlib.metadata.PackageNotFoundError:
             pass
     return None
+
+
+def installed_plugin() -> dict | None:
+    """What the installed ministream plugin (`make plugin`) was built for: its _build.py constants, read
+    without importing it; None unless its vllm.general_plugins entry point is installed."""
+    points = importlib.metadata.entry_points(group=vllm_plugin.ENTRY_POINT_GROUP)
+    if not any(p.value.split(":")[0] == vllm_plugin.PACKAGE for p in points):
+        return None
+    spec = importlib.util.find_spec(vllm_plugin.PACKAGE)
+    build = Path(spec.origin).parent / "_build.py" if spec and spec.origin else None
+    if build is None or not build.is_file():
+        return {}
+    return {node.targets[0].id: node.value.value for node in ast.parse(build.read_text()).body
+            if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant)}
+
+
+def plugin_fits(plugin: dict | None, dist: str | None) -> bool:
+    return bool(plugin) and plugin.get("VLLM_VERSION") == (dist or "").split("+")[0]
 
 
 def checkout_patch_version(vllm_version: str) -> str | None:
@@ -118,6 +138,19 @@ def check_patch(vllm_dir: Path | None, dist: str | None) -> Finding:
                        f"patch set is {want}", "make install")
     label = "" if dist and "+ministream" in dist else " (its version has no +ministream label: not our wheel?)"
     return Finding("ok", "vllm", f"installed vLLM {dist} carries MiniStream patch {ours}{label}")
+
+
+def check_plugin(plugin: dict, dist: str | None) -> Finding:
+    """The plugin route: a stock vLLM, and the ministream plugin built for it."""
+    base = (dist or "").split("+")[0]
+    built = plugin.get("VLLM_VERSION", "unknown")
+    if not plugin_fits(plugin, dist):
+        return Finding("error", "vllm", f"the installed vLLM {dist} is not patched, and the ministream plugin "
+                       f"{plugin.get('PLUGIN_VERSION', '')} is built for vLLM {built}: it registers nothing on {base}",
+                       f"make plugin VLLM_VERSION={base}, then pip install --no-deps dist/"
+                       f"{vllm_plugin.wheel_name(base)}")
+    return Finding("ok", "vllm", f"plugin route: installed vLLM {dist} (unpatched) + the ministream plugin "
+                   f"{plugin['PLUGIN_VERSION']}, which registers MiniStream patch {plugin.get('PATCH_VERSION')}")
 
 
 def check_head_dim(config: dict, tensors: dict[str, Tensor]) -> Finding:
@@ -283,7 +316,9 @@ def doctor(folder: Path, vllm_dir: Path | None = None, dtype: str | None = None,
 
 def installed_vllm_findings(config: dict, vllm_dir: Path | None) -> list[Finding]:
     """Does the installed vLLM know the folder's architecture and model_type, and is it our patched build?"""
-    found = []
+    found, dist = [], vllm_dist_version()
+    # the plugin route: an unpatched vLLM, to which the plugin adds the architecture and the config at run time
+    plugin = installed_plugin() if vllm_dir is not None and patch_version(vllm_dir) is None else None
     if vllm_dir is not None:
         try:
             registries = read_package(vllm_dir)
@@ -291,9 +326,11 @@ def installed_vllm_findings(config: dict, vllm_dir: Path | None) -> list[Finding
             found.append(Finding("error", "vllm", f"the installed vLLM's registries cannot be read: {e}",
                                  "install the patched vLLM: make install"))
         else:
-            found.append(check_architecture(config, set(registries.architectures)))
-            found.append(check_model_type(config, set(registries.config_types), transformers_config_types()))
-    found.append(check_patch(vllm_dir, vllm_dist_version()))
+            added = ({ARCH}, {MODEL_TYPE}) if plugin_fits(plugin, dist) else (set(), set())
+            found.append(check_architecture(config, set(registries.architectures) | added[0]))
+            found.append(check_model_type(config, set(registries.config_types) | added[1],
+                                          transformers_config_types()))
+    found.append(check_plugin(plugin, dist) if plugin is not None else check_patch(vllm_dir, dist))
     return found
 
 
