@@ -18,9 +18,12 @@ from ministream import spec
 CHECKOUT = Path(__file__).resolve().parent.parent
 PACKAGE = CHECKOUT / "ministream"
 MODULES = sorted(".".join(p.relative_to(CHECKOUT).with_suffix("").parts).removesuffix(".__init__")
-                 for p in PACKAGE.rglob("*.py") if "fork/patches" not in p.as_posix() and "fork/models" not in p.as_posix())
-SHIPPED = ["ministream/fork/apply_patch.sh", "ministream/fork/models/ministream.py",
-           "ministream/fork/patches/versions.json", "ministream/fork/docker/Dockerfile.cpu", "ministream/data/corpus.txt"]
+                 for p in PACKAGE.rglob("*.py") if not any(f"fork/{data}" in p.as_posix()
+                                                            for data in ("patches", "models", "plugin_files")))
+SHIPPED = ["ministream/fork/apply_patch.sh", "ministream/fork/models/ministream.py", "ministream/fork/releases.json",
+           "ministream/fork/patches/versions.json", "ministream/fork/docker/Dockerfile.cpu", "ministream/data/corpus.txt",
+           "ministream/fork/patches/v0.32.0/upstream/upstream.diff",
+           "ministream/fork/plugin_files/ministream_vllm/__init__.py"]
 
 
 def run(*cmd, cwd=None, env=None, timeout=1800) -> subprocess.CompletedProcess:
