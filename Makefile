@@ -61,6 +61,7 @@ help:
 	@echo "make doctor MODEL=dir              check a converted folder and the installed vLLM, one line per finding"
 	@echo "make serve MODEL=dir [PORT=8000]   OpenAI-compatible server on the patched vLLM [DTYPE=] [TP=] [PP=] [HOST=127.0.0.1]"
 	@echo "make image VLLM_VERSION=x DEVICE=d container image ministream-vllm:x-d (docker, else podman)"
+	@echo "                                   [ROUTE=plugin DEVICE=cuda: vLLM's own image + our plugin -> :x-cuda-plugin]"
 	@echo "make test-image                    build the CPU image and check it serves like make serve (slow, not in test)"
 	@echo "make bench [BENCH_QUICK=1]         patched vLLM vs LLaMA names, reference model, core binding; tooling costs"
 	@echo "                                   -> $(BENCH_OUT)/bench.json, bench.png (~20 min on 2 cores; not part of test)"
@@ -134,8 +135,10 @@ serve: setup
 image-prereqs:
 	@docker info >/dev/null 2>&1 || scripts/image_prereqs.sh
 
-image: wheel image-prereqs
-	$(MS) image $(VLLM_VERSION) --device $(DEVICE)
+# ROUTE=plugin: vLLM's own CUDA image with our plugin instead of the patched vLLM
+ROUTE ?= wheel
+image: $(if $(filter plugin,$(ROUTE)),setup,wheel) image-prereqs
+	$(MS) image $(VLLM_VERSION) --device $(DEVICE) --route $(ROUTE)
 
 test-image: setup image-prereqs
 	$(MAKE) --no-print-directory install DEVICE=cpu

@@ -191,8 +191,10 @@ def add_image(sub) -> None:
 
     p = _for_release(sub, "image", image, "build the serving container image (docker, else podman)")
     p.add_argument("--device", required=True, choices=["cuda", "cpu"])
-    p.add_argument("--tag", help="image name (default: ministream-vllm:VERSION-DEVICE)")
-    p.set_defaults(func=lambda a: image.build(a.version, a.device, a.tag) and 0)
+    p.add_argument("--tag", help="image name (default: ministream-vllm:VERSION-DEVICE[-plugin])")
+    p.add_argument("--route", choices=image.ROUTES, default="wheel",
+                   help="wheel: our patched vLLM; plugin: vLLM's own image + our plugin (cuda only)")
+    p.set_defaults(func=lambda a: image.build(a.version, a.device, a.tag, a.route) and 0)
 
 
 # --- using an engine: generate, serve, serve-bench, verify, doctor, bench -----------------------

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent  # the checkout
+from ministream import MiniStreamError
 from ministream.fork.image import DOCKER, MODEL_MOUNT, build_args, dockerfile, engine, engine_env, run_command, tag
 from ministream.fork.wheel import built_wheel, wheel_name
 from ministream.run.engine import NO_USAGE_STATS
@@ -160,3 +161,21 @@ def test_cpu_image_serves_the_same_completion_as_make_serve(tiny_hf, cli, tmp_pa
     print(f"both answered {answers['image']['text']!r}")
     for where, (proc, _, log) in servers.items():
         assert proc.returncode == 0 and "ministream serve: stopped" in log.read_text(), log.read_text()[-3000:]
+
+
+def test_plugin_image_is_vllms_own_image_with_our_plugin_wheel(monkeypatch, tmp_path):
+    """ROUTE=plugin: the CUDA Dockerfile, installing the plugin wheel `make plugin` writes instead of our vLLM."""
+    from ministream.fork import image
+    from ministream.fork.plugin import wheel_name as plugin_wheel
+
+    assert tag(VERSION, "cuda", "plugin") == f"ministream-vllm:{VERSION}-cuda-plugin"
+    assert build_args(VERSION, "cuda", "plugin") == {"VLLM_VERSION": VERSION, "WHEEL": plugin_wheel(VERSION)}
+    assert "FROM vllm/vllm-openai:v${VLLM_VERSION}" in dockerfile("cuda").read_text()  # the stock image, as it is
+    # the image's install check accepts either route: it asks vLLM's registry after loading the plugins
+    check = (DOCKER / "install.sh").read_text()
+    assert "load_general_plugins()" in check and "get_supported_archs()" in check
+    with pytest.raises(MiniStreamError, match=r"no stock vLLM image to build on"):
+        image.prepare_context(VERSION, "cpu", "plugin")
+    with pytest.raises(MiniStreamError, match=r"unknown image route 'fork'"):
+        image.build(VERSION, "cuda", route="fork")
+    assert "--gpus" in run_command(["docker"], tag(VERSION, "cuda", "plugin"), str(tmp_path))

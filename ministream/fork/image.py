@@ -1,7 +1,8 @@
 """image: the serving container image of the patched vLLM, one Dockerfile per device (docker/).
 
 cuda: FROM vLLM's official OpenAI server image of the same version, our patched wheel installed over
-its vLLM with --no-deps. cpu: FROM a local Debian base with Python (debootstrap, imported once and
+its vLLM with --no-deps; or (route "plugin") the stock image left as it is, with our plugin wheel
+beside its vLLM (`make plugin`), for platforms that must run vLLM's own image. cpu: FROM a local Debian base with Python (debootstrap, imported once and
 cached), the patched CPU wheel and all its dependencies installed from a wheelhouse in the build
 context: the build needs no network. Both run docker/entrypoint.sh, i.e. `ministream serve` on the
 model folder mounted at /model, with the same defaults as `make serve`.
@@ -19,6 +20,7 @@ from pathlib import Path
 
 from .. import MiniStreamError
 from ..paths import BUILD, DOCKER
+from .plugin import build_plugin, wheel_name as plugin_wheel_name
 from .wheel import built_wheel, wheel_name
 
 CONTAINERS_CONF = DOCKER / "containers.conf"
@@ -38,17 +40,29 @@ PORT = 8000
 SHM_SIZE = "2g"
 
 
-def tag(version: str, device: str) -> str:
-    return f"ministream-vllm:{version}-{device}"
+ROUTES = ("wheel", "plugin")  # the patched vLLM wheel, or the stock vLLM + our plugin (README: Which route?)
+
+
+def tag(version: str, device: str, route: str = "wheel") -> str:
+    return f"ministream-vllm:{version}-{device}" + ("-plugin" if route == "plugin" else "")
 
 
 def dockerfile(device: str) -> Path:
     return DOCKER / f"Dockerfile.{device}"
 
 
-def build_args(version: str, device: str) -> dict:
-    """The --build-arg values: vLLM's version and the file name of our wheel, as `ministream wheel` names it."""
-    return {"VLLM_VERSION": version, "WHEEL": wheel_name(version, device)}
+def build_args(version: str, device: str, route: str = "wheel") -> dict:
+    """The --build-arg values: vLLM's version and the file name of the wheel the image installs, as
+    `ministream wheel` (or `ministream plugin`) names it."""
+    return {"VLLM_VERSION": version, "WHEEL": plugin_wheel_name(version) if route == "plugin" else wheel_name(version, device)}
+
+
+def _check_route(device: str, route: str) -> None:
+    if route not in ROUTES:
+        raise MiniStreamError(f"unknown image route {route!r}: use one of {', '.join(ROUTES)}")
+    if route == "plugin" and device != "cuda":
+        raise MiniStreamError("the plugin image is built on vLLM's official (CUDA) image; for the CPU there is no "
+                              "stock vLLM image to build on: use the patched-wheel image (route wheel)")
 
 
 # ---------------------------------------------------------------- the engine
@@ -112,16 +126,17 @@ def _pip_wheel(args: list, dest: Path):
     _run([sys.executable, "-m", "pip", "wheel", "-q", "--disable-pip-version-check", "--wheel-dir", dest, *args])
 
 
-def prepare_context(version: str, device: str) -> Path:
-    """build/image/<device>/: the wheelhouse (our wheel, the ministream package, their dependencies) and the
-    scripts the Dockerfile copies. pip reuses what the wheelhouse already holds."""
-    wheel = built_wheel(version, device)
-    ctx = WORK / device
+def prepare_context(version: str, device: str, route: str = "wheel") -> Path:
+    """build/image/<device>[-plugin]/: the wheelhouse (our wheel, the ministream package, their dependencies)
+    and the scripts the Dockerfile copies. pip reuses what the wheelhouse already holds."""
+    _check_route(device, route)
+    wheel = build_plugin(version) if route == "plugin" else built_wheel(version, device)
+    ctx = WORK / (device + ("-plugin" if route == "plugin" else ""))
     house = ctx / "wheelhouse"
     house.mkdir(parents=True, exist_ok=True)
     for old in house.glob("ministream_vllm-*.whl"):  # always rebuilt: the sources may have changed
         old.unlink()
-    for old in house.glob("vllm*+ministream*.whl"):
+    for old in [*house.glob("vllm*+ministream*.whl"), *house.glob("ministream_vllm_plugin-*.whl")]:
         if old.name != wheel.name:
             old.unlink()
     if not (house / wheel.name).is_file() or (house / wheel.name).stat().st_mtime < wheel.stat().st_mtime:
@@ -146,17 +161,18 @@ def prepare_context(version: str, device: str) -> Path:
 # ---------------------------------------------------------------- build
 
 
-def build(version: str, device: str, name: str | None = None) -> str:
-    name = name or tag(version, device)
+def build(version: str, device: str, name: str | None = None, route: str = "wheel") -> str:
+    _check_route(device, route)
+    name = name or tag(version, device, route)
     if device == "cpu" and version != "0.32.0":
         print(f"warning: the CPU Dockerfile was made for vLLM 0.32.0 (torch 2.13.0+cpu); building {version}",
               file=sys.stderr)
     eng = engine()
     start = time.monotonic()
-    args = build_args(version, device)
+    args = build_args(version, device, route)
     if device == "cpu":
         args["BASE"] = ensure_base(eng)
-    ctx = prepare_context(version, device)
+    ctx = prepare_context(version, device, route)
     cmd = [*eng, "build", "-f", dockerfile(device), "-t", name]
     for k, v in args.items():
         cmd += ["--build-arg", f"{k}={v}"]
@@ -181,6 +197,6 @@ def run_command(eng: list, name: str, model: str, port: int = PORT, host: str | 
            "-e", f"MODEL={mount}", "-e", f"PORT={port}"]
     if host:
         cmd += ["-e", f"HOST={host}"]
-    if eng[0] == "docker" and name.endswith("-cuda"):
+    if eng[0] == "docker" and "-cuda" in name:
         cmd += ["--gpus", "all"]
     return [*cmd, name, *extra]

