@@ -113,6 +113,11 @@ def pytest_run(tree: Path, args: list[str], env: dict, report: Path) -> dict:
     return outcomes(report)
 
 
+def counts(results: dict[str, str]) -> dict[str, int]:
+    """How many cases ended each way."""
+    return {k: sum(o == k for o in results.values()) for k in ("passed", "failed", "skipped", "error")}
+
+
 def outcomes(report: Path) -> dict[str, str]:
     results = {}
     for case in ET.parse(report).getroot().iter("testcase"):
@@ -161,7 +166,7 @@ def run(version: str, tree: Path | None = None, compare: bool = False, out: Path
     ours = {t: o for t, o in results.items() if ARCH in t or "ministream" in t}
     bad = {t: o for t, o in results.items() if o != "passed"}
     print(f"\nvLLM {version}'s tests on {tree}: {len(results)} selected, "
-          + ", ".join(f"{sum(o == k for o in results.values())} {k}" for k in ("passed", "failed", "skipped", "error")))
+          + ", ".join(f"{n} {k}" for k, n in counts(results).items()))
     for t, o in bad.items():
         print(f"  {o}: {t}")
     summary = {"version": version, "device": device, "results": results}
@@ -207,10 +212,9 @@ def before_after(version: str, tree: Path, home: Path, device: str, out: Path) -
     finally:
         repo.git.worktree("remove", "--force", str(pristine.resolve()))
     after = pytest_run(tree.resolve(), COMPARE, _environment(home, device), out.resolve() / "after.xml")
-    counts = {name: {k: sum(o == k for o in r.values()) for k in ("passed", "failed", "skipped", "error")}
-              for name, r in (("before", before), ("after", after))}
+    tally = {"before": counts(before), "after": counts(after)}
     changed = {t: [before.get(t), after.get(t)] for t in sorted(set(before) | set(after)) if before.get(t) != after.get(t)}
-    print(f"before the patch: {counts['before']}\nafter the patch:  {counts['after']}")
+    print(f"before the patch: {tally['before']}\nafter the patch:  {tally['after']}")
     for t, (b, a) in changed.items():
         print(f"  {t}: {b} -> {a}")
-    return {"files": COMPARE, "counts": counts, "changed": changed}
+    return {"files": COMPARE, "counts": tally, "changed": changed}
