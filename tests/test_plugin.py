@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 
+from ministream import MiniStreamError
 from ministream.fork import plugin
 from ministream.fork.release import release_wheel
 from ministream.run.generate import DEFAULT_PROMPTS, reference_generate, tokenize
@@ -343,3 +344,10 @@ def test_ray_executor_tensor_parallel_2_equals_tp_1(route, plugin_env, ray_clust
             pytest.skip(f"vLLM {VERSION} CPU cannot run the Ray executor ({route}): {cause[0]}")
         pytest.fail(r.stderr[-5000:])
     assert json.loads(result[0][len("RESULT "):]) == [w["ids"] for w in offline(tiny_gqa_hf)]
+
+
+@pytest.mark.parametrize("version", ["0.4.3", "0.5.5"])
+def test_no_plugin_for_the_lines_that_load_no_plugins(version, tmp_path):
+    with pytest.raises(MiniStreamError, match=f"vLLM {version} registers models only by class.*make wheel"):
+        plugin.build_plugin(version, tmp_path)
+    assert not any(tmp_path.iterdir())

@@ -5,6 +5,7 @@ wheels and sdists, cached): the committed derived patch sets must be exactly wha
 upstream/ (tests/ and docs/ in each release's form) included.
 """
 
+import ast
 import filecmp
 import json
 import shutil
@@ -15,9 +16,11 @@ import pytest
 from ministream import MiniStreamError
 from ministream.paths import PATCH_SETS
 from ministream.fork import registry
-from ministream.fork.patchset import manifest, patch_set_dir, pinned, supported_versions
-from ministream.fork.port import (PortResult, _relative_imports, add_example, hand_made_upstream, import_target,
-                                  merge_model, port, port_all, pristine_files, registrations, report, upstream_part)
+from ministream.fork.patchset import apply_to_files, manifest, patch_set_dir, pinned, supported_versions
+from ministream.fork.patch import MINISTREAM
+from ministream.fork.port import (Backport, PortResult, _relative_imports, add_example, backport, hand_made_upstream,
+                                  import_target, merge_model, port, port_all, pristine_files, registrations, report,
+                                  upstream_part)
 from ministream.fork.release import NoSdist, sdist_files, sdist_names
 from ministream.fork.registry import CONFIG_PY, CONFIGS_INIT_PY, REGISTRY_PY, add_architecture, add_config
 
@@ -132,7 +135,8 @@ def test_registrations_remade_for_0_32_0_equal_the_hand_made_registry_diff():
     assert registrations(pristine_files("0.32.0")) == (PATCH_SETS / "v0.32.0" / "registry.diff").read_text()
 
 
-@pytest.mark.parametrize("version, forms", [("0.6.3", ("dict", "imports")), ("0.11.2", ("lazy", "imports")),
+@pytest.mark.parametrize("version, forms", [("0.4.3", ("autoconfig", "imports")), ("0.5.5", ("dict", "imports")),
+                                            ("0.6.3", ("dict", "imports")), ("0.11.2", ("lazy", "imports")),
                                             ("0.13.0", ("lazy", "class-to-module"))])
 def test_config_registry_form_is_detected(version, forms):
     assert registry.read(pristine_files(version)).forms == forms
@@ -222,10 +226,8 @@ def test_registries_of_a_lazy_class_to_module_release():
     assert "ministream" not in found.config_types and "MiniStreamForCausalLM" not in found.architectures
 
 
-@pytest.mark.parametrize("version", ["0.6.3", "0.11.2", "0.32.0"])
+@pytest.mark.parametrize("version", ["0.4.3", "0.5.5", "0.6.3", "0.11.2", "0.32.0"])
 def test_a_patched_package_registers_ministream(version, tmp_path):
-    from ministream.fork.patchset import apply_to_files
-
     patched = apply_to_files(pristine_files(version), patch_set_dir(version))
     for rel, text in patched.items():
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -241,6 +243,53 @@ def test_a_registration_whose_class_is_not_imported_does_not_count():
     config, _ = add_config(files[CONFIG_PY], files[CONFIGS_INIT_PY])
     files[CONFIG_PY] = config.replace("from vllm.transformers_utils.configs import MiniStreamConfig\n", "")
     assert "ministream" not in registry.read(files).config_types
+
+
+# --- the Sampler era (0.4, 0.5): models/__init__.py, AutoConfig asked first, llama.py of its own -----
+
+def test_before_0_6_3_the_architectures_are_in_models_init():
+    assert registry.files("0.5.5")[0] == registry.MODELS_INIT_PY and registry.files("0.6.3") == registry.FILES
+    found = registry.read(pristine_files("0.5.5"))
+    assert found.architectures["LlamaForCausalLM"] == ("llama", "LlamaForCausalLM")
+    assert '+    "MiniStreamForCausalLM": ("ministream", "MiniStreamForCausalLM"),\n' in \
+        (patch_set_dir("0.4.3") / "registry.diff").read_text()
+
+
+def test_0_4_registers_the_config_with_autoconfig_too_and_a_dict_entry_alone_does_not_count():
+    files = pristine_files("0.4.3")
+    config, _ = add_config(files[CONFIG_PY], files[CONFIGS_INIT_PY])
+    assert '    "ministream": MiniStreamConfig,\n' in config
+    assert '\nAutoConfig.register("ministream", MiniStreamConfig)\n' in config
+    files[CONFIG_PY] = config.replace('AutoConfig.register("ministream", MiniStreamConfig)\n', "")
+    assert "ministream" not in registry.read(files).config_types  # get_config would fail in AutoConfig
+
+
+def test_the_sampler_era_model_keeps_its_releases_interface():
+    for version in ("0.4.3", "0.5.5"):
+        model = ast.parse(apply_to_files(pristine_files(version), patch_set_dir(version))[MINISTREAM])
+        cls = next(n for n in model.body if isinstance(n, ast.ClassDef) and n.name == "MiniStreamForCausalLM")
+        methods = {f.name: [a.arg for a in f.args.args] for f in cls.body if isinstance(f, ast.FunctionDef)}
+        assert methods["forward"][:5] == ["self", "input_ids", "positions", "kv_caches", "attn_metadata"]
+        assert {"compute_logits", "sample", "load_weights"} <= set(methods)
+
+
+def test_what_an_older_llama_py_lacks_is_put_back():
+    model = apply_to_files(pristine_files("0.4.3"), patch_set_dir("0.4.3"))[MINISTREAM]
+    assert 'self.head_dim = getattr(config, "head_dim",\n' in model  # 0.4.3's llama.py: hidden_size // heads
+    assert "            config=config,\n            hidden_size=self.hidden_size,\n" in model
+    bp = Backport("x", "needed()", (("old()\n", "needed()\n"),))
+    assert backport("a()\nold()\n", "1.0", [bp]) == ("a()\nneeded()\n", ["x"])
+    assert backport("needed()\n", "1.0", [bp]) == ("needed()\n", [])
+    with pytest.raises(MiniStreamError, match="lacks x, .*extend port.BACKPORTS"):
+        backport("other()\n", "1.0", [bp])
+
+
+@pytest.mark.parametrize("version", ["0.4.3", "0.5.5"])
+def test_an_sdist_without_docs_and_model_tests_records_why_it_has_no_upstream_part(version):
+    folder = patch_set_dir(version)
+    assert manifest(folder)["upstream"] == f"the vllm {version} sdist ships no docs/ and no tests/models/ " \
+                                           f"(no supported-models page, no model tests)"
+    assert not (folder / "upstream").exists()
 
 
 # --- release files: single members of the release wheel, cached and checked -----------------------

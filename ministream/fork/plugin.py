@@ -26,6 +26,8 @@ import zipfile
 from base64 import urlsafe_b64encode
 from pathlib import Path
 
+from packaging.version import Version
+
 from .. import MiniStreamError, __version__
 from ..paths import DIST, shipped
 from ..spec import ARCH, CONFIG_CLASS, MODEL_TYPE
@@ -36,6 +38,8 @@ DISTRIBUTION = "ministream-vllm-plugin"
 PACKAGE = "ministream_vllm"  # the import name: ministream_vllm.ministream:MiniStreamForCausalLM
 ENTRY_POINT_GROUP = "vllm.general_plugins"  # vLLM loads these in every process it starts
 ENTRY_POINT = "ministream"
+# 0.6.3's registry takes "module:Class" strings and vLLM loads vllm.general_plugins; 0.4 and 0.5 do neither
+FIRST_PLUGIN_RELEASE = Version("0.6.3")
 TEMPLATE = shipped("fork", "plugin_files", PACKAGE)  # the version-independent files of the package
 # the patched tree's files that go into the package, and their names there
 FROM_TREE = {
@@ -160,6 +164,10 @@ def wheel_bytes(files: dict[str, bytes], info_dir: str, info: dict[str, bytes]) 
 
 def build_plugin(version: str, dist_dir: Path | None = None) -> Path:
     """dist/ministream_vllm_plugin-<ours>+vllm.VERSION-py3-none-any.whl, written whole or not at all."""
+    if Version(version) < FIRST_PLUGIN_RELEASE:
+        raise MiniStreamError(f"vLLM {version} registers models only by class, not by \"module:Class\" string, and "
+                              f"loads no general plugins: use the patched wheel (`make wheel VLLM_VERSION={version}`), "
+                              f"or a vLLM {FIRST_PLUGIN_RELEASE} or later for the plugin")
     dist_dir = Path(dist_dir) if dist_dir else DIST
     name = wheel_name(version)
     info_dir = f"{DISTRIBUTION.replace('-', '_')}-{plugin_version(version)}.dist-info"
