@@ -44,8 +44,8 @@ def test_a_release_of_a_listed_line_with_other_files_is_refused():
 
 
 def test_a_release_of_an_unsupported_line_is_refused():
-    result = check_version("0.5.5")
-    assert "no MiniStream patch set for vLLM 0.5.5" in result["checks"]["pristine"]["detail"]
+    result = check_version("0.3.3")
+    assert "no MiniStream patch set for vLLM 0.3.3" in result["checks"]["pristine"]["detail"]
 
 
 def test_make_patch_works_for_a_release_mapped_by_hash(tmp_path):
@@ -63,21 +63,28 @@ def test_make_patch_works_for_a_release_mapped_by_hash(tmp_path):
 
 
 def test_matrix_writes_a_table_and_json(tmp_path):
-    results = run_matrix(["0.32.0", "0.5.5"], out=tmp_path)
+    results = run_matrix(["0.32.0", "0.3.3"], out=tmp_path)
     assert json.loads((tmp_path / "matrix.json").read_text()) == results
     md = (tmp_path / "matrix.md").read_text()
     assert md.startswith("| vLLM | patch set | pristine | applies | compiles | architecture | config | interface "
-                         "| upstream |")
-    assert "| 0.32.0 | v0.32.0 | ✓ | ✓ | ✓ | ✓ | ✓ | ✓ | ✓ | lazy registry, class-to-module |" in md
-    assert "- 0.5.5 pristine: no MiniStream patch set" in md
+                         "| names | attributes | weights | upstream |")
+    assert "| 0.32.0 | v0.32.0 | ✓ | ✓ | ✓ | ✓ | ✓ | ✓ | ✓ | ✓ | ✓ | ✓ | lazy registry, class-to-module |" in md
+    assert "- 0.3.3 pristine: no MiniStream patch set" in md
 
 
 # --- upstream: the set's tests/ and docs/ part on the release's own sdist files ----------------------
 
-NO_SDIST = {"0.15.1": "no sdist on PyPI for 0.15.1"}
+# releases whose set records why it has no upstream part (0.15.1: no sdist; 0.4.3, 0.5.5: no docs/, tests/models/)
+NO_UPSTREAM = {v: json.loads((patch_set_dir(v) / "manifest.json").read_text()).get("upstream")
+               for v in supported_versions()}
+NO_UPSTREAM = {v: why for v, why in NO_UPSTREAM.items() if why}
 
 
-@pytest.mark.parametrize("version", [v for v in supported_versions() if v not in NO_SDIST])
+def test_only_the_releases_without_the_files_have_no_upstream_part():
+    assert sorted(NO_UPSTREAM) == ["0.15.1", "0.4.3", "0.5.5"]
+
+
+@pytest.mark.parametrize("version", [v for v in supported_versions() if v not in NO_UPSTREAM])
 def test_the_upstream_part_applies_to_the_releases_sdist_files(version):
     upstream = checked(version)["checks"]["upstream"]
     assert upstream["ok"] and upstream.get("applies", True), f"vLLM {version}: {upstream['detail']}"
@@ -89,7 +96,7 @@ def test_a_release_without_an_sdist_shows_why_it_has_no_upstream_part(tmp_path):
     assert results["0.15.1"]["checks"]["upstream"] == {"ok": True, "applies": False,
                                                       "detail": "n/a: no sdist on PyPI for 0.15.1"}
     md = (tmp_path / "matrix.md").read_text()
-    assert "| 0.15.1 | v0.15.1 | ✓ | ✓ | ✓ | ✓ | ✓ | ✓ | n/a |" in md
+    assert "| 0.15.1 | v0.15.1 | ✓ | ✓ | ✓ | ✓ | ✓ | ✓ | ✓ | ✓ | ✓ | n/a |" in md
     assert "- 0.15.1 upstream: n/a: no sdist on PyPI for 0.15.1" in md
 
 

@@ -16,6 +16,7 @@ For each version: the release's pristine files (single files of its release whee
                 whole set with upstream/, and the generation test compiles and its relative imports
                 name modules and names the release has; n/a, with the reason, for a release whose set
                 records why it has no upstream/ (0.15.1: no sdist on PyPI)
+  names, attributes, weights   static.py: names resolve in the release, config attributes, weight loading
 The table is printed and written to build/matrix.json and build/matrix.md (or --out).
 """
 
@@ -35,10 +36,11 @@ from ..spec import ARCH, CONFIG_CLASS, MODEL_TYPE
 from . import patchset, registry
 from .patch import LLAMA, MINISTREAM
 from .patchset import ApplyError, added_files, check_pristine, patch_set_dir, pinned, supported_versions
-from .port import TOUCHED, import_target, upstream_files
+from .port import import_target, touched, upstream_files
 from .release import release_files, sdist_names
+from .static import CHECKS as STATIC_CHECKS
 
-CHECKS = ["pristine", "applies", "compiles", "architecture", "config", "interface", "upstream"]
+CHECKS = ["pristine", "applies", "compiles", "architecture", "config", "interface", *STATIC_CHECKS, "upstream"]
 
 
 class Failed(Exception):
@@ -68,7 +70,7 @@ def _applies(tree: Path, patched: Path, version: str, folder: Path) -> str:
 
 
 def _compiles(tree: Path, patched: Path, version: str, folder: Path) -> str:
-    files = [MINISTREAM, *registry.FILES, *added_files(folder)]
+    files = [MINISTREAM, *registry.files(version), *added_files(folder)]
     with tempfile.TemporaryDirectory() as tmp:
         for rel in files:
             try:
@@ -83,7 +85,7 @@ def _parse(patched: Path, rel: str) -> ast.Module:
 
 
 def _registries(patched: Path) -> registry.Registries:
-    return registry.read({rel: (patched / rel).read_text() for rel in registry.FILES})
+    return registry.read_package(patched / "vllm")
 
 
 def _architecture(tree: Path, patched: Path, version: str, folder: Path) -> str:
@@ -233,7 +235,8 @@ def _top_level_names(module: ast.Module) -> set[str]:
 
 
 CHECK_FUNCS = {"pristine": _pristine, "applies": _applies, "compiles": _compiles,
-               "architecture": _architecture, "config": _config, "interface": _interface, "upstream": _upstream}
+               "architecture": _architecture, "config": _config, "interface": _interface, "upstream": _upstream,
+               **STATIC_CHECKS}
 
 
 def check_version(version: str, patch_sets: Path = PATCH_SETS) -> dict:
@@ -241,7 +244,7 @@ def check_version(version: str, patch_sets: Path = PATCH_SETS) -> dict:
     start = time.monotonic()
     try:
         folder = patch_set_dir(version, patch_sets)
-        files = release_files(version, TOUCHED, pinned(folder, version))
+        files = release_files(version, touched(version), pinned(folder, version))
     except MiniStreamError as e:
         return {"patch_set": None, "checks": {c: {"ok": False, "detail": str(e) if c == "pristine" else "skipped"}
                                               for c in CHECKS}, "seconds": round(time.monotonic() - start, 1)}
