@@ -67,6 +67,7 @@ help:
 	@echo "                                   -> $(BENCH_OUT)/bench.json, bench.png (~20 min on 2 cores; not part of test)"
 	@echo "make port FROM=a TO=b              patches/vb/ from patches/va/: three-way merge + registrations [no FROM/TO: redo all]"
 	@echo "make matrix [VERSIONS=a,b]         every supported vLLM version x patch checks -> build/matrix.md"
+	@echo "make matrix RUN=1 [VERSIONS=a,b]   ... and each line with a CPU build run for real -> docs/matrix.json, README"
 
 $(VENV)/.setup-done: pyproject.toml scripts/setup.sh
 	scripts/setup.sh $(TORCH_VERSION)
@@ -93,7 +94,7 @@ port: setup
 	$(MS) port $(if $(FROM)$(TO),$(FROM) $(TO),--all)
 
 matrix: setup
-	$(MS) matrix $(if $(VERSIONS),--versions $(VERSIONS))
+	$(MS) matrix $(if $(VERSIONS),--versions $(VERSIONS)) $(if $(filter 1,$(RUN)),--run)
 
 install: wheel
 	$(MS) install $(VLLM_VERSION) --device $(DEVICE)

@@ -124,14 +124,16 @@ def add_port(sub) -> None:
 
 
 def add_matrix(sub) -> None:
-    from .fork import matrix
+    from .fork import lines, matrix
     from .paths import BUILD
 
     p = sub.add_parser("matrix", help="check every supported vLLM version's patch set (static)",
                        description=matrix.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--versions", help="comma-separated vLLM releases (default: all of patches/versions.json)")
     p.add_argument("--out", type=Path, default=BUILD, help="where matrix.json and matrix.md go (default: %(default)s)")
-    p.set_defaults(func=lambda a: matrix.run(a.versions, a.out))
+    p.add_argument("--run", action="store_true", help="also run every line with a CPU build for real "
+                   "(ministream/fork/lines.py): build/lines/, docs/matrix.json and the README's table")
+    p.set_defaults(func=lambda a: lines.run(a.versions, a.out) if a.run else matrix.run(a.versions, a.out))
 
 
 def add_wheel(sub) -> None:

@@ -17,6 +17,7 @@ def shipped(*parts: str) -> Path:
 
 PATCH_SETS = shipped("fork", "patches")  # patches/vX/: one patch set per supported vLLM release
 RELEASE_PINS = shipped("fork", "releases.json")  # sha256 of the supported releases' wheels and sdists
+CPU_LINES = shipped("fork", "lines.json")  # how each release with a CPU build runs here (`make matrix RUN=1`)
 MODEL_FILE = shipped("fork", "models", "ministream.py")  # the hand-made model file (0.32.0's llama.py + ours)
 APPLY_SCRIPT = shipped("fork", "apply_patch.sh")  # applies a patch set to a vLLM tree
 DOCKER = shipped("fork", "docker")  # Dockerfiles and their scripts

@@ -5,6 +5,7 @@ distribution (which owns vllm/ too) and the extras that break `import vllm` are 
 """
 
 import csv
+import importlib.metadata
 import io
 import json
 import subprocess
@@ -18,6 +19,16 @@ from pathlib import Path
 from .. import MiniStreamError
 from .release import DISTRIBUTIONS
 from .wheel import built_wheel, record_hash
+
+
+def installed_vllm() -> tuple[str, str] | None:
+    """(version, device) of the vLLM distribution installed beside this interpreter, if any."""
+    for device, dist in DISTRIBUTIONS.items():
+        try:
+            return importlib.metadata.version(dist), device
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return None
 
 # Installed beside vLLM by pip, they break `import vllm` on the CPU machines (see machine-notes).
 BREAKING_EXTRAS = ("torchvision", "torchaudio", "torchcodec")

