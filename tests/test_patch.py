@@ -539,3 +539,12 @@ def test_a_tree_that_is_holds_or_lies_inside_an_input_is_refused(tmp_path, monke
         patch_tree(VERSION, out=out)
     assert sorted(p for p in PATCH_SETS.rglob("*")) == before
     assert not out.exists() or where != "inside-cache"
+
+
+def test_a_release_without_an_sdist_is_made_from_its_wheels_python_package(tmp_path, capsys):
+    tree = patch_tree("0.15.1", build=tmp_path)
+    root = list(git.Repo(tree).iter_commits())[-1]
+    assert root.message.startswith("vLLM 0.15.1: the release wheel's vllm/ package (PyPI has no sdist of 0.15.1)")
+    assert "PyPI has no vLLM 0.15.1 sdist" in capsys.readouterr().out
+    assert (tree / "vllm/model_executor/models/ministream.py").is_file() and not (tree / "tests").exists()
+    assert not list(tree.rglob("*.so"))

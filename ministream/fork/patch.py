@@ -16,6 +16,7 @@ import re
 import shutil
 import tempfile
 import tarfile
+import zipfile
 from pathlib import Path, PurePosixPath
 
 import git
@@ -26,7 +27,7 @@ from ..paths import BUILD, CACHE, MODEL_FILE, PATCH_SETS
 from ..spec import ARCH, MODEL_TYPE
 from . import patchset
 from .patchset import ApplyError, check_pristine, manifest, patch_set_dir, patch_set_hash
-from .release import file_sha256, release_files, release_sdist
+from .release import NoSdist, file_sha256, release_files, release_sdist, release_wheel
 
 LLAMA = "vllm/model_executor/models/llama.py"
 MINISTREAM = "vllm/model_executor/models/ministream.py"
@@ -101,6 +102,32 @@ def _pristine_from_sdist(version: str, dest: Path) -> None:
     _commit(repo, f"vLLM {version}: pristine source tree of {sdist.name}\n\n"
                   f"The {n} files of the release's source distribution from PyPI\n"
                   f"(sha256 {file_sha256(sdist)}), its top folder stripped.\n")
+    repo.create_tag(f"v{version}")
+    repo.git.gc("--quiet")
+    repo.git.config("--unset", "gc.auto")
+
+
+def _pristine_from_wheel(version: str, dest: Path) -> None:
+    """For a release PyPI has no sdist of (0.15.1): the vllm/ package of its release wheel, compiled kernels
+    left out. It holds every file the patch and `make wheel` touch; without tests/ the set's upstream/ part
+    is not applied (apply_patch.sh), as the matrix records for that release."""
+    wheel = release_wheel(version, "cuda")
+    n = 0
+    with zipfile.ZipFile(wheel) as z:
+        for info in z.infolist():
+            if info.is_dir() or not info.filename.startswith("vllm/") or info.filename.endswith(".so"):
+                continue
+            rel = _member_path(wheel.name, f"top/{info.filename}", "top")
+            out = dest.joinpath(*rel.parts)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_bytes(z.read(info))
+            n += 1
+    repo = git.Repo.init(dest, initial_branch=f"ministream/v{version}")
+    repo.git.config("gc.auto", "0")
+    repo.git.add("-A", "--force")
+    _commit(repo, f"vLLM {version}: the release wheel's vllm/ package (PyPI has no sdist of {version})\n\n"
+                  f"The {n} files under vllm/ of {wheel.name} (sha256 {file_sha256(wheel)}), compiled\n"
+                  f"kernels left out.\n")
     repo.create_tag(f"v{version}")
     repo.git.gc("--quiet")
     repo.git.config("--unset", "gc.auto")
@@ -246,9 +273,14 @@ def _make_pristine(tree: Path, version: str, folder: Path, git_url: str | None) 
             _pristine_from_git(version, git_url, partial)
             origin = f"{git_url} (tag v{version})"
         else:
-            print(f"extracting the vLLM {version} source distribution into {_shown(tree)}")
-            _pristine_from_sdist(version, partial)
-            origin = f"the vllm {version} sdist"
+            try:
+                print(f"extracting the vLLM {version} source distribution into {_shown(tree)}")
+                _pristine_from_sdist(version, partial)
+                origin = f"the vllm {version} sdist"
+            except NoSdist:
+                print(f"PyPI has no vLLM {version} sdist: taking the release wheel's vllm/ package instead")
+                _pristine_from_wheel(version, partial)
+                origin = f"the vllm {version} release wheel"
         check_pristine(partial, version, folder, origin)
         if tree.exists():
             raise MiniStreamError(f"{_shown(tree)} appeared while the tree was being made; it is left as it is: "

@@ -20,11 +20,13 @@ def main(jobs_file: str, out_file: str) -> None:
     from ..run import engine
     from ..run.generate import vllm_engine, vllm_generate
 
-    # read once: an engine in this process binds its threads, and with them what later calls would read
+    # An engine in this process binds its threads (this one too) to its cores: each job starts from the
+    # process's own cores again, with the binding for its TP (setdefault would keep the last job's).
     cores = os.sched_getaffinity(0)
     done = []
     for job in json.loads(Path(jobs_file).read_text()):
         start = time.monotonic()
+        os.sched_setaffinity(0, cores)
         os.environ[engine.BIND] = engine.core_binding(job["tp"], cores)
         try:
             llm = vllm_engine(Path(job["folder"]), job["dtype"], job["tp"])

@@ -133,6 +133,10 @@ def cached_wheel(version: str, dist: str = "vllm", cache: Path = CACHE) -> Path 
     return hits[-1] if hits else None
 
 
+class NoSdist(MiniStreamError):
+    """PyPI publishes no sdist for the release (vllm 0.15.1 has wheels only)."""
+
+
 def release_sdist(version: str, cache: Path = SDISTS) -> Path:
     """The vllm `version` source distribution (setup.py, csrc/, tests/, docs/, vllm/), verified.
 
@@ -144,8 +148,8 @@ def release_sdist(version: str, cache: Path = SDISTS) -> Path:
         return verified(path, "vllm", version)
     found = [f for f in _index("vllm") if f["filename"] == name]
     if not found:
-        raise MiniStreamError(f"PyPI has no sdist {name}: check the version "
-                              f"(https://pypi.org/project/vllm/{version}/#files), or put {name} in {cache}/")
+        raise NoSdist(f"PyPI has no sdist {name}: check the version "
+                      f"(https://pypi.org/project/vllm/{version}/#files), or put {name} in {cache}/")
     cache.mkdir(parents=True, exist_ok=True)
     partial = cache / f".{name}.partial-{os.getpid()}"
     try:
@@ -282,10 +286,6 @@ def _write_atomic(path: Path, data: bytes) -> None:
 
 
 # --- single files of a release sdist -------------------------------------------------------------
-
-class NoSdist(MiniStreamError):
-    """PyPI publishes no sdist for the release (vllm 0.15.1 has wheels only)."""
-
 
 def sdist_files(version: str, paths, pinned: dict[str, str] | None = None,
                 cache: Path = CACHE_ROOT) -> dict[str, str | None]:
