@@ -30,6 +30,7 @@ from pathlib import Path
 
 from .. import MiniStreamError
 from ..paths import BUILD
+from ..run.engine import KV_CACHE
 from .release import cpu_lines
 
 LINES = BUILD / "lines"
@@ -131,6 +132,9 @@ def _run_env(line: dict, venv: Path) -> dict:
     env.update(PYTHONPATH=str(REPO_ROOT), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0",
                VLLM_CACHE_ROOT=str((venv.parent / "cache").resolve()),
                TORCHINDUCTOR_CACHE_DIR=str((venv.parent / "cache" / "inductor").resolve()))
+    # the test models need a few MiB of KV cache: 1 GiB, not the share of free memory engine.py picks,
+    # which another job on the machine can take before the engine allocates it
+    env.setdefault(KV_CACHE, "1")
     if line["userland"] == "trixie":
         # trixie's glibc refuses to dlopen an exec-stack library (IPEX's) unless told it may
         env["GLIBC_TUNABLES"] = "glibc.rtld.execstack=2"
@@ -255,7 +259,7 @@ def goldens(models: dict[str, Path]) -> dict[tuple[str, str], dict]:
     return out
 
 
-def cases(version: str, versions: list[str]) -> list[dict]:
+def cases(version: str) -> list[dict]:
     """Each model in each dtype at TP=1; TP=2 (fp32, the GQA model) on the oldest and newest line."""
     runs = [{"model": m, "dtype": d, "tp": 1} for d in DTYPES for m in TEST_MODELS]
     ordered = sorted(cpu_lines(), key=_key)
@@ -305,7 +309,7 @@ def run_line(version: str, log=print) -> dict:
         models = test_models(log=log)
         golden = goldens(models)
         jobs = [dict(c, folder=str((models[c["model"]] / "hf").resolve()), prompt_ids=golden[c["model"], c["dtype"]]["prompt_ids"],
-                     max_tokens=MAX_TOKENS, top_k=TOP_K) for c in cases(version, list(cpu_lines()))]
+                     max_tokens=MAX_TOKENS, top_k=TOP_K) for c in cases(version)]
         outputs = probe(venv, line, jobs, LINES / version)
         for job, got in zip(jobs, outputs):
             case = {k: job[k] for k in ("model", "dtype", "tp")}
@@ -336,7 +340,19 @@ def run_line(version: str, log=print) -> dict:
 
 
 def probe(venv: Path, line: dict, jobs: list[dict], workdir: Path) -> list[dict]:
-    """Run the jobs in the line's environment (ministream.fork.probe); one outcome per job."""
+    """Run the jobs in the line's environment (ministream.fork.probe); one outcome per job, in order.
+
+    One probe process per TP size: an engine run in the probe's own process leaves its tensor-parallel
+    group initialised there (0.8's V0 engine), and the next engine of another size refuses it."""
+    outcomes = {}
+    for tp in sorted({job["tp"] for job in jobs}):
+        mine = [i for i, job in enumerate(jobs) if job["tp"] == tp]
+        got = _probe_process(venv, line, [jobs[i] for i in mine], workdir / f"tp{tp}")
+        outcomes.update(zip(mine, got))
+    return [outcomes[i] for i in range(len(jobs))]
+
+
+def _probe_process(venv: Path, line: dict, jobs: list[dict], workdir: Path) -> list[dict]:
     workdir.mkdir(parents=True, exist_ok=True)
     jobs_file, out_file = (workdir / "jobs.json").resolve(), (workdir / "outputs.json").resolve()
     jobs_file.write_text(json.dumps(jobs))
@@ -351,7 +367,8 @@ def probe(venv: Path, line: dict, jobs: list[dict], workdir: Path) -> list[dict]
         except subprocess.TimeoutExpired:
             code = "timeout (3600 s)"
     got = json.loads(out_file.read_text()) if out_file.is_file() else []
-    missing = {"error": f"the probe process ended ({code}) before this case: {_tail(log_file.read_text())}"}
+    missing = {"error": f"the probe process ended ({code}) before this case: {_tail(log_file.read_text())} "
+                        f"(log: {log_file})"}
     return got + [missing] * (len(jobs) - len(got))
 
 
