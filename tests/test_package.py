@@ -21,6 +21,7 @@ MODULES = sorted(".".join(p.relative_to(CHECKOUT).with_suffix("").parts).removes
                  for p in PACKAGE.rglob("*.py") if not any(f"fork/{data}" in p.as_posix()
                                                             for data in ("patches", "models", "plugin_files")))
 SHIPPED = ["ministream/fork/apply_patch.sh", "ministream/fork/models/ministream.py", "ministream/fork/releases.json",
+           "ministream/fork/lines.json", "ministream/fork/patches/resolutions.json",
            "ministream/fork/patches/versions.json", "ministream/fork/docker/Dockerfile.cpu", "ministream/data/corpus.txt",
            "ministream/fork/patches/v0.32.0/upstream/upstream.diff",
            "ministream/fork/plugin_files/ministream_vllm/__init__.py"]
