@@ -102,6 +102,7 @@ def test_a_misread_rope_theta_fails_the_comparison(tmp_path):
     shutil.copytree(models["gqa-untied"] / "hf", folder)
     config = json.loads((folder / "config.json").read_text())
     config["rope_theta"] = 10000.0
+    config["rope_parameters"]["rope_theta"] = 10000.0  # what transformers 5 reads
     (folder / "config.json").write_text(json.dumps(config))
     job = {"folder": str(folder), "dtype": "float32", "tp": 1, "prompt_ids": golden["prompt_ids"],
            "max_tokens": lines.MAX_TOKENS, "top_k": lines.TOP_K}

@@ -235,7 +235,7 @@ def test_changed_patch_set_is_reapplied_onto_the_pristine_commit(built, tmp_path
 # --- errors -------------------------------------------------------------------------------
 
 def test_unsupported_version_lists_the_supported_ones(tmp_path):
-    with pytest.raises(MiniStreamError, match=r"no MiniStream patch set for vLLM 0\.1\.0 .*supported versions: 0\.6\.3, .*0\.32\.0"):
+    with pytest.raises(MiniStreamError, match=r"no MiniStream patch set for vLLM 0\.1\.0 .*supported versions: 0\.4\.3, .*0\.32\.0"):
         patch_tree("0.1.0", build=tmp_path)
     assert not any(tmp_path.iterdir())
 

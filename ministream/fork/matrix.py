@@ -38,17 +38,9 @@ from .patch import LLAMA, MINISTREAM
 from .patchset import ApplyError, added_files, check_pristine, patch_set_dir, pinned, supported_versions
 from .port import import_target, touched, upstream_files
 from .release import release_files, sdist_names
-from .static import CHECKS as STATIC_CHECKS
+from .static import CHECKS as STATIC_CHECKS, Failed, NotApplicable
 
 CHECKS = ["pristine", "applies", "compiles", "architecture", "config", "interface", *STATIC_CHECKS, "upstream"]
-
-
-class Failed(Exception):
-    """One check failed; the message says how."""
-
-
-class NotApplicable(Exception):
-    """The check does not apply to this release; the message says why (recorded in its patch set)."""
 
 
 # --- the checks, each on the pristine tree and the patched tree ------------------------------

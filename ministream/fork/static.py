@@ -22,13 +22,15 @@ import symtable
 from functools import cached_property
 from pathlib import Path
 
-from ..spec import ARCH, CONFIG_CLASS, GLOBAL_TABLE, HEAD, LAYER_TABLE, QKV, W12, TrainConfig, hf_config, hf_names
+from ..spec import ARCH, CONFIG_CLASS, EMBEDDING, GLOBAL_TABLE, HEAD, LAYER_TABLE, QKV, W12, TrainConfig, hf_config, hf_names
 from . import registry, release
 from .patch import LLAMA, MINISTREAM
 from .patchset import added_files
 from .port import import_target
 
 CONFIG_CLASS_PY = registry.CONFIG_MODULE.replace(".", "/") + ".py"
+# the converted folder's names of the embedding and the head (spec.py states every name once)
+HF_EMBEDDING, HF_HEAD = (next(row[1][0] for row in GLOBAL_TABLE if row[0] == name) for name in (EMBEDDING, HEAD))
 
 # Expressions that are the HF config in vLLM's model files: `config`, `self.config`, `...hf_config`.
 CONFIG_NAMES = {"config", "hf_config"}
@@ -51,8 +53,15 @@ LEAF_PARAMS = {name: {"weight"} for name in (
 ONE_RANK = {"get_pp_group().is_first_rank": True, "get_pp_group().is_last_rank": True}
 
 
+class Failed(Exception):
+    """One check failed; the message says how."""
+
+
+class NotApplicable(Exception):
+    """The check does not apply to this release; the message says why (recorded in its patch set)."""
+
+
 def _fail(message: str):
-    from .matrix import Failed  # matrix imports this module to register the checks
     raise Failed(message)
 
 
@@ -491,17 +500,17 @@ def weights(tree: Path, patched: Path, version: str, folder: Path) -> str:
     for tied in (True, False):
         model = Model(module, tied)
         head = model.resolve(HEAD)
-        embedding = model.resolve("model.embed_tokens.weight")
+        embedding = model.resolve(HF_EMBEDDING)
         setting = f"with tie_word_embeddings {tied}"
         if isinstance(head, str):
-            _fail(f"{MINISTREAM}: {ARCH} has no lm_head.weight {setting} in vLLM {version}: {head}; "
+            _fail(f"{MINISTREAM}: {ARCH} has no {HF_HEAD} {setting} in vLLM {version}: {head}; "
                   f"build lm_head as the release's llama.py does")
         if tied and head[0] == "lm_head":
             _fail(f"{MINISTREAM}: {ARCH}'s lm_head is its own {head[1][1]} {setting} in vLLM {version}, and a tied "
-                  f"folder holds no lm_head.weight: tie it to model.embed_tokens")
+                  f"folder holds no {HF_HEAD}: tie it to the embedding ({HF_EMBEDDING})")
         if not tied and head[0] != "lm_head":
             _fail(f"{MINISTREAM}: {ARCH}'s untied lm_head is left unset {setting} in vLLM {version} ({head[0]}): "
-                  f"the folder's lm_head.weight has no parameter of its own; create a ParallelLMHead")
+                  f"the folder's {HF_HEAD} has no parameter of its own; create a ParallelLMHead")
         for name in folder_tensors(tied):
             if skipped := _skipped(model, name):
                 _fail(f"{MINISTREAM}: {ARCH}.load_weights skips {name} {setting} in vLLM {version} "
