@@ -7,6 +7,8 @@ this userland) besides 0.32.0 (test_vllm.py); `make matrix RUN=1` runs them all 
 import ast
 import json
 import shutil
+import sys
+from pathlib import Path
 
 import pytest
 from packaging.version import Version
@@ -110,3 +112,10 @@ def test_a_misread_rope_theta_fails_the_comparison(tmp_path):
     assert "outputs" in got, got.get("error")
     ok, per_prompt = compare(golden["outputs"], got["outputs"], exact=True)
     assert not ok and any(not p.identical for p in per_prompt)
+
+
+def test_caches_go_to_the_runs_folder_never_beside_the_venv(tmp_path):
+    """The project line's venv is .venv: caches beside it would land in the checkout."""
+    env = lines._run_env(cpu_lines()[NEWEST], Path(sys.prefix), tmp_path / "cache")
+    assert env["VLLM_CACHE_ROOT"] == str((tmp_path / "cache").resolve())
+    assert env["TORCHINDUCTOR_CACHE_DIR"] == str((tmp_path / "cache" / "inductor").resolve())

