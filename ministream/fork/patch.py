@@ -93,15 +93,20 @@ def extract_sdist(sdist: Path, dest: Path) -> int:
 def _pristine_from_sdist(version: str, dest: Path) -> None:
     sdist = release_sdist(version)
     n = extract_sdist(sdist, dest)
+    _commit_pristine(dest, version, f"vLLM {version}: pristine source tree of {sdist.name}\n\n"
+                                    f"The {n} files of the release's source distribution from PyPI\n"
+                                    f"(sha256 {file_sha256(sdist)}), its top folder stripped.\n")
+
+
+def _commit_pristine(dest: Path, version: str, message: str) -> None:
+    """The release's files in `dest` as the first commit of a new repository, tagged v<version>."""
     repo = git.Repo.init(dest, initial_branch=f"ministream/v{version}")
     (dest / ".git" / "info" / "exclude").write_text("__pycache__/\n*.pyc\n.pytest_cache/\n")
     # No detached `git gc --auto` after the commit's thousands of loose objects: it would delete them while
     # a copy or a clone of the tree may be reading them. One gc, here, packs them instead.
     repo.git.config("gc.auto", "0")
     repo.git.add("-A", "--force")  # the release's files, its .gitignore'd ones (vllm/_version.py) too
-    _commit(repo, f"vLLM {version}: pristine source tree of {sdist.name}\n\n"
-                  f"The {n} files of the release's source distribution from PyPI\n"
-                  f"(sha256 {file_sha256(sdist)}), its top folder stripped.\n")
+    _commit(repo, message)
     repo.create_tag(f"v{version}")
     repo.git.gc("--quiet")
     repo.git.config("--unset", "gc.auto")
@@ -122,15 +127,9 @@ def _pristine_from_wheel(version: str, dest: Path) -> None:
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_bytes(z.read(info))
             n += 1
-    repo = git.Repo.init(dest, initial_branch=f"ministream/v{version}")
-    repo.git.config("gc.auto", "0")
-    repo.git.add("-A", "--force")
-    _commit(repo, f"vLLM {version}: the release wheel's vllm/ package (PyPI has no sdist of {version})\n\n"
-                  f"The {n} files under vllm/ of {wheel.name} (sha256 {file_sha256(wheel)}), compiled\n"
-                  f"kernels left out.\n")
-    repo.create_tag(f"v{version}")
-    repo.git.gc("--quiet")
-    repo.git.config("--unset", "gc.auto")
+    _commit_pristine(dest, version, f"vLLM {version}: the release wheel's vllm/ package (PyPI has no sdist of "
+                                    f"{version})\n\nThe {n} files under vllm/ of {wheel.name} (sha256 "
+                                    f"{file_sha256(wheel)}), compiled\nkernels left out.\n")
 
 
 def _pristine_from_git(version: str, url: str, dest: Path) -> None:

