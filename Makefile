@@ -68,6 +68,7 @@ help:
 	@echo "make port FROM=a TO=b              patches/vb/ from patches/va/: three-way merge + registrations [no FROM/TO: redo all]"
 	@echo "make matrix [VERSIONS=a,b]         every supported vLLM version x patch checks -> build/matrix.md"
 	@echo "make matrix RUN=1 [VERSIONS=a,b]   ... and each line with a CPU build run for real -> docs/matrix.json, README"
+	@echo "make matrix CLEAN=1 [VERSIONS=a,b] remove the lines' venvs (and, for all, their uv cache): 3-8 GiB each"
 
 $(VENV)/.setup-done: pyproject.toml scripts/setup.sh
 	scripts/setup.sh $(TORCH_VERSION)
@@ -94,7 +95,7 @@ port: setup
 	$(MS) port $(if $(FROM)$(TO),$(FROM) $(TO),--all)
 
 matrix: setup
-	$(MS) matrix $(if $(VERSIONS),--versions $(VERSIONS)) $(if $(filter 1,$(RUN)),--run)
+	$(MS) matrix $(if $(VERSIONS),--versions $(VERSIONS)) $(if $(filter 1,$(RUN)),--run) $(if $(filter 1,$(CLEAN)),--clean)
 
 install: wheel
 	$(MS) install $(VLLM_VERSION) --device $(DEVICE)

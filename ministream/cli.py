@@ -124,7 +124,7 @@ def add_port(sub) -> None:
 
 
 def add_matrix(sub) -> None:
-    from .fork import lines, matrix
+    from .fork import matrix
     from .paths import BUILD
 
     p = sub.add_parser("matrix", help="check every supported vLLM version's patch set (static)",
@@ -133,7 +133,20 @@ def add_matrix(sub) -> None:
     p.add_argument("--out", type=Path, default=BUILD, help="where matrix.json and matrix.md go (default: %(default)s)")
     p.add_argument("--run", action="store_true", help="also run every line with a CPU build for real "
                    "(ministream/fork/lines.py): build/lines/, docs/matrix.json and the README's table")
-    p.set_defaults(func=lambda a: lines.run(a.versions, a.out) if a.run else matrix.run(a.versions, a.out))
+    p.add_argument("--clean", action="store_true", help="remove the lines' venvs (of --versions, or all of them "
+                   "and the uv cache under build/lines): 3 to 8 GiB each; results and test models stay")
+    p.set_defaults(func=_matrix)
+
+
+def _matrix(a) -> int:
+    from .fork import lines, matrix
+
+    versions = a.versions.split(",") if a.versions else None
+    if a.clean:
+        for path in lines.remove_environments(versions):
+            print(f"removed {path}")
+        return 0
+    return lines.run(a.versions, a.out) if a.run else matrix.run(a.versions, a.out)
 
 
 def add_wheel(sub) -> None:

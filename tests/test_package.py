@@ -4,6 +4,7 @@ from another folder; and its shape: every module imports on its own, and MiniStr
 import ast
 import json
 import re
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -48,7 +49,8 @@ def installed(built, tmp_path_factory) -> Path:
     run(sys.executable, "-m", "venv", venv)
     run(venv / "bin" / "python", "-m", "pip", "install", "-q", "--disable-pip-version-check", built["wheel"],
         f"torch=={torch.__version__}")
-    return venv / "bin"
+    yield venv / "bin"
+    shutil.rmtree(venv)  # ~2 GiB: CI's disk is shared by the whole suite
 
 
 def test_sdist_and_wheel_ship_the_patch_sets_the_model_file_and_the_scripts(built):

@@ -16,6 +16,7 @@ import json
 import os
 import re
 import signal
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -105,7 +106,8 @@ def plugin_env(wheel, tmp_path_factory) -> Path:
     (site / "zz_base_environment.pth").write_text(f"import site; site.addsitedir({base!r})\n")
     run(sys.executable, "-m", "pip", "--python", python, "install", "-q", "--no-deps", "--disable-pip-version-check",
         release_wheel(VERSION, "cpu"), wheel)
-    return python
+    yield python
+    shutil.rmtree(venv)  # CI's disk is shared by the whole suite
 
 
 def test_plugin_env_runs_the_stock_release(plugin_env):

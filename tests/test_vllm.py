@@ -6,6 +6,7 @@ nothing of vLLM is replaced. Each engine start costs ~30-45 s on 2 cores, so eac
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -72,7 +73,8 @@ def plain_vllm(tmp_path_factory) -> Path:
     r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target),
                         str(release_wheel("0.32.0", "cpu"))], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
-    return target
+    yield target
+    shutil.rmtree(target)  # CI's disk is shared by the whole suite
 
 
 def load_in(plain: Path | None, folder: Path) -> subprocess.CompletedProcess:

@@ -9,6 +9,7 @@ import functools
 import hashlib
 import io
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -271,7 +272,9 @@ def installed(wheels, tmp_path_factory) -> dict:
         run = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-compile",
                               "--target", str(targets[device]), str(wheel)], capture_output=True, text=True)
         assert run.returncode == 0, run.stderr
-    return targets
+    yield targets
+    for target in targets.values():  # CI's disk is shared by the whole suite
+        shutil.rmtree(target)
 
 
 def test_pip_installs_the_wheel(wheels, installed, device):

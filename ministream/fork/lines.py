@@ -58,8 +58,14 @@ TRIXIE_PACKAGES = ["libffi8", "libssl3t64", "libsqlite3-0", "libbz2-1.0", "liblz
 DEBIAN_MIRROR = os.environ.get("MINISTREAM_DEBIAN_MIRROR", "http://deb.debian.org/debian")
 # these break `import vllm` on CPUs like this one and nothing here needs them
 NEVER = ["torchvision", "torchaudio", "torchcodec"]
-LOCAL_WHEELS = Path("/opt/wheels")
-BASE_PYTHON = Path(sys.base_prefix) / "bin" / f"python{sys.version_info[0]}.{sys.version_info[1]}"  # a machine's local torch +cpu builds, when it has them
+LOCAL_WHEELS = Path("/opt/wheels")  # a machine's local torch +cpu builds, when it has them
+BASE_PYTHON = Path(sys.base_prefix) / "bin" / f"python{sys.version_info[0]}.{sys.version_info[1]}"
+# uv's cache, beside the venvs: uv hardlinks a cached wheel into each venv only within one filesystem (a
+# cache in ~/.cache on another disk would be copied into every venv, 7 GiB a line); UV_CACHE_DIR wins
+UV_CACHE = LINES / "uv-cache"
+# what a line's environment takes on disk, measured: PyPI's torch (a CUDA build) with its nvidia libraries
+# 6.7 GiB (torch 2.6.0) to 7.8 GiB (2.10.0); a +cpu build from /opt/wheels about 3 GiB
+ENV_GIB = 9
 
 
 class StageFailed(Exception):
@@ -191,7 +197,9 @@ def environment(version: str, wheel: Path) -> Path:
     venv = LINES / version / "venv"
     venv.parent.mkdir(parents=True, exist_ok=True)
     uv = _uv()
+    cache = Path(os.environ.get("UV_CACHE_DIR") or UV_CACHE)
     if not (venv / "bin" / "python").exists():
+        _check_disk(venv.parent, ENV_GIB, f"the environment of vLLM {version}")
         _run("environment", [uv, "venv", "-q", "--python", BASE_PYTHON, venv])
     torch, links = _torch_pin(wheel)
     overrides = [torch, *(f'{p} ; sys_platform == "never"' for p in NEVER), *line.get("overrides", [])]
@@ -199,7 +207,7 @@ def environment(version: str, wheel: Path) -> Path:
         overrides.append(f"transformers=={line['transformers']}")
     with tempfile.NamedTemporaryFile("w", suffix=".txt", dir=LINES, delete=False) as f:
         f.write("\n".join(overrides) + "\n")
-    env = dict(os.environ, UV_LINK_MODE="hardlink", UV_PYTHON_DOWNLOADS="never")
+    env = dict(os.environ, UV_LINK_MODE="hardlink", UV_PYTHON_DOWNLOADS="never", UV_CACHE_DIR=str(cache))
     try:
         # the wheel by path: its requirements are the release's; setuptools: triton 3.2 imports it
         _run("environment", [uv, "pip", "install", "-q", "--python", venv / "bin" / "python", *links,
@@ -208,6 +216,30 @@ def environment(version: str, wheel: Path) -> Path:
     finally:
         os.unlink(f.name)
     return venv
+
+
+def _check_disk(where: Path, gib: float, what: str) -> None:
+    """Refuse to start what would fill the disk half-way (pip and uv fail late, leaving a broken venv)."""
+    free = shutil.disk_usage(where).free / (1 << 30)
+    if free < gib:
+        raise StageFailed("environment", f"{what} needs about {gib:g} GiB of disk, and {where} has {free:.1f} GiB "
+                                         f"free: free some (`make matrix CLEAN=1`, i.e. `ministream matrix --clean`, "
+                                         f"removes every line's venv and the uv cache under {LINES})")
+
+
+def remove_environments(versions: list[str] | None = None, cache: bool | None = None) -> list[Path]:
+    """Remove the venvs of `versions` (all lines by default) and this project's uv cache (by default only with
+    all): a line costs 3 to 8 GiB, and a full `matrix --run` keeps every torch it used. Results and test
+    models stay; the next run of a line downloads its environment again."""
+    gone = []
+    targets = [LINES / v / "venv" for v in (versions or cpu_lines())]
+    if versions is None if cache is None else cache:
+        targets.append(UV_CACHE)
+    for path in targets:
+        if path.exists():
+            shutil.rmtree(path)
+            gone.append(path)
+    return gone
 
 
 def describe(venv: Path, line: dict) -> dict:
