@@ -35,12 +35,12 @@ PORT ?= 8000
 TP ?=
 # pipeline stages across Ray nodes (multi-node recipe, README "Which route?")
 PP ?=
-# bench: BENCH_QUICK=1 for a smoke run; BENCH_ARGS for any `ministream bench` option (--configs, --batches, ...)
+# bench, bench-serve: BENCH_QUICK=1 for a smoke run; BENCH_ARGS for any `ministream bench` (bench-serve) option
 BENCH_OUT ?= build/bench
 BENCH_QUICK ?=
 BENCH_ARGS ?=
 
-.PHONY: help setup demo test checkpoint convert generate patch wheel install vllm-tests plugin bench clean port matrix serve image image-prereqs test-image verify doctor
+.PHONY: help setup demo test checkpoint convert generate patch wheel install vllm-tests plugin bench bench-serve clean port matrix serve image image-prereqs test-image verify doctor
 
 help:
 	@echo "make setup                         create $(VENV)/ (torch $(TORCH_VERSION), CPU build without a GPU)"
@@ -59,12 +59,14 @@ help:
 	@echo "make verify MODEL=dir [RAW=dir]    reference model's golden outputs vs the installed vLLM: exit 0 if they pass"
 	@echo "                                   the rule for DTYPE (float32|bfloat16), else layer by layer [PROMPTS=file]"
 	@echo "make doctor MODEL=dir              check a converted folder and the installed vLLM, one line per finding"
-	@echo "make serve MODEL=dir [PORT=8000]   OpenAI-compatible server on the patched vLLM [DTYPE=] [TP=] [PP=] [HOST=127.0.0.1]"
+	@echo "make serve MODEL=dir [PORT=8000]   OpenAI-compatible server on the patched vLLM [DTYPE=] [TP=] [PP=] [EAGER=1] [HOST=127.0.0.1]"
 	@echo "make image VLLM_VERSION=x DEVICE=d container image ministream-vllm:x-d (docker, else podman)"
 	@echo "                                   [ROUTE=plugin DEVICE=cuda: vLLM's own image + our plugin -> :x-cuda-plugin]"
 	@echo "make test-image                    build the CPU image and check it serves like make serve (slow, not in test)"
 	@echo "make bench [BENCH_QUICK=1]         patched vLLM vs LLaMA names, reference model, core binding; tooling costs"
 	@echo "                                   -> $(BENCH_OUT)/bench.json, bench.png (~20 min on 2 cores; not part of test)"
+	@echo "make bench-serve [BENCH_QUICK=1]   serving load with vLLM's client: make serve vs LLaMA names vs the reference"
+	@echo "                                   model one request at a time -> $(BENCH_OUT)/serve.json, serve.png (not in test)"
 	@echo "make port FROM=a TO=b              patches/vb/ from patches/va/: three-way merge + registrations [no FROM/TO: redo all]"
 	@echo "make matrix [VERSIONS=a,b]         every supported vLLM version x patch checks -> build/matrix.md"
 	@echo "make matrix RUN=1 [VERSIONS=a,b]   ... and each line with a CPU build run for real -> docs/matrix.json, README"
@@ -124,13 +126,18 @@ bench: setup
 	$(MAKE) --no-print-directory install
 	$(MS) bench --out $(BENCH_OUT) $(if $(BENCH_QUICK),--quick) $(BENCH_ARGS)
 
+# BENCH_ARGS: any `ministream bench-serve` option (--rates, --systems, --num-prompts, ...)
+bench-serve: setup
+	$(MAKE) --no-print-directory install
+	$(MS) bench-serve --out $(BENCH_OUT) $(if $(BENCH_QUICK),--quick) $(BENCH_ARGS)
+
 test: setup
 	$(MAKE) --no-print-directory install DEVICE=cpu
 	$(PY) -m pytest -ra $(PYTEST_ARGS)
 	$(MAKE) --no-print-directory vllm-tests DEVICE=cpu
 
 serve: setup
-	$(MS) serve $(MODEL) --host $(HOST) --port $(PORT) $(if $(DTYPE),--dtype $(DTYPE)) $(if $(TP),--tp $(TP)) \
+	$(MS) serve $(MODEL) --host $(HOST) --port $(PORT) $(if $(DTYPE),--dtype $(DTYPE)) $(if $(TP),--tp $(TP)) $(if $(filter 1,$(EAGER)),--enforce-eager) \
 		$(if $(PP),--vllm-args='--pipeline-parallel-size $(PP) --distributed-executor-backend ray')
 
 # podman, runc and debootstrap from apt, unless a Docker engine answers

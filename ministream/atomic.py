@@ -1,6 +1,8 @@
-"""Output folders that appear whole or not at all, never overwrite a user's work unasked, and never
+"""Output folders (and files) that appear whole or not at all, never overwrite a user's work unasked, and never
 destroy an input: a training checkpoint can be weeks of GPU time."""
 
+import json
+import os
 import shutil
 import tempfile
 from collections.abc import Iterable
@@ -78,3 +80,12 @@ def _replace(out: Path, tmp: Path) -> None:
         raise
     if old is not None:
         shutil.rmtree(old)
+
+
+def write_json(path: Path, data) -> Path:
+    """`path` whole or not at all: a temporary file beside it, then a rename (a reader, or a run stopped
+    half-way, never sees half a file)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    os.replace(tmp, path)
+    return path

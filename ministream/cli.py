@@ -212,7 +212,7 @@ def add_image(sub) -> None:
     p.set_defaults(func=lambda a: image.build(a.version, a.device, a.tag, a.route) and 0)
 
 
-# --- using an engine: generate, serve, serve-bench, verify, doctor, bench -----------------------
+# --- using an engine: generate, serve, serve-bench, verify, doctor, bench, bench-serve ----------
 
 def add_generate(sub) -> None:
     from .run import generate
@@ -231,8 +231,11 @@ def add_generate(sub) -> None:
     p.add_argument("--logprobs", type=int, default=0, help="also record the top-k logprobs of each new token")
     p.add_argument("--stop-at-eos", action="store_true", help="stop at the eos token (default: exactly --max-tokens)")
     p.add_argument("--json", type=Path, help="write token ids, logprobs, texts and timings here")
+    p.add_argument("--enforce-eager", action="store_true", help="vLLM without torch.compile (default: compiled, "
+                   "see README 'Compiled or eager')")
     p.set_defaults(func=lambda a: generate.generate(
-        a.model, a.raw, a.engine, a.prompt, a.max_tokens, a.dtype, a.tp, a.logprobs, a.stop_at_eos, a.json) and 0)
+        a.model, a.raw, a.engine, a.prompt, a.max_tokens, a.dtype, a.tp, a.logprobs, a.stop_at_eos, a.json,
+        a.enforce_eager) and 0)
 
 
 def add_verify(sub) -> None:
@@ -258,11 +261,13 @@ def add_verify(sub) -> None:
                                                     a.top_k, a.golden, a.threshold))
 
 
+def listed(kind):
+    """An option's comma-separated values, each read by `kind`."""
+    return lambda text: [kind(x) for x in text.split(",") if x]
+
+
 def add_bench(sub) -> None:
     from .run import bench
-
-    def listed(kind):
-        return lambda text: [kind(x) for x in text.split(",") if x]
 
     p = sub.add_parser("bench", help="throughput, latency and memory: patched vLLM vs LLaMA, the reference "
                        "model, core binding; tooling costs", description=bench.__doc__,
@@ -289,6 +294,36 @@ def add_bench(sub) -> None:
         a.out, a.quick, a.report, a.systems, a.note, configs=a.configs, batches=a.batches, new_tokens=a.new_tokens,
         prompt_len=a.prompt_len, repeats=a.repeats, serial_requests=a.serial_requests, bind_configs=a.bind_configs,
         copy_mib=a.copy_mib, kv_cache_gib=a.kv_cache_gib, tooling=a.tooling))
+
+
+def add_bench_serve(sub) -> None:
+    from .run import benchserve
+
+    p = sub.add_parser("bench-serve", help="serving load with vLLM's benchmark client: ministream serve vs LLaMA "
+                       "names vs the reference model one request at a time", description=benchserve.__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, default=benchserve.DEFAULT_OUT, help="output folder (default: %(default)s)")
+    p.add_argument("--quick", action="store_true", help="smoke run: rates " + ",".join(
+        f"{r:g}" for r in benchserve.QUICK["rates"]) + f", {benchserve.QUICK['num_prompts']} short requests each")
+    p.add_argument("--rates", type=listed(float), help="offered request rates (req/s), comma-separated (default: "
+                   + ",".join(f"{r:g}" for r in benchserve.FULL["rates"]) + ")")
+    p.add_argument("--num-prompts", type=int, help="requests per rate (default: about a minute of arrivals, "
+                   f"{benchserve.FULL['min_prompts']} to {benchserve.FULL['max_prompts']})")
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], help=f"default: {benchserve.FULL['dtype']}")
+    p.add_argument("--preset", help="the model: a `ministream checkpoint` preset "
+                   f"(default: {benchserve.FULL['preset']})")
+    p.add_argument("--systems", type=listed(str), help=f"subset of {','.join(benchserve.SYSTEMS)}")
+    p.add_argument("--ttft-target-s", type=float, help="p99 time to first token a sustained rate keeps "
+                   f"(default: {benchserve.FULL['ttft_target_s']:g})")
+    p.add_argument("--tpot-target-s", type=float, help="median time per output token a sustained rate keeps "
+                   f"(default: {benchserve.FULL['tpot_target_s']:g})")
+    p.add_argument("--seed", type=int, help="the prompt set's and the arrivals' seed (default: 0)")
+    p.add_argument("--note", default="", help="free text stored in the JSON (e.g. 'machine shared')")
+    p.add_argument("--report", action="store_true", help="measure nothing: the table and the chart again, "
+                   "from OUT/serve.json (also of an interrupted run)")
+    p.set_defaults(func=lambda a: benchserve.bench_serve(
+        a.out, a.quick, a.report, a.systems, a.note, rates=a.rates, num_prompts=a.num_prompts, dtype=a.dtype,
+        preset=a.preset, ttft_target_s=a.ttft_target_s, tpot_target_s=a.tpot_target_s, seed=a.seed))
 
 
 def add_doctor(sub) -> None:
@@ -326,20 +361,28 @@ def add_serve(sub) -> None:
                    "instead, which keeps the key out of `ps` (vLLM gets it through its environment either way)")
     p.add_argument("--vllm-args", default="", help="more `vllm serve` options, one string, e.g. "
                    "--vllm-args='--max-num-seqs 64'")
+    p.add_argument("--enforce-eager", action="store_true", help="vLLM without torch.compile (default: compiled, "
+                   "see README 'Compiled or eager')")
     p.set_defaults(func=lambda a: serve.serve(a.model, a.host, a.port, a.name, a.dtype, a.tp, a.max_model_len,
-                                              shlex.split(a.vllm_args), a.stop_timeout, a.api_key))
+                                              shlex.split(a.vllm_args), a.stop_timeout, a.api_key, a.enforce_eager))
 
 
 def add_serve_bench(sub) -> None:
-    from .run import loadtest
+    from .run import benchserve
 
-    p = sub.add_parser("serve-bench", help="time to first token and throughput of a running server, N requests at once",
-                       description=loadtest.__doc__)
+    p = sub.add_parser("serve-bench", help="vLLM's benchmark client against a running server, N requests at once",
+                       description=benchserve.serve_bench.__doc__)
     p.add_argument("--url", default="http://127.0.0.1:8000")
     p.add_argument("--model", help="served model name (default: the first the server lists)")
-    p.add_argument("--concurrency", type=int, default=32)
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.set_defaults(func=lambda a: loadtest.serve_bench(a.url, a.model, a.concurrency, a.max_tokens))
+    p.add_argument("--concurrency", type=int, default=32, help="requests in flight at most (--max-concurrency)")
+    p.add_argument("--max-tokens", type=int, default=128, help="new tokens per request (EOS ignored)")
+    p.add_argument("--num-prompts", type=int, help="requests in all (default: --concurrency, one wave)")
+    p.add_argument("--dataset", default="corpus", choices=["corpus", "random"],
+                   help="corpus: bench-serve's prompts from the held-in corpus; random: vLLM's random token prompts")
+    p.add_argument("--tokenizer", help="folder with the served model's tokenizer (default: the folder the server "
+                   "lists as the model's root, i.e. a server on this machine)")
+    p.set_defaults(func=lambda a: benchserve.serve_bench(a.url, a.model, a.concurrency, a.max_tokens, a.num_prompts,
+                                                         a.dataset, a.tokenizer))
 
 
 def _exit_on_sigterm(signum, frame):
@@ -353,7 +396,8 @@ def main(argv=None):
     sub = parser.add_subparsers(dest="command", required=True)
     for add in (add_checkpoint, add_convert,  # the training side
                 add_patch, add_port, add_matrix, add_wheel, add_plugin, add_install, add_vllm_tests, add_image,  # the vLLM side
-                add_generate, add_verify, add_doctor, add_serve, add_serve_bench, add_bench):  # using an engine
+                add_generate, add_verify, add_doctor, add_serve, add_serve_bench, add_bench,
+                add_bench_serve):  # using an engine
         add(sub)
     args = parser.parse_args(argv)
     try:

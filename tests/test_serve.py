@@ -4,14 +4,12 @@ One real server for the whole module (started while the offline engine of `minis
 beside it, ~1-2 min on 2 cores), stopped by SIGTERM in the last test. Every request has a timeout.
 """
 
-import http.server
 import json
 import os
 import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -24,7 +22,6 @@ import pytest
 from ministream.checkpoint.convert import convert
 from ministream.run.generate import DEFAULT_PROMPTS, tokenize
 from ministream.run.engine import SEED, core_binding, engine_env, kv_cache_gib, llm_kwargs, server_command
-from ministream.run.loadtest import first_served_model, load_test
 from ministream.run.serve import exposure_warning, served_name
 
 MAX_TOKENS = 16
@@ -67,9 +64,24 @@ def test_offline_engine_and_server_share_seed_and_eager_choice(tmp_path):
     kwargs = llm_kwargs(tmp_path, "float32", tp=2)
     assert kwargs["seed"] == SEED and kwargs["tensor_parallel_size"] == 2 and kwargs["max_model_len"] == 512
     cmd = server_command(tmp_path, "127.0.0.1", 9000, "m", None, 1, None, [], gpu=False)
-    assert kwargs["enforce_eager"] == ("--enforce-eager" in cmd)  # on the CPU, both eager
+    assert kwargs["enforce_eager"] is False and "--enforce-eager" not in cmd  # on the CPU, both compiled
     assert cmd[cmd.index("--seed") + 1] == str(SEED)
-    assert llm_kwargs(tmp_path, "float32", max_model_len=64, enforce_eager=False)["enforce_eager"] is False
+    assert llm_kwargs(tmp_path, "float32", max_model_len=64, enforce_eager=True)["enforce_eager"] is True
+    asked = server_command(tmp_path, "127.0.0.1", 9000, "m", None, 1, None, [], gpu=False, enforce_eager=True)
+    assert "--enforce-eager" in asked
+
+
+def test_half_precision_runs_eager_only_on_a_cpu_without_bf16_instructions(tmp_path):
+    from ministream.run.engine import eager
+
+    assert eager(False, "bfloat16", flags={"avx2"}) and eager(False, "float16", flags={"avx2"})
+    assert not eager(False, "bfloat16", flags={"avx2", "amx_bf16"}) and not eager(False, "bf16", flags={"avx512_bf16"})
+    assert not eager(False, "float32", flags={"avx2"}) and not eager(True, "bfloat16", flags={"avx2"})
+    assert eager(True, "float32", asked=True)
+    # the server's "auto" dtype is the folder's: it gets the same choice
+    (tmp_path / "config.json").write_text(json.dumps({"torch_dtype": "bfloat16"}))
+    cmd = server_command(tmp_path, "127.0.0.1", 9000, "m", None, 1, None, [], gpu=False)
+    assert ("--enforce-eager" in cmd) == eager(False, "bfloat16")
 
 
 def test_user_settings_win_over_cpu_defaults():
@@ -96,44 +108,12 @@ def test_server_command_names_the_model_and_listens_where_asked(tmp_path):
     pairs = dict(zip(cmd[3::], cmd[4::]))
     assert pairs["--model"] == str((tmp_path / "m").resolve()) and pairs["--served-model-name"] == "m"
     assert pairs["--host"] == "127.0.0.1" and pairs["--port"] == "9000" and pairs["--tensor-parallel-size"] == "2"
-    assert "--enforce-eager" in cmd and cmd[-2:] == ["--max-num-seqs", "8"]
+    assert "--enforce-eager" not in cmd and cmd[-2:] == ["--max-num-seqs", "8"]
 
 
-class FakeServer(http.server.BaseHTTPRequestHandler):
-    """Streams 3 chunks per completion and lists one model: the wire format serve-bench reads."""
-
-    def do_GET(self):
-        self._send(b'{"data": [{"id": "fake"}]}', "application/json")
-
-    def do_POST(self):
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        assert body["stream"] and body["model"] == "fake"
-        chunks = [{"choices": [{"text": "x"}]}] * 3 + [{"choices": [], "usage": {"completion_tokens": 3}}]
-        self._send(b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks) + b"data: [DONE]\n\n",
-                   "text/event-stream")
-
-    def _send(self, data: bytes, kind: str):
-        self.send_response(200)
-        self.send_header("Content-Type", kind)
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *args):
-        pass
-
-
-def test_load_test_counts_every_streamed_token_of_concurrent_requests():
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), FakeServer)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        url = f"http://127.0.0.1:{server.server_address[1]}"
-        assert first_served_model(url) == "fake"
-        result = load_test(url, "fake", concurrency=4, max_tokens=3)
-    finally:
-        server.shutdown()
-    assert result["requests"] == 4 and result["output_tokens"] == 12
-    assert 0 <= result["ttft_median_s"] <= result["ttft_max_s"] and result["output_tokens_per_s"] > 0
+def test_serve_bench_without_a_server_says_what_to_do(cli):
+    r = cli("serve-bench", "--url", f"http://127.0.0.1:{free_port()}", timeout=300)
+    assert r.returncode == 2 and "/v1/models did not list a model" in r.stderr and "make serve" in r.stderr
 
 
 def test_serve_refuses_a_folder_without_config(cli, tmp_path):
@@ -334,6 +314,20 @@ def test_bad_request_gets_4xx_with_a_message_and_the_server_keeps_serving(server
     assert 400 <= status < 500, body
     assert body["error"]["message"]
     assert complete(server, "Once upon a time", 4)[0] == 200
+
+
+@pytest.mark.vllm
+def test_serve_bench_reports_vllms_client_figures_as_json(server, cli):
+    """`ministream serve-bench`: vLLM's benchmark client (OPENAI_API_KEY is the key it sends), the corpus prompts,
+    4 at once, 8 tokens each; vLLM's own figures on stdout."""
+    r = cli("serve-bench", "--url", server["url"], "--concurrency", 4, "--max-tokens", 8,
+            env={**os.environ, "OPENAI_API_KEY": API_KEY}, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    figures = json.loads(r.stdout)
+    assert figures["completed"] == 4 and figures["failed"] == 0 and figures["total_output_tokens"] == 32
+    assert figures["max_concurrency"] == 4 and figures["request_rate"] == "inf"
+    assert figures["median_ttft_ms"] > 0 and figures["output_throughput"] > 0
+    assert "Serving Benchmark Result" in r.stderr  # the client's own report, kept off stdout
 
 
 @pytest.mark.vllm

@@ -22,10 +22,12 @@ MAX_TOKENS = 32
 TOP_K = 5
 
 
-def vllm_run(cli, folder: Path, out: Path, dtype="float32", tp=1) -> list[dict]:
+def vllm_run(cli, folder: Path, out: Path, dtype="float32", tp=1, *extra, log: list | None = None) -> list[dict]:
     r = cli("generate", folder, "--engine", "vllm", "--dtype", dtype, "--tp", tp, "--logprobs", TOP_K,
-            "--max-tokens", MAX_TOKENS, "--json", out)
+            "--max-tokens", MAX_TOKENS, "--json", out, *extra)
     assert r.returncode == 0, r.stderr[-3000:]
+    if log is not None:
+        log.append(r.stdout + r.stderr)
     return json.loads(out.read_text())["vllm"]
 
 
@@ -58,6 +60,20 @@ def test_vllm_matches_the_reference_model(folder, dtype, request, cli, tmp_path)
     assert passed, report
     # the greedy tokens are not a degenerate agreement: the model's distributions are peaked, not flat
     assert max(r.max_logprob_diff for r in rows) < (1e-3 if dtype == "float32" else 0.5), report
+
+
+# vLLM's log line when the model runs through torch.compile (saved on a first compile, loaded from the cache after)
+COMPILED = "AOT compiled function"
+
+
+@pytest.mark.parametrize("folder", ["tiny_hf", "tiny_gqa_hf"])
+def test_the_compiled_default_gives_the_eager_tokens_in_fp32(folder, request, cli, tmp_path):
+    hf, logs = request.getfixturevalue(folder), []
+    compiled = vllm_run(cli, hf, tmp_path / "compiled.json", log=logs)
+    eager = vllm_run(cli, hf, tmp_path / "eager.json", "float32", 1, "--enforce-eager", log=logs)
+    assert COMPILED in logs[0] and COMPILED not in logs[1], "the default must run compiled, --enforce-eager not"
+    assert [r["ids"] for r in compiled] == [r["ids"] for r in eager]
+    assert [r["ids"] for r in compiled] == [r["ids"] for r in reference_run(hf, "float32")]
 
 
 def test_tensor_parallel_2_equals_tp_1(tiny_gqa_hf, cli, tmp_path):

@@ -8,6 +8,7 @@ Shapes: B batch, T new tokens, S cached + new tokens, H d_model, Nq/Nkv heads, D
 """
 
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -168,13 +169,14 @@ class MiniStream(nn.Module):
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, seed: int | None = None, stop_ids=(),
-                 logprobs: int = 0) -> list[dict]:
+                 logprobs: int = 0, on_token: Callable[[int, int], None] | None = None) -> list[dict]:
         """Batched generation with a KV cache; temperature 0 is greedy.
 
         Prompts are left-padded to a common length so every sequence writes the same cache column each
         step; RoPE positions count only real tokens. Returns one dict per prompt: `ids` (new token ids,
         ending at the first stop id) and, with logprobs=k, `logprobs`: per new token the top-k
-        {token id: logprob} of the float32 log-softmax.
+        {token id: logprob} of the float32 log-softmax. on_token(b, id), if given, is called as each new
+        token of prompt b is chosen (a server streams with it).
         """
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
@@ -204,6 +206,8 @@ class MiniStream(nn.Module):
                 if done[b]:
                     continue
                 out[b]["ids"].append(int(token[b]))
+                if on_token is not None:
+                    on_token(b, int(token[b]))
                 if logprobs:
                     top = lp[b].topk(logprobs)
                     out[b]["logprobs"].append({int(i): float(v) for i, v in zip(top.indices, top.values)})

@@ -48,6 +48,8 @@ TEST_MODELS = {
     "mha-tied": ("tiny", dict(rope_theta=40000.0, norm_eps=3e-6)),
 }
 DTYPES = ("float32", "bfloat16")
+# what the probe records per engine: how vLLM ran it, and whether engine.py asked for eager
+COMPILATION = ("enforce_eager", "compilation", "compile_backend", "asked_eager")
 MAX_TOKENS, TOP_K = 24, 5
 PROMPTS = ["The river runs through", "Once upon a time", "In the beginning the machine", "Water and stone"]
 # The Debian 13 userland: the libraries this Python links to, libnuma for vLLM's CPU worker, g++ for
@@ -347,7 +349,7 @@ def run_line(version: str, log=print) -> dict:
                 ok, per_prompt = compare(golden[job["model"], job["dtype"]]["outputs"], got["outputs"], exact)
                 case.update(ok=ok, rule="identical token ids" if exact else "top-k rule",
                             identical=sum(p.identical for p in per_prompt), prompts=len(per_prompt),
-                            seconds=got["seconds"],
+                            seconds=got["seconds"], **{k: got[k] for k in COMPILATION if k in got},
                             detail="; ".join(p.detail for p in per_prompt if p.detail))
             result["cases"].append(case)
         seconds[stage] = round(time.monotonic() - t)
@@ -456,10 +458,38 @@ def _case_cell(r: dict | None, dtype: str, tp: int = 1) -> str:
     return ", ".join(f"{'✓' if c['ok'] else '✗'} {c['model']}" for c in got)
 
 
+def _compiled_cell(r: dict | None) -> str:
+    """How the engines ran the model: compiled (vLLM's compilation mode and backend) or eager."""
+    if r is None:
+        return "–"
+    seen = sorted({(ran_eager(c), bool(c.get("asked_eager")), c["compilation"], c["compile_backend"],
+                    c["dtype"] if c.get("asked_eager") else "") for c in r.get("cases", []) if "compilation" in c})
+    if not seen:
+        return "eager (ran before the compiled default)" if r.get("cases") else "–"
+    cells = []
+    for eager, asked, mode, backend, dtype in seen:
+        if asked:  # engine.py's choice for this dtype on this CPU
+            cells.append(f"{dtype} eager (engine.py: no bf16 instructions on this CPU)")
+        elif eager:  # asked for compiled: the release's own choice
+            cells.append(f"eager: the release's CPU backend sets it (compilation {_LEVELS.get(mode, mode)})")
+        else:
+            cells.append(f"compiled ({_LEVELS.get(mode, mode)}{', ' + backend if backend else ''})")
+    return ", ".join(dict.fromkeys(cells))
+
+
+def ran_eager(case: dict) -> bool:
+    return bool(case["enforce_eager"]) or case["compilation"] in ("NONE", "0")
+
+
+# releases before 0.11 name their compilation by an integer level
+_LEVELS = {"0": "level 0: none", "1": "level 1: DYNAMO_AS_IS", "2": "level 2: DYNAMO_ONCE", "3": "level 3: PIECEWISE"}
+
+
 def table(data: dict) -> str:
     """The README's table, from docs/matrix.json alone."""
-    rows = ["| vLLM | static checks | ran here | fp32: identical ids | bf16: top-k rule | TP=2 | environment | time |",
-            "|---|---|---|---|---|---|---|---|"]
+    rows = ["| vLLM | static checks | ran here | fp32: identical ids | bf16: top-k rule | TP=2 | model ran | "
+            "environment | time |",
+            "|---|---|---|---|---|---|---|---|---|"]
     for v, e in data["versions"].items():
         static = "✓" if all(e["static"].values()) else "✗ " + ", ".join(c for c, ok in e["static"].items() if not ok)
         r = e["run"]
@@ -468,7 +498,7 @@ def table(data: dict) -> str:
                     f"Python {env['python']}, {env['userland']}") if env else "–"
         time_cell = f"{r['seconds'].get('total', 0) // 60} min" if r else "–"
         rows.append(f"| {v} | {static} | {_run_cell(r)} | {_case_cell(r, 'float32')} | {_case_cell(r, 'bfloat16')} "
-                    f"| {_case_cell(r, 'float32', 2)} | {env_cell} | {time_cell} |")
+                    f"| {_case_cell(r, 'float32', 2)} | {_compiled_cell(r)} | {env_cell} | {time_cell} |")
     machines = sorted({e["run"]["machine"] for e in data["versions"].values() if e["run"] and e["run"].get("machine")})
     return "\n".join(rows + [""] + [f"Ran on: {m}." for m in machines]) + "\n"
 

@@ -16,6 +16,27 @@ import traceback
 from pathlib import Path
 
 
+def compilation(llm) -> dict:
+    """How the engine ran the model, as its own config says after the platform adjusted it: enforce_eager,
+    and the compilation mode (0.10 on: `mode`, e.g. DYNAMO_TRACE_ONCE on the CPU; before: `level`, 0 = none)."""
+    config = getattr(getattr(llm, "llm_engine", None), "vllm_config", None)
+    if config is None:
+        return {}
+    cc = config.compilation_config
+    mode = getattr(cc, "mode", None)
+    mode = getattr(cc, "level", None) if mode is None else mode
+    return {"enforce_eager": bool(config.model_config.enforce_eager), "compilation": str(getattr(mode, "name", mode)),
+            "compile_backend": str(getattr(cc, "backend", "") or "")}
+
+
+def _reset_dynamo() -> None:
+    try:
+        import torch._dynamo
+    except ImportError:
+        return
+    torch._dynamo.reset()
+
+
 def main(jobs_file: str, out_file: str) -> None:
     from ..run import engine
     from ..run.generate import vllm_engine, vllm_generate
@@ -31,13 +52,17 @@ def main(jobs_file: str, out_file: str) -> None:
         try:
             llm = vllm_engine(Path(job["folder"]), job["dtype"], job["tp"])
             outputs = vllm_generate(llm, job["prompt_ids"], job["max_tokens"], job["top_k"])
-            done.append({"outputs": outputs, "seconds": round(time.monotonic() - start, 1)})
+            done.append({"outputs": outputs, "seconds": round(time.monotonic() - start, 1), **compilation(llm),
+                         "asked_eager": engine.eager(engine.has_gpu(), job["dtype"])})
         except Exception as e:  # recorded per job: the next job still runs
             traceback.print_exc()
             done.append({"error": f"{type(e).__name__}: {e}"[:1000]})
         finally:
             llm = None  # the engine (and its worker processes) goes before the next starts
             gc.collect()
+            # and torch.compile's state with it, as in a process of its own: 0.10's DYNAMO_ONCE, reused
+            # for a second model in the same process, fails to trace it (aten._local_scalar_dense in RMSNorm)
+            _reset_dynamo()
         Path(out_file).write_text(json.dumps(done))
 
 

@@ -4,11 +4,13 @@ On the reference shape (and its GQA variant), in bfloat16 and float32, offline b
 new tokens (EOS ignored), each system gets output tokens/s, time to first token and peak memory:
 
   1. MiniStream on the patched vLLM vs the same safetensors under LlamaForCausalLM names, same vLLM
+     (both on the engine default, engine.py), and MiniStream forced compiled and forced eager
   2. the patched vLLM vs the reference model (reference.py): batched with a KV cache, and one request
      at a time as the team's original script served
   3. vLLM's own CPU core binding (VLLM_CPU_OMP_THREADS_BIND unset = "auto") vs ours (engine.py)
   4. tooling: convert (time, peak memory), wheel from the cached release wheel, patch
-  5. single-stream decode tokens/s x weight bytes read per token vs a measured copy bandwidth
+  5. single-stream decode tokens/s x weight bytes read per token vs a measured copy bandwidth (the median of
+     rounds of copies, at the engine's thread count), compiled and eager
 
 Every engine runs in its own process, one per (model, dtype, binding), reused for every batch size;
 peak memory is that process tree's, sampled. The machine is noisy: read ratios, not absolutes.
@@ -30,6 +32,7 @@ import time
 from pathlib import Path
 
 from .. import MiniStreamError
+from ..atomic import write_json
 from ..paths import BUILD
 from . import engine
 from .folder import open_folder
@@ -41,6 +44,8 @@ SCHEMA = 1
 # system key -> label in the table and the chart
 SYSTEMS = {
     "ministream": "MiniStream, patched vLLM",
+    "ministream_compiled": "MiniStream, patched vLLM, compiled",
+    "ministream_eager": "MiniStream, patched vLLM, eager",
     "llama": "same weights as LLaMA, same vLLM",
     "ministream_vllm_bind": "MiniStream, vLLM's own core binding",
     "reference_batched": "reference model, batched",
@@ -114,8 +119,11 @@ def _worker(spec: dict) -> dict:
     result = {"torch_threads": torch.get_num_threads()}
     t = time.perf_counter()
     if spec["kind"] == "vllm":
+        # "eager": True or False forces it; absent, the engine default (engine.py), recorded either way
+        eager = spec["eager"] if spec.get("eager") is not None else engine.eager(engine.has_gpu(), spec["dtype"])
+        result["enforce_eager"] = eager
         llm = vllm_engine(Path(spec["model_dir"]), spec["dtype"],
-                          max_model_len=spec["prompt_len"] + spec["new_tokens"])
+                          max_model_len=spec["prompt_len"] + spec["new_tokens"], enforce_eager=eager)
         result["start_s"] = time.perf_counter() - t
         result["env"] = {k: os.environ.get(k) for k in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE")}
         result["rows"] = measure(lambda ids, n: vllm_generate(llm, ids, n), spec)
@@ -129,30 +137,38 @@ def _worker(spec: dict) -> dict:
         else:
             result["serial"] = measure(lambda ids, n: [model.generate([p], n)[0] for p in ids], spec, serial=True)
     elif spec["kind"] == "bandwidth":
-        result.update(copy_bandwidth(spec["copy_mib"]))
+        result.update(copy_bandwidth(spec["copy_mib"], threads=spec.get("threads")))
     else:
         raise ValueError(spec["kind"])
     return result
 
 
-def copy_bandwidth(mib: int, repeats: int = 15) -> dict:
-    """Memory bandwidth as torch sees it: the median of `repeats` copies of a `mib` MiB tensor, read +
-    write bytes. One copy is unsteady (14 and 31 GB/s in two runs on one machine): every sample is kept."""
+def copy_bandwidth(mib: int, repeats: int = 15, rounds: int = 3, threads: int | None = None) -> dict:
+    """Memory bandwidth as torch sees it, at the engine's thread count: `rounds` rounds of `repeats` copies of
+    a `mib` MiB tensor (read + write bytes), a pause between rounds, and the median of all. One copy is
+    unsteady (14 and 31 GB/s in two full runs on one machine): every round's median is kept."""
     import torch
 
+    if threads:
+        torch.set_num_threads(threads)
     src = torch.ones(mib * 2**20 // 4, dtype=torch.float32)
     dst = torch.empty_like(src)
     dst.copy_(src)  # fault the pages in
-    seconds = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        dst.copy_(src)
-        seconds.append(time.perf_counter() - t)
-    moved = 2 * src.numel() * 4
-    rates = sorted(moved / s / 1e9 for s in seconds)
-    return {"copy_mib": mib, "threads": torch.get_num_threads(), "seconds": statistics.median(seconds),
-            "bytes_moved": moved, "gb_per_s": statistics.median(rates), "gb_per_s_min": rates[0],
-            "gb_per_s_max": rates[-1], "samples": len(rates)}
+    moved, rates, per_round = 2 * src.numel() * 4, [], []
+    for r in range(rounds):
+        if r:
+            time.sleep(2)  # another process's burst should not land in every round
+        got = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            dst.copy_(src)
+            got.append(moved / (time.perf_counter() - t) / 1e9)
+        per_round.append(statistics.median(got))
+        rates += got
+    rates.sort()
+    return {"copy_mib": mib, "threads": torch.get_num_threads(), "bytes_moved": moved,
+            "gb_per_s": statistics.median(rates), "gb_per_s_min": rates[0], "gb_per_s_max": rates[-1],
+            "round_medians": per_round, "samples": len(rates)}
 
 
 # ---------------------------------------------------------------- processes and their memory
@@ -399,17 +415,30 @@ def prepare(result: dict, presets: list[str], out: Path, copy_mib: int, tooling_
     for preset in presets:
         print(f"bench: preparing {preset}", flush=True)
         result["models"][preset] = prepare_model(preset, out / "models")
-    result["bandwidth"] = run_worker("bandwidth", {"kind": "bandwidth", "copy_mib": copy_mib}, out)
+    # at the engine's thread count: one per core it binds (engine.py), what a batch-1 decode can use
+    threads = len(_cores(engine.core_binding(1)))
+    result["bandwidth"] = run_worker("bandwidth", {"kind": "bandwidth", "copy_mib": copy_mib, "threads": threads}, out)
     if tooling_on:
         print("bench: tooling (convert, patch, wheel)", flush=True)
         result["tooling"] = tooling(result["models"][presets[0]], out)
+
+
+def _cores(binding: str) -> list[int]:
+    """The cores of a VLLM_CPU_OMP_THREADS_BIND value ("0-1", "3", "0-1|2-3")."""
+    cores = []
+    for part in binding.replace("|", ",").split(","):
+        lo, _, hi = part.partition("-")
+        cores += range(int(lo), int(hi or lo) + 1)
+    return cores
 
 
 def jobs(model: dict, with_vllm_bind: bool, systems: list[str], kv_cache_gib: int, reverse: bool):
     """(system, worker spec, environment) for one (model, dtype), the systems not asked for left out."""
     kv = {engine.KV_CACHE: str(kv_cache_gib)}
     vllm = [("ministream", {"kind": "vllm", "model_dir": model["hf"]}, kv),
-            ("llama", {"kind": "vllm", "model_dir": model["llama"]}, kv)]
+            ("llama", {"kind": "vllm", "model_dir": model["llama"]}, kv),
+            ("ministream_compiled", {"kind": "vllm", "model_dir": model["hf"], "eager": False}, kv),
+            ("ministream_eager", {"kind": "vllm", "model_dir": model["hf"], "eager": True}, kv)]
     if reverse:  # alternate the order, so drift on a shared machine does not always favour one
         vllm.reverse()
     if with_vllm_bind:
@@ -423,11 +452,7 @@ def jobs(model: dict, with_vllm_bind: bool, systems: list[str], kv_cache_gib: in
 def save(result: dict, out: Path, partial: bool = False) -> Path:
     result["partial"] = partial
     result["summary"] = summarize(result)
-    path = out / "bench.json"
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(result, indent=1) + "\n")
-    tmp.replace(path)
-    return path
+    return write_json(out / "bench.json", result)
 
 
 # ---------------------------------------------------------------- summary, table, chart
@@ -443,7 +468,8 @@ def series(result: dict) -> dict:
             if run["system"] == "reference" else {run["system"]: run["rows"]}
         for system, rows in parts.items():
             for row in rows:
-                row = {**row, "peak_pss_mib": run["peak_pss_mib"], "peak_rss_mib": run["peak_rss_mib"]}
+                row = {**row, "peak_pss_mib": run["peak_pss_mib"], "peak_rss_mib": run["peak_rss_mib"],
+                       "enforce_eager": run.get("enforce_eager")}
                 out.setdefault((run["model"], run["dtype"]), {}).setdefault(system, {})[row["batch"]] = row
     return out
 
@@ -466,11 +492,12 @@ def summarize(result: dict) -> dict:
             ttft = {name: systems.get(name, {}).get(batch, {}).get("ttft_s") for name in SYSTEMS}
             rows.append({"model": model, "dtype": dtype, "batch": batch, "tokens_per_s": tps, "ttft_s": ttft,
                          "ministream_over_llama": _ratio(tps["ministream"], tps["llama"]),
+                         "compiled_over_eager": _ratio(*_compiled_and_eager(systems, batch)),
                          "ours_over_vllm_bind": _ratio(tps["ministream"], tps["ministream_vllm_bind"]),
                          "vllm_over_reference_batched": _ratio(tps["ministream"], tps["reference_batched"]),
                          "vllm_over_reference_serial": _ratio(tps["ministream"], tps["reference_serial"])})
     summary = {"rows": rows}
-    for key in ("ministream_over_llama", "ours_over_vllm_bind", "vllm_over_reference_batched",
+    for key in ("ministream_over_llama", "compiled_over_eager", "ours_over_vllm_bind", "vllm_over_reference_batched",
                 "vllm_over_reference_serial"):
         summary[f"geomean_{key}"] = _geomean(r[key] for r in rows)
     memory = {}
@@ -482,17 +509,29 @@ def summarize(result: dict) -> dict:
     ceiling = []
     for (model, dtype), systems in s.items():
         weight_bytes = result["models"][model]["parameters"] * (2 if dtype in ("bfloat16", "float16") else 4)
-        for name in ("ministream", "reference_batched"):
+        for name in ("ministream", "ministream_compiled", "ministream_eager", "reference_batched"):
             one = systems.get(name, {}).get(1)
             if one and bw:
                 decode = decode_rate(one)
                 read = decode * weight_bytes / 1e9
                 ceiling.append({"model": model, "dtype": dtype, "system": name, "weight_bytes": weight_bytes,
                                 "decode_tokens_per_s": decode, "weights_gb_per_s": read,
-                                "copy_gb_per_s": bw, "fraction_of_copy_bandwidth": read / bw,
+                                "copy_gb_per_s": bw, "copy_threads": result["bandwidth"].get("threads"),
+                                "fraction_of_copy_bandwidth": read / bw,
                                 "ceiling_tokens_per_s": bw * 1e9 / weight_bytes})
     summary["bandwidth_ceiling"] = ceiling
     return summary
+
+
+def _compiled_and_eager(systems: dict, batch: int) -> tuple:
+    """MiniStream's tokens/s compiled and eager at a batch: the forced systems, else the default's run
+    where it ran that way (its worker records enforce_eager)."""
+    def tps(name):
+        return systems.get(name, {}).get(batch, {}).get("tokens_per_s")
+    default = systems.get("ministream", {}).get(batch, {})
+    eager = default.get("enforce_eager")
+    return (tps("ministream_compiled") or (default.get("tokens_per_s") if eager is False else None),
+            tps("ministream_eager") or (default.get("tokens_per_s") if eager is True else None))
 
 
 def decode_rate(row: dict) -> float:
@@ -520,20 +559,24 @@ def table(result: dict) -> str:
              "output tokens/s (batch x %d new tokens, EOS ignored); ratios of the patched vLLM (MiniStream)"
              % result["settings"]["new_tokens"],
              f"{'model':<14}{'dtype':<9}{'batch':>5} {'vLLM MS':>8} {'vLLM LLaMA':>10} {'MS/LLaMA':>8} "
+             f"{'MS comp':>8} {'MS eager':>8} {'comp/eager':>10} "
              f"{'vLLM bind':>9} {'ours/bind':>9} {'ref batch':>9} {'x':>6} {'ref 1-by-1':>10} {'x':>6} "
              f"{'TTFT MS':>8} {'TTFT ref':>8}"]
     for r in sm["rows"]:
         t, ttft = r["tokens_per_s"], r["ttft_s"]
         lines.append(
             f"{r['model']:<14}{r['dtype']:<9}{r['batch']:>5} {_f(t['ministream']):>8} {_f(t['llama']):>10} "
-            f"{_f(r['ministream_over_llama'], '{:.3f}'):>8} {_f(t['ministream_vllm_bind']):>9} "
+            f"{_f(r['ministream_over_llama'], '{:.3f}'):>8} {_f(t['ministream_compiled']):>8} {_f(t['ministream_eager']):>8} "
+            f"{_f(r['compiled_over_eager'], '{:.2f}'):>10} {_f(t['ministream_vllm_bind']):>9} "
             f"{_f(r['ours_over_vllm_bind'], '{:.2f}'):>9} {_f(t['reference_batched']):>9} "
             f"{_f(r['vllm_over_reference_batched'], '{:.1f}'):>6} {_f(t['reference_serial']):>10} "
             f"{_f(r['vllm_over_reference_serial'], '{:.1f}'):>6} "
             f"{_f(ttft['ministream'] and ttft['ministream'] * 1e3, '{:.0f}ms'):>8} "
             f"{_f(ttft['reference_batched'] and ttft['reference_batched'] * 1e3, '{:.0f}ms'):>8}")
-    lines.append("geometric means: MS/LLaMA %s, ours/vLLM bind %s, vLLM/ref batched %s, vLLM/ref one-by-one %s" % (
-        _f(sm["geomean_ministream_over_llama"], "{:.3f}"), _f(sm["geomean_ours_over_vllm_bind"], "{:.2f}"),
+    lines.append("geometric means: MS/LLaMA %s, compiled/eager %s, ours/vLLM bind %s, vLLM/ref batched %s, "
+                 "vLLM/ref one-by-one %s" % (
+        _f(sm["geomean_ministream_over_llama"], "{:.3f}"), _f(sm.get("geomean_compiled_over_eager"), "{:.2f}"),
+        _f(sm["geomean_ours_over_vllm_bind"], "{:.2f}"),
         _f(sm["geomean_vllm_over_reference_batched"], "{:.1f}"),
         _f(sm["geomean_vllm_over_reference_serial"], "{:.1f}")))
     lines.append("peak memory (PSS of the process tree) / start:")
@@ -544,7 +587,8 @@ def table(result: dict) -> str:
     for c in sm["bandwidth_ceiling"]:
         lines.append(f"decode ceiling {c['model']} {c['dtype']} {c['system']}: {c['decode_tokens_per_s']:.0f} tok/s x "
                      f"{c['weight_bytes'] / 1e6:.0f} MB = {c['weights_gb_per_s']:.1f} GB/s of {c['copy_gb_per_s']:.1f} "
-                     f"GB/s copy, median of {result['bandwidth'].get('samples', 1)} "
+                     f"GB/s copy ({result['bandwidth'].get('threads', '?')} threads), median of "
+                     f"{result['bandwidth'].get('samples', 1)} "
                      f"({100 * c['fraction_of_copy_bandwidth']:.0f}%; ceiling "
                      f"{c['ceiling_tokens_per_s']:.0f} tok/s)")
     for name, t in result.get("tooling", {}).items():

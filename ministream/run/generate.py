@@ -98,7 +98,7 @@ def vllm_generate(llm, prompt_ids: list[list[int]], max_tokens: int, logprobs: i
 
 def generate(model: Path, raw: Path | None = None, engines: str = "both", prompts: list[str] | None = None,
              max_tokens: int = 32, dtype: str = "float32", tp: int = 1, logprobs: int = 0,
-             stop_at_eos: bool = False, json_path: Path | None = None) -> dict:
+             stop_at_eos: bool = False, json_path: Path | None = None, enforce_eager: bool = False) -> dict:
     """`ministream generate`: the same prompt ids through the reference model and/or vLLM, printed side by
     side; engines is "both", "reference" or "vllm"."""
     check_servable(model)  # before the reference model loads or vLLM starts (a minute)
@@ -115,7 +115,7 @@ def generate(model: Path, raw: Path | None = None, engines: str = "both", prompt
         results["reference_seconds"] = time.time() - t
     if engines in ("both", "vllm"):
         t = time.time()
-        llm = vllm_engine(model, dtype, tp)
+        llm = vllm_engine(model, dtype, tp, **({"enforce_eager": True} if enforce_eager else {}))
         results["vllm_start_seconds"] = time.time() - t
         t = time.time()
         results["vllm"] = vllm_generate(llm, ids, max_tokens, logprobs, ignore_eos=not stop_at_eos)

@@ -83,7 +83,7 @@ def exposure_warning(host: str, env: dict) -> str | None:
 
 def serve(model: Path, host: str = "127.0.0.1", port: int = 8000, name: str | None = None,
           dtype: str | None = None, tp: int = 1, max_model_len: int | None = None, extra: list[str] = (),
-          stop_timeout: float = 60, api_key: str | None = None) -> int:
+          stop_timeout: float = 60, api_key: str | None = None, enforce_eager: bool = False) -> int:
     """Run the server until it exits or this process gets SIGTERM/SIGINT; its exit status.
 
     api_key goes to vLLM through its environment (VLLM_API_KEY), never on a command line `ps` shows."""
@@ -97,7 +97,8 @@ def serve(model: Path, host: str = "127.0.0.1", port: int = 8000, name: str | No
         env[API_KEY] = api_key
     if warning := exposure_warning(host, env):
         print(warning, file=sys.stderr, flush=True)
-    cmd = engine.server_command(model, host, port, name, dtype, tp, max_model_len, list(extra), engine.has_gpu())
+    cmd = engine.server_command(model, host, port, name, dtype, tp, max_model_len, list(extra), engine.has_gpu(),
+                                enforce_eager)
     url = local_url(host, port)
     shown = " ".join(f"{k}={env[k]}" for k in SHOWN if k in env)
     print(f"ministream serve: {shown} {' '.join(cmd)}", flush=True)
