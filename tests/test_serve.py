@@ -63,25 +63,22 @@ def test_offline_engine_and_server_share_seed_and_eager_choice(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 512}))
     kwargs = llm_kwargs(tmp_path, "float32", tp=2)
     assert kwargs["seed"] == SEED and kwargs["tensor_parallel_size"] == 2 and kwargs["max_model_len"] == 512
-    cmd = server_command(tmp_path, "127.0.0.1", 9000, "m", None, 1, None, [], gpu=False)
+    cmd = server_command(tmp_path, "127.0.0.1", 9000, "m", None, 1, None, [])
     assert kwargs["enforce_eager"] is False and "--enforce-eager" not in cmd  # on the CPU, both compiled
     assert cmd[cmd.index("--seed") + 1] == str(SEED)
     assert llm_kwargs(tmp_path, "float32", max_model_len=64, enforce_eager=True)["enforce_eager"] is True
-    asked = server_command(tmp_path, "127.0.0.1", 9000, "m", None, 1, None, [], gpu=False, enforce_eager=True)
+    asked = server_command(tmp_path, "127.0.0.1", 9000, "m", None, 1, None, [], enforce_eager=True)
     assert "--enforce-eager" in asked
 
 
-def test_half_precision_runs_eager_only_on_a_cpu_without_bf16_instructions(tmp_path):
+def test_every_dtype_runs_compiled_unless_eager_is_asked(tmp_path):
     from ministream.run.engine import eager
 
-    assert eager(False, "bfloat16", flags={"avx2"}) and eager(False, "float16", flags={"avx2"})
-    assert not eager(False, "bfloat16", flags={"avx2", "amx_bf16"}) and not eager(False, "bf16", flags={"avx512_bf16"})
-    assert not eager(False, "float32", flags={"avx2"}) and not eager(True, "bfloat16", flags={"avx2"})
-    assert eager(True, "float32", asked=True)
-    # the server's "auto" dtype is the folder's: it gets the same choice
-    (tmp_path / "config.json").write_text(json.dumps({"torch_dtype": "bfloat16"}))
-    cmd = server_command(tmp_path, "127.0.0.1", 9000, "m", None, 1, None, [], gpu=False)
-    assert ("--enforce-eager" in cmd) == eager(False, "bfloat16")
+    for dtype in ("float32", "bfloat16", None):
+        assert not eager() and eager(asked=True)
+    (tmp_path / "config.json").write_text(json.dumps({"torch_dtype": "bfloat16", "max_position_embeddings": 64}))
+    assert llm_kwargs(tmp_path, "bfloat16")["enforce_eager"] is False
+    assert "--enforce-eager" not in server_command(tmp_path, "127.0.0.1", 9000, "m", None, 1, None, [])
 
 
 def test_user_settings_win_over_cpu_defaults():
@@ -103,7 +100,7 @@ def test_listening_beyond_loopback_without_an_api_key_warns():
 
 
 def test_server_command_names_the_model_and_listens_where_asked(tmp_path):
-    cmd = server_command(tmp_path / "m", "127.0.0.1", 9000, "m", "float32", 2, 128, ["--max-num-seqs", "8"], gpu=False)
+    cmd = server_command(tmp_path / "m", "127.0.0.1", 9000, "m", "float32", 2, 128, ["--max-num-seqs", "8"])
     assert cmd[:3] == [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
     pairs = dict(zip(cmd[3::], cmd[4::]))
     assert pairs["--model"] == str((tmp_path / "m").resolve()) and pairs["--served-model-name"] == "m"

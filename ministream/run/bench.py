@@ -120,7 +120,7 @@ def _worker(spec: dict) -> dict:
     t = time.perf_counter()
     if spec["kind"] == "vllm":
         # "eager": True or False forces it; absent, the engine default (engine.py), recorded either way
-        eager = spec["eager"] if spec.get("eager") is not None else engine.eager(engine.has_gpu(), spec["dtype"])
+        eager = spec["eager"] if spec.get("eager") is not None else engine.eager()
         result["enforce_eager"] = eager
         llm = vllm_engine(Path(spec["model_dir"]), spec["dtype"],
                           max_model_len=spec["prompt_len"] + spec["new_tokens"], enforce_eager=eager)

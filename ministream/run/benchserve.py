@@ -195,7 +195,7 @@ def server_command(system: str, model: dict, dtype: str, port: int) -> tuple[lis
                  "--dtype", dtype], served_name(folder), folder)
     folder = model["hf" if system == "ministream" else "llama"]
     name = served_name(folder)
-    return engine.server_command(Path(folder), HOST, port, name, dtype, 1, None, [], engine.has_gpu()), name, folder
+    return engine.server_command(Path(folder), HOST, port, name, dtype, 1, None, []), name, folder
 
 
 def server_env(kv_cache_gib: int) -> dict:

