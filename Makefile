@@ -64,7 +64,7 @@ help:
 	@echo "                                   [ROUTE=plugin DEVICE=cuda: vLLM's own image + our plugin -> :x-cuda-plugin]"
 	@echo "make test-image                    build the CPU image and check it serves like make serve (slow, not in test)"
 	@echo "make bench [BENCH_QUICK=1]         patched vLLM vs LLaMA names, reference model, core binding; tooling costs"
-	@echo "                                   -> $(BENCH_OUT)/bench.json, bench.png (~20 min on 2 cores; not part of test)"
+	@echo "                                   -> $(BENCH_OUT)/bench.json, bench.png (~30 min on 2 cores; not part of test)"
 	@echo "make bench-serve [BENCH_QUICK=1]   serving load with vLLM's client: make serve vs LLaMA names vs the reference"
 	@echo "                                   model one request at a time -> $(BENCH_OUT)/serve.json, serve.png (not in test)"
 	@echo "make port FROM=a TO=b              patches/vb/ from patches/va/: three-way merge + registrations [no FROM/TO: redo all]"

