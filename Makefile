@@ -97,7 +97,7 @@ port: setup
 	$(MS) port $(if $(FROM)$(TO),$(FROM) $(TO),--all)
 
 matrix: setup
-	$(MS) matrix $(if $(VERSIONS),--versions $(VERSIONS)) $(if $(filter 1,$(RUN)),--run) $(if $(filter 1,$(CLEAN)),--clean)
+	$(MS) matrix $(if $(VERSIONS),--versions $(VERSIONS)) $(if $(filter 1,$(RUN)),--run --docs docs) $(if $(filter 1,$(CLEAN)),--clean)
 
 install: wheel
 	$(MS) install $(VLLM_VERSION) --device $(DEVICE)

@@ -82,10 +82,47 @@ def _replace(out: Path, tmp: Path) -> None:
         shutil.rmtree(old)
 
 
-def write_json(path: Path, data) -> Path:
+def write_bytes(path: Path, data: bytes) -> Path:
     """`path` whole or not at all: a temporary file beside it, then a rename (a reader, or a run stopped
-    half-way, never sees half a file)."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=1) + "\n")
-    os.replace(tmp, path)
+    half-way, never sees half a file). The file gets the mode a plain write would (the umask decides)."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.chmod(tmp, 0o666 & ~_umask())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
     return path
+
+
+def write_text(path: Path, text: str) -> Path:
+    return write_bytes(path, text.encode())
+
+
+def write_json(path: Path, data) -> Path:
+    return write_text(path, json.dumps(data, indent=1) + "\n")
+
+
+@contextmanager
+def new_file(final: Path):
+    """A temporary path beside `final` for a writer that needs a file name (a zip, a download); renamed to
+    `final` on success with the mode a plain write would give, removed on error: `final` is never half-written."""
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=final.parent, prefix=f".{final.name}.", suffix=".part")
+    os.close(fd)
+    try:
+        yield Path(tmp)
+        os.chmod(tmp, 0o666 & ~_umask())
+        os.replace(tmp, final)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask

@@ -124,7 +124,7 @@ def add_port(sub) -> None:
 
 
 def add_matrix(sub) -> None:
-    from .fork import matrix
+    from .checks import matrix
     from .paths import BUILD
 
     p = sub.add_parser("matrix", help="check every supported vLLM version's patch set (static)",
@@ -132,21 +132,24 @@ def add_matrix(sub) -> None:
     p.add_argument("--versions", help="comma-separated vLLM releases (default: all of patches/versions.json)")
     p.add_argument("--out", type=Path, default=BUILD, help="where matrix.json and matrix.md go (default: %(default)s)")
     p.add_argument("--run", action="store_true", help="also run every line with a CPU build for real "
-                   "(ministream/fork/lines.py): build/lines/, docs/matrix.json and the README's table")
+                   "(ministream/checks/lines.py): build/lines/, then DOCS/matrix.json and DOCS/versions.md")
+    p.add_argument("--docs", type=Path, default=BUILD / "matrix-run",
+                   help="with --run: the folder of matrix.json and versions.md, updated for the versions run "
+                        "(default: %(default)s; `make matrix RUN=1` passes the checkout's docs/)")
     p.add_argument("--clean", action="store_true", help="remove the lines' venvs (of --versions, or all of them "
                    "and the uv cache under build/lines): 3 to 8 GiB each; results and test models stay")
     p.set_defaults(func=_matrix)
 
 
 def _matrix(a) -> int:
-    from .fork import lines, matrix
+    from .checks import environments, lines, matrix
 
     versions = a.versions.split(",") if a.versions else None
     if a.clean:
-        for path in lines.remove_environments(versions):
+        for path in environments.remove_environments(versions):
             print(f"removed {path}")
         return 0
-    return lines.run(a.versions, a.out) if a.run else matrix.run(a.versions, a.out)
+    return lines.run(a.versions, a.out, a.docs) if a.run else matrix.run(a.versions, a.out)
 
 
 def add_wheel(sub) -> None:
@@ -189,7 +192,7 @@ def add_install(sub) -> None:
 
 
 def add_vllm_tests(sub) -> None:
-    from .fork import vllm_tests
+    from .checks import vllm_tests
     from .paths import BUILD
 
     p = _for_release(sub, "vllm-tests", vllm_tests, "vLLM's own tests of MiniStream, from the patched tree, offline")

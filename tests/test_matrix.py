@@ -10,7 +10,7 @@ import shutil
 import git
 import pytest
 
-from ministream.fork.matrix import CHECKS, check_version, run_matrix
+from ministream.checks.matrix import CHECKS, check_version, run_matrix
 from ministream.fork.patch import patch_tree
 from ministream.fork.patchset import patch_set_dir, supported_versions
 from ministream.fork.port import pristine_files

@@ -18,9 +18,10 @@ from ministream.paths import PATCH_SETS
 from ministream.fork import registry
 from ministream.fork.patchset import apply_to_files, manifest, patch_set_dir, pinned, supported_versions
 from ministream.fork.patch import MINISTREAM
-from ministream.fork.port import (Backport, PortResult, _relative_imports, add_example, backport, hand_made_upstream,
-                                  import_target, merge_model, port, port_all, pristine_files, registrations, report,
-                                  upstream_part)
+from ministream.fork.port import (Backport, PortResult, backport, merge_model, port, port_all, pristine_files,
+                                  registrations, report)
+from ministream.fork.pysource import import_target
+from ministream.fork.upstream import _relative_imports, add_example, hand_made_upstream, upstream_part
 from ministream.fork.release import NoSdist, sdist_files, sdist_names
 from ministream.fork.registry import CONFIG_PY, CONFIGS_INIT_PY, REGISTRY_PY, add_architecture, add_config
 

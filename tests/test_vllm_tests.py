@@ -10,8 +10,8 @@ import git
 import pytest
 
 from ministream import MiniStreamError
-from ministream.fork import vllm_tests
-from ministream.fork.vllm_tests import example_models, hf_cache, outcomes
+from ministream.checks import vllm_tests
+from ministream.checks.vllm_tests import example_models, hf_cache, outcomes
 
 ENTRY = '''
     "MiniMaxM3SparseForCausalLM": _HfExamplesInfo(

@@ -29,10 +29,12 @@ from pathlib import Path
 from packaging.version import Version
 
 from .. import MiniStreamError, __version__
+from ..atomic import write_bytes
 from ..paths import DIST, shipped
 from ..spec import ARCH, CONFIG_CLASS, MODEL_TYPE
 from .patchset import apply_to_files, manifest, patch_set_dir, pinned
 from .release import release_files
+from .wheel import record_file, record_hash
 
 DISTRIBUTION = "ministream-vllm-plugin"
 PACKAGE = "ministream_vllm"  # the import name: ministream_vllm.ministream:MiniStreamForCausalLM
@@ -140,18 +142,10 @@ def dist_info(version: str) -> dict[str, bytes]:
     return {"METADATA": metadata.encode(), "WHEEL": wheel.encode(), "entry_points.txt": entry_points.encode()}
 
 
-def _record_hash(data: bytes) -> str:
-    return "sha256=" + urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
-
-
 def wheel_bytes(files: dict[str, bytes], info_dir: str, info: dict[str, bytes]) -> bytes:
     entries = {**files, **{f"{info_dir}/{name}": data for name, data in info.items()}}
-    record = io.StringIO()
-    writer = csv.writer(record, lineterminator="\n")
-    for name, data in entries.items():
-        writer.writerow((name, _record_hash(data), len(data)))
-    writer.writerow((f"{info_dir}/RECORD", "", ""))
-    entries[f"{info_dir}/RECORD"] = record.getvalue().encode()
+    rows = [(name, record_hash(io.BytesIO(data)), len(data)) for name, data in entries.items()]
+    entries[f"{info_dir}/RECORD"] = record_file(rows, f"{info_dir}/RECORD")
     out = io.BytesIO()
     with zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as z:
         for name, data in entries.items():
@@ -173,17 +167,7 @@ def build_plugin(version: str, dist_dir: Path | None = None) -> Path:
     info_dir = f"{DISTRIBUTION.replace('-', '_')}-{plugin_version(version)}.dist-info"
     data = wheel_bytes(package_files(version), info_dir, dist_info(version))
     dist_dir.mkdir(parents=True, exist_ok=True)
-    final = dist_dir / name
-    fd, tmp = tempfile.mkstemp(dir=dist_dir, prefix=f".{name}.", suffix=".part")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, final)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return final
+    return write_bytes(dist_dir / name, data)
 
 
 def run(version: str, dist_dir: Path | None = None) -> int:

@@ -21,6 +21,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from .. import MiniStreamError
+from ..atomic import new_file, write_bytes
 from ..paths import CACHE as CACHE_ROOT, CPU_LINES, RELEASE_PINS
 
 CACHE = CACHE_ROOT / "wheels"
@@ -87,7 +88,7 @@ def pin_releases(versions: list[str], pins: Path = RELEASE_PINS) -> None:
                      or (f["filename"].startswith(f"{stem}-{v}-") and f["filename"].endswith(".whl"))}
             if files:
                 data.setdefault(dist, {})[v] = dict(sorted(files.items()))
-    _write_atomic(pins, (json.dumps(data, indent=1) + "\n").encode())
+    _write_whole(pins, (json.dumps(data, indent=1) + "\n").encode())
 
 
 # --- whole wheels and sdists ------------------------------------------------------------------
@@ -152,18 +153,16 @@ def release_sdist(version: str, cache: Path = SDISTS) -> Path:
         raise NoSdist(f"PyPI has no sdist {name}: check the version "
                       f"(https://pypi.org/project/vllm/{version}/#files), or put {name} in {cache}/")
     cache.mkdir(parents=True, exist_ok=True)
-    partial = cache / f".{name}.partial-{os.getpid()}"
     try:
-        with urllib.request.urlopen(found[0]["url"], timeout=TIMEOUT) as r, open(partial, "wb") as f:
-            while block := r.read(1 << 20):
-                f.write(block)
-        verified(partial, "vllm", version, name).rename(path)
+        with new_file(path) as partial:
+            with urllib.request.urlopen(found[0]["url"], timeout=TIMEOUT) as r, open(partial, "wb") as f:
+                while block := r.read(1 << 20):
+                    f.write(block)
+            verified(partial, "vllm", version, name)
         return path
     except OSError as e:
         raise MiniStreamError(f"could not download {found[0]['url']} ({e}); check the network, "
                               f"or put {name} in {cache}/") from None
-    finally:
-        partial.unlink(missing_ok=True)
 
 
 # --- single files of a release wheel ------------------------------------------------------------
@@ -182,7 +181,7 @@ def release_files(version: str, paths, pinned: dict[str, str] | None = None,
     if missing:
         got |= _read_members(version, missing, cache, dist)
         for p in missing:
-            _write_atomic(members / p, got[p])
+            _write_whole(members / p, got[p])
     for p, sha in (pinned or {}).items():
         if p in got and hashlib.sha256(got[p]).hexdigest() != sha:
             raise MiniStreamError(f"{p} of the vllm {version} release wheel (cached in {members}) does not have "
@@ -197,7 +196,7 @@ def wheel_names(version: str, cache: Path = CACHE_ROOT) -> set[str]:
     if not listed.is_file():
         source, _ = _open_wheel(version, cache)
         with source as z:
-            _write_atomic(listed, "\n".join(sorted(z.namelist())).encode())
+            _write_whole(listed, "\n".join(sorted(z.namelist())).encode())
     return set(listed.read_text().split("\n"))
 
 
@@ -283,13 +282,6 @@ class _HTTPRangeFile(io.RawIOBase):
         return len(data)
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.partial-{os.getpid()}")
-    tmp.write_bytes(data)
-    tmp.rename(path)
-
-
 # --- single files of a release sdist -------------------------------------------------------------
 
 def sdist_files(version: str, paths, pinned: dict[str, str] | None = None,
@@ -307,8 +299,8 @@ def sdist_files(version: str, paths, pinned: dict[str, str] | None = None,
     if names is None or any(p in names and not (folder / p).is_file() for p in paths):
         names, got = _stream_sdist(version, set(paths) | {p for p in (names or ()) if (folder / p).is_file()}, cache)
         for p, data in got.items():
-            _write_atomic(folder / p, data)
-        _write_atomic(folder / NAMES, ("\n".join(sorted(names)) + "\n").encode())  # last: marks the cache whole
+            _write_whole(folder / p, data)
+        _write_whole(folder / NAMES, ("\n".join(sorted(names)) + "\n").encode())  # last: marks the cache whole
     got = {p: (folder / p).read_bytes() if p in names else None for p in paths}
     for p, sha in (pinned or {}).items():
         if p in got and got[p] is not None and hashlib.sha256(got[p]).hexdigest() != sha:
@@ -397,3 +389,8 @@ if __name__ == "__main__":  # python -m ministream.fork.release --pin VERSION...
     parser = argparse.ArgumentParser(description="pin the sha256 PyPI publishes for each release file")
     parser.add_argument("--pin", nargs="+", required=True, metavar="VERSION")
     pin_releases(parser.parse_args().pin)
+
+
+def _write_whole(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_bytes(path, data)

@@ -32,7 +32,7 @@ from packaging.utils import InvalidWheelFilename, parse_wheel_filename
 from packaging.version import Version
 
 from .. import MiniStreamError, __version__
-from ..atomic import check_apart
+from ..atomic import check_apart, new_file
 from ..paths import BUILD, DIST
 from .release import CACHE as RELEASE_CACHE, DISTRIBUTIONS, cpu_lines, device_release, release_wheel
 
@@ -138,6 +138,15 @@ def record_hash(f) -> str:
     while chunk := f.read(1 << 20):
         h.update(chunk)
     return "sha256=" + urlsafe_b64encode(h.digest()).rstrip(b"=").decode()
+
+
+def record_file(rows: list, name: str) -> bytes:
+    """A wheel's RECORD: one (path, hash, size) row a file, then its own row without hash or size."""
+    record = io.StringIO()
+    writer = csv.writer(record, lineterminator="\n")
+    writer.writerows(rows)
+    writer.writerow((name, "", ""))
+    return record.getvalue().encode("utf-8")
 
 
 def _split_name(wheel: Path) -> tuple[str, Version, str]:
@@ -335,27 +344,8 @@ def _write_dist_info(src: zipfile.ZipFile, out: zipfile.ZipFile, old: str, new: 
             continue
         data = metadata if info.filename == f"{old}METADATA" else src.read(info)
         records.append(_write(out, _new_entry(new + info.filename[len(old):], info, 0, ()), data))
-    record = io.StringIO()
-    writer = csv.writer(record, lineterminator="\n")
-    writer.writerows(records)
-    writer.writerow((f"{new}RECORD", "", ""))
     template = src.getinfo(f"{old}RECORD") if f"{old}RECORD" in src.namelist() else None
-    out.writestr(_new_entry(f"{new}RECORD", template, 0o644, date_time), record.getvalue().encode("utf-8"))
-
-
-@contextmanager
-def _atomic_file(final: Path):
-    """A temporary path beside `final`, renamed to it on success: dist/ never holds half a wheel."""
-    final.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=final.parent, prefix=f".{final.name}.", suffix=".part")
-    os.close(fd)
-    try:
-        yield tmp
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, final)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    out.writestr(_new_entry(f"{new}RECORD", template, 0o644, date_time), record_file(records, f"{new}RECORD"))
 
 
 def build_wheel(version: str, device: str, tree: Path | None = None, dist_dir: Path | None = None,
@@ -380,7 +370,7 @@ def build_wheel(version: str, device: str, tree: Path | None = None, dist_dir: P
         metadata = _set_version(src.read(f"{old_info}METADATA"), release_version, new_version, release)
         if device == "cpu" and cpu_lines().get(version, {}).get("platform_fix"):
             rewritten[PLATFORM_FILE] = _platform_fix(src.read(PLATFORM_FILE), release)
-        with _atomic_file(final) as tmp, zipfile.ZipFile(tmp, "w") as out:
+        with new_file(final) as tmp, zipfile.ZipFile(tmp, "w") as out:
             records = _write_files(src, out, patch, rewritten, old_info)
             _write_dist_info(src, out, old_info, f"{stem}-{new_version}.dist-info/", metadata, records,
                              patch.date_time)

@@ -37,7 +37,7 @@ import urllib.request
 from pathlib import Path
 
 from .. import MiniStreamError
-from ..atomic import write_json
+from ..atomic import write_json, write_text
 from ..paths import CORPUS
 from . import bench, engine
 from .serve import API_KEY, _die_with_parent, _reap_process_group, served_name
@@ -155,11 +155,8 @@ def dataset_stats(rows: list[dict]) -> dict:
 def write_jsonl(rows: list[dict], path: Path) -> Path:
     """The rows as vLLM's custom dataset reads them: {"prompt", "output_tokens"} per line."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(json.dumps({"prompt": r["prompt"], "output_tokens": r["output_tokens"]}) + "\n"
-                           for r in rows))
-    tmp.replace(path)
-    return path
+    return write_text(path, "".join(json.dumps({"prompt": r["prompt"], "output_tokens": r["output_tokens"]}) + "\n"
+                                    for r in rows))
 
 
 def prompts_for(rate: float, s: dict) -> int:

@@ -33,12 +33,14 @@ from packaging.version import Version
 from .. import MiniStreamError
 from ..paths import BUILD, PATCH_SETS
 from ..spec import ARCH, CONFIG_CLASS, MODEL_TYPE
-from . import patchset, registry
-from .patch import LLAMA, MINISTREAM
-from .patchset import ApplyError, added_files, check_pristine, patch_set_dir, pinned, supported_versions
-from .port import import_target, touched, upstream_files
-from .release import release_files, sdist_names
-from .static import CHECKS as STATIC_CHECKS, Failed, NotApplicable
+from ..fork import patchset, registry
+from ..fork.patch import LLAMA, MINISTREAM
+from ..fork.patchset import ApplyError, added_files, check_pristine, patch_set_dir, pinned, supported_versions
+from ..fork.port import touched
+from ..fork.pysource import import_target, top_level
+from ..fork.upstream import upstream_files
+from ..fork.release import release_files, sdist_names
+from .model_checks import CHECKS as STATIC_CHECKS, Failed, NotApplicable
 
 CHECKS = ["pristine", "applies", "compiles", "architecture", "config", "interface", *STATIC_CHECKS, "upstream"]
 
@@ -206,24 +208,11 @@ def _imports_resolve(source: Path, rel: str, names: set[str]) -> None:
             if target not in names:
                 raise Failed(f"{rel}: line {node.lineno} imports from {target}, which the vllm sdist lacks")
             continue
-        defined = _top_level_names(ast.parse((source / target).read_text()))
+        defined = top_level(ast.parse((source / target).read_text()))[0]
         lacking = [a.name for a in node.names if a.name not in defined]
         if lacking:
             raise Failed(f"{rel}: line {node.lineno} imports {', '.join(lacking)} from {target}, which does not "
                          f"define {'it' if len(lacking) == 1 else 'them'}")
-
-
-def _top_level_names(module: ast.Module) -> set[str]:
-    names = set()
-    for node in module.body:
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            names.add(node.name)
-        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
-            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
-                names |= {n.id for n in ast.walk(target) if isinstance(n, ast.Name)}
-        elif isinstance(node, (ast.Import, ast.ImportFrom)):
-            names |= {(a.asname or a.name).split(".")[0] for a in node.names}
-    return names
 
 
 CHECK_FUNCS = {"pristine": _pristine, "applies": _applies, "compiles": _compiles,

@@ -32,11 +32,11 @@ from ..checkpoint.convert import convert
 from ..checkpoint.demo import PRESETS, make_checkpoint
 from ..paths import BUILD
 from ..spec import ARCH
-from . import patchset
-from .install import installed_vllm
-from .patch import applied_hash
-from .release import release_wheel
-from .wheel import LOCAL_LABEL
+from ..fork import patchset
+from ..fork.install import installed_vllm
+from ..fork.patch import applied_hash
+from ..fork.release import release_wheel
+from ..fork.wheel import LOCAL_LABEL
 
 EXAMPLES = "tests/models/registry.py"
 TEST_FILES = ["tests/models/test_registry.py", "tests/models/test_initialization.py"]

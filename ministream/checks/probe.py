@@ -1,6 +1,6 @@
 """probe: run inside a CPU line's environment (lines.py) with that line's vLLM and our patched wheel.
 
-    python -m ministream.fork.probe JOBS.json OUTPUTS.json
+    python -m ministream.checks.probe JOBS.json OUTPUTS.json
 
 Each job ({folder, dtype, tp, prompt_ids, max_tokens, top_k}) is one engine, through the same engine
 settings as every other engine here (run/generate.py, run/engine.py). OUTPUTS.json is rewritten after

@@ -4,8 +4,9 @@ the unmodified patch sets of an old and a new release pass."""
 
 import pytest
 
-from ministream.fork import patchset, static
-from ministream.fork.matrix import CHECK_FUNCS, CHECKS, Failed
+from ministream.checks import model_checks as static
+from ministream.fork import patchset
+from ministream.checks.matrix import CHECK_FUNCS, CHECKS, Failed
 from ministream.fork.patch import MINISTREAM
 from ministream.fork.port import touched
 from ministream.fork.release import release_files

@@ -23,10 +23,10 @@ from functools import cached_property
 from pathlib import Path
 
 from ..spec import ARCH, CONFIG_CLASS, EMBEDDING, GLOBAL_TABLE, HEAD, LAYER_TABLE, QKV, W12, TrainConfig, hf_config, hf_names
-from . import registry, release
-from .patch import LLAMA, MINISTREAM
-from .patchset import added_files
-from .port import import_target
+from ..fork import registry, release
+from ..fork.patch import LLAMA, MINISTREAM
+from ..fork.patchset import added_files
+from ..fork.pysource import import_target, top_level
 
 CONFIG_CLASS_PY = registry.CONFIG_MODULE.replace(".", "/") + ".py"
 # the converted folder's names of the embedding and the head (spec.py states every name once)
@@ -102,7 +102,7 @@ class Release:
         if rel.endswith(".so") or (rel.endswith("/__init__.py") and self.module(f"{rel[:-12]}/{name}")):
             return True
         module = ast.parse(self.text(rel))
-        names, stars = _top_level(module)
+        names, stars = top_level(module)
         if name in names:
             return True
         if "__getattr__" in names and any(isinstance(n, ast.Constant) and n.value == name for n in ast.walk(module)):
@@ -112,35 +112,6 @@ class Release:
             if target and target not in seen and self.defines(target, name, seen | {rel}):
                 return True
         return False
-
-
-def _top_level(module: ast.Module) -> tuple[set[str], list[ast.ImportFrom]]:
-    """The names a module binds at import (in if/try/with blocks too), and its star imports."""
-    names, stars, todo = set(), [], list(module.body)
-    while todo:
-        node = todo.pop()
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            names.add(node.name)
-            continue
-        if isinstance(node, (ast.Import, ast.ImportFrom)):
-            for a in node.names:
-                if a.name == "*":
-                    stars.append(node)
-                else:
-                    names.add(a.asname or a.name.split(".")[0])
-            continue
-        if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
-            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
-                names |= {n.id for n in ast.walk(target) if isinstance(n, ast.Name)}
-        if isinstance(node, (ast.If, ast.While)):  # if (x := ...):
-            names |= {n.target.id for n in ast.walk(node.test) if isinstance(n, ast.NamedExpr)}
-        for field in ("body", "orelse", "finalbody", "handlers"):
-            todo.extend(getattr(node, field, []))
-        if isinstance(node, (ast.For, ast.AsyncFor, ast.With, ast.AsyncWith)):
-            targets = [node.target] if isinstance(node, (ast.For, ast.AsyncFor)) else \
-                [i.optional_vars for i in node.items if i.optional_vars]
-            names |= {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
-    return names, stars
 
 
 def _import_path(rel: str, level: int, module: str | None) -> str | None:
@@ -281,7 +252,7 @@ def _class_sets(module: ast.Module, cls: str) -> tuple[set[str], list[str]]:
     node = next((n for n in module.body if isinstance(n, ast.ClassDef) and n.name == cls), None)
     if node is None:
         _fail(f"{CONFIG_CLASS_PY} defines no class {cls}")
-    sets = _top_level(ast.Module(body=node.body, type_ignores=[]))[0]
+    sets = top_level(ast.Module(body=node.body, type_ignores=[]))[0]
     sets |= {n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store)
              and isinstance(n.value, ast.Name) and n.value.id == "self"}
     return sets, [ast.unparse(b) for b in node.bases]

