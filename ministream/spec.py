@@ -10,6 +10,7 @@ import dataclasses
 import math
 import re
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -41,8 +42,9 @@ class TrainConfig:
     rope_theta: float  # RoPE base
     bos_id: int
     eos_id: int
-    n_kv_heads: int | None = None  # key/value heads Nkv; divides n_heads; default n_heads
-    head_dim: int | None = None  # per-head size D; default d_model // n_heads (need not be equal)
+    # None: the default, filled in by __post_init__, so an instance always has ints (hence the ignores)
+    n_kv_heads: int = None  # type: ignore[assignment]  # key/value heads Nkv; divides n_heads; default n_heads
+    head_dim: int = None  # type: ignore[assignment]  # per-head size D; default d_model // n_heads (need not be equal)
     tie_embeddings: bool = True  # output head shares embedding.weight
 
     def __post_init__(self):
@@ -151,7 +153,7 @@ CONFIG_MAP = {
 
 def hf_config(cfg: TrainConfig, dtype: str, converter: str = "") -> dict:
     """config.json for a converted folder: every value explicit, under LLaMA's keys."""
-    config = {"architectures": [ARCH], "model_type": MODEL_TYPE}
+    config: dict[str, Any] = {"architectures": [ARCH], "model_type": MODEL_TYPE}
     config.update({hf: getattr(cfg, f) for f, hf in CONFIG_MAP.items()})
     config.update({
         # transformers >= 5 reads rope_parameters, older releases rope_theta: write both
@@ -234,7 +236,7 @@ def table(cfg: TrainConfig) -> list[Row]:
         for raw, hf, split, shape in LAYER_TABLE:
             rows.append(Row(raw.format(i=i), tuple(h.format(i=i) for h in hf),
                             tuple(getattr(cfg, split)) if split else None, shape(cfg), raw))
-    for raw, hf, split, shape in GLOBAL_TABLE:
+    for raw, hf, _split, shape in GLOBAL_TABLE:
         if raw != HEAD or not cfg.tie_embeddings:
             rows.append(Row(raw, tuple(hf), None, shape(cfg), raw))
     return rows

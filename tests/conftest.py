@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from ministream.checkpoint.demo import make_checkpoint
 from ministream.checkpoint.convert import convert
+from ministream.checkpoint.demo import make_checkpoint
+from ministream.run import server
 
 # Engines started by tests stay lean (a user's setting, which wins over engine.py's quarter of the memory):
 # the tiny models need little KV cache, and the suite shares the machine with whatever else runs.
@@ -58,3 +59,31 @@ def cli():
         return subprocess.run([str(exe), *map(str, args)], capture_output=True, text=True, env=env, timeout=timeout)
 
     return run
+
+
+@pytest.fixture(scope="session")
+def start_serve():
+    """Start `ministream serve MODEL ARGS` as a user would, on a free loopback port (run.server.start: a session
+    of its own, its output in `log`): start_serve(model, log, *args, python=None, env=None, **extra) ->
+    (process, base URL). python: another environment's interpreter, which runs `python -m ministream.cli`;
+    env: the whole environment (default: this one, with the lean KV cache); extra: variables added to it."""
+
+    def start(model: Path, log: Path, *args, python=None, env=None, **extra):
+        port = server.free_port()
+        exe = [str(python), "-m", "ministream.cli"] if python else [str(Path(sys.executable).parent / "ministream")]
+        env = {**(env or {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}), **extra}
+        proc = server.start([*exe, "serve", str(model), "--port", str(port), *map(str, args)], log, env)
+        return proc, f"http://127.0.0.1:{port}"
+
+    return start
+
+
+@pytest.fixture(scope="session")
+def tree():
+    """tree(path): every file under `path` with its size and mtime: equal before and after means nothing was
+    touched."""
+
+    def files(path: Path) -> dict:
+        return {str(p.relative_to(path)): (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(path.rglob("*"))}
+
+    return files

@@ -7,17 +7,18 @@ import os
 import socket
 import threading
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 
 import pytest
 
 from ministream import MiniStreamError
 from ministream.checkpoint.demo import train_tokenizer
 from ministream.run import benchserve, refserver
-from ministream.run.benchserve import FULL, build_prompts, dataset_stats, judge, prompts_for, save, summarize, table
+from ministream.run.benchserve import FULL, prompts_for, save
 from ministream.run.generate import DEFAULT_PROMPTS, load_reference, tokenize
+from ministream.run.prompts import build_prompts, dataset_stats, write_jsonl
+from ministream.run.server import call, stream as any_stream
+from ministream.run.servereport import judge, summarize, table
 
 EOS = 1
 
@@ -40,34 +41,21 @@ def reference_model(tiny_hf):
     return load_reference(tiny_hf, "float32")
 
 
-def post(url: str, body: dict, timeout: float = 120):
-    req = urllib.request.Request(f"{url}/v1/completions", json.dumps(body).encode(),
-                                 {"Content-Type": "application/json"})
-    return urllib.request.urlopen(req, timeout=timeout)
-
-
 def status_of(url: str, body: dict) -> tuple[int, dict]:
-    try:
-        with post(url, body) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
+    return call(f"{url}/v1/completions", body)
 
 
 def stream(url: str, body: dict, on_first=None) -> dict:
     """A streaming completion: its chunks (parsed), each chunk's arrival time, and whether [DONE] came."""
-    chunks, times, done = [], [], False
-    with post(url, {**body, "stream": True}) as r:
+    chunks, times = [], []
+    with any_stream(f"{url}/v1/completions", body) as r:
         assert r.headers["Content-Type"].startswith("text/event-stream")
-        for line in r:
-            line = line.decode().strip()
-            if line == "data: [DONE]":
-                done = True
-            elif line.startswith("data: "):
-                chunks.append(json.loads(line[6:]))
-                times.append(time.monotonic())
-                if on_first and len(chunks) == 1:
-                    on_first()
+        for chunk in r:
+            chunks.append(chunk)
+            times.append(time.monotonic())
+            if on_first and len(chunks) == 1:
+                on_first()
+    done = r.done
     token_chunks = [c for c in chunks if c["choices"]]
     return {"chunks": chunks, "times": times, "done": done,
             "text": "".join(c["choices"][0]["text"] for c in token_chunks),
@@ -77,10 +65,10 @@ def stream(url: str, body: dict, on_first=None) -> dict:
 
 def test_health_and_models_answer_like_vllms_server(ref, tiny_hf):
     url, _ = ref
-    with urllib.request.urlopen(f"{url}/health", timeout=30) as r:
-        assert r.status == 200
-    with urllib.request.urlopen(f"{url}/v1/models", timeout=30) as r:
-        model = json.loads(r.read())["data"][0]
+    assert call(f"{url}/health", timeout=30)[0] == 200
+    status, models = call(f"{url}/v1/models", timeout=30)
+    assert status == 200
+    model = models["data"][0]
     assert model["id"] == tiny_hf.name and model["root"] == str(tiny_hf.resolve()) and model["max_model_len"] == 512
 
 
@@ -161,10 +149,7 @@ def test_a_bad_request_gets_4xx_with_a_message_and_the_server_keeps_serving(ref,
     url, _ = ref
     good = {"model": tiny_hf.name, "prompt": "Once upon a time", "max_tokens": 4}
     if case == "malformed_json":
-        req = urllib.request.Request(f"{url}/v1/completions", b'{"prompt": ', {"Content-Type": "application/json"})
-        with pytest.raises(urllib.error.HTTPError) as e:
-            urllib.request.urlopen(req, timeout=30)
-        status, body = e.value.code, json.loads(e.value.read())
+        status, body = call(f"{url}/v1/completions", raw=b'{"prompt": ', timeout=30)
     else:
         bad = {"unknown_model": {"model": "no-such-model"}, "n_above_1": {"n": 2},
                "longer_than_the_model": {"max_tokens": 600}, "no_prompt": {"prompt": None}}[case]
@@ -186,7 +171,7 @@ def test_vllms_client_completes_every_request_with_each_rows_output_length(tiny_
     rates = [4.0, 8.0, 16.0]
     settings = {**FULL, "dtype": "float32", "rates": rates, "num_prompts": 5, "ttft_target_s": 1e-6}
     sets = dict(zip(rates, build_prompts(tok, [5] * 3, 0, (16, 64), (4, 12), 2, (24, 40), max_model_len=512)["sets"]))
-    files = {r: benchserve.write_jsonl(rows, tmp_path / f"rate-{r:g}.jsonl") for r, rows in sets.items()}
+    files = {r: write_jsonl(rows, tmp_path / f"rate-{r:g}.jsonl") for r, rows in sets.items()}
     result = {"settings": settings, "model": {"hf": str(tiny_hf)}, "systems": {}}
     benchserve.run_system("reference", result, tmp_path, files, sets, dict(os.environ))
 

@@ -7,11 +7,11 @@ import torch
 from tokenizers import Tokenizer
 
 from ministream import MiniStreamError
-from ministream.paths import CORPUS
 from ministream.checkpoint.demo import PRESETS, make_checkpoint, make_config, train_tokenizer
 from ministream.checkpoint.format import load
-from ministream.spec import raw_shapes
 from ministream.checkpoint.reference import MiniStream
+from ministream.paths import CORPUS
+from ministream.spec import raw_shapes
 
 from conftest import quiet
 

@@ -5,7 +5,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -16,6 +15,7 @@ from ministream import MiniStreamError
 from ministream.fork.image import DOCKER, MODEL_MOUNT, build_args, dockerfile, engine, engine_env, run_command, tag
 from ministream.fork.wheel import built_wheel, wheel_name
 from ministream.run.engine import NO_USAGE_STATS
+from ministream.run.server import call, free_port, start as start_process, wait_ready
 
 VERSION = re.search(r"^VLLM_VERSION \?= (\S+)", (ROOT / "Makefile").read_text(), re.M).group(1)
 
@@ -102,17 +102,10 @@ def test_run_command_mounts_the_model_read_only_on_the_host_network():
 # ---------------------------------------------------------------- the CPU image, built and run
 
 
-def wait_ready(url: str, proc: subprocess.Popen, log: Path, timeout: float = 900):
-    from test_serve import wait_ready as wait
-
-    wait(url, proc, log, timeout)
-
-
+@pytest.mark.full
 @pytest.mark.skipif(os.environ.get("MINISTREAM_TEST_IMAGE") != "1",
                     reason="builds and runs the CPU image (minutes): `make test-image`")
-def test_cpu_image_serves_the_same_completion_as_make_serve(tiny_hf, cli, tmp_path):
-    from test_serve import call, free_port
-
+def test_cpu_image_serves_the_same_completion_as_make_serve(tiny_hf, cli, start_serve, tmp_path):
     start = time.monotonic()
     r = cli("image", VERSION, "--device", "cpu", timeout=3600)
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
@@ -122,22 +115,18 @@ def test_cpu_image_serves_the_same_completion_as_make_serve(tiny_hf, cli, tmp_pa
     name = f"ministream-test-{os.getpid()}"
     servers = {}
     for where in ("image", "host"):
-        port, log = free_port(), tmp_path / f"{where}.log"
+        log = tmp_path / f"{where}.log"
         if where == "image":
+            port = free_port()
             cmd = run_command(eng, tag(VERSION, "cpu"), str(tiny_hf.resolve()), port, "127.0.0.1",
                               ("--dtype", "float32", "--max-model-len", "256"))
             cmd[cmd.index("run") + 1:cmd.index("run") + 1] = ["--name", name, "-e", "VLLM_CPU_KVCACHE_SPACE=1"]
-            env = engine_env()
+            servers[where] = (start_process(cmd, log, engine_env()), f"http://127.0.0.1:{port}", log)
         else:  # what `make serve MODEL=... DTYPE=float32` runs
-            cmd = [str(Path(sys.executable).parent / "ministream"), "serve", str(tiny_hf), "--port", str(port),
-                   "--dtype", "float32", "--max-model-len", "256"]
-            env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
-        with open(log, "w") as out:
-            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        servers[where] = (proc, f"http://127.0.0.1:{port}", log)
+            servers[where] = (*start_serve(tiny_hf, log, "--dtype", "float32", "--max-model-len", 256), log)
     try:
         for proc, url, log in servers.values():
-            wait_ready(url, proc, log)
+            wait_ready(url, proc, log, 900)
         answers = {}
         for where, (proc, url, log) in servers.items():
             assert call(f"{url}/v1/models")[1]["data"][0]["id"] == tiny_hf.name  # the folder's name in both

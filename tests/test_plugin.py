@@ -15,7 +15,6 @@ MINISTREAM_TEST_RAY=1, install ray into the plugin env and start a two-node clus
 import json
 import os
 import re
-import signal
 import shutil
 import subprocess
 import sys
@@ -30,14 +29,15 @@ from ministream import MiniStreamError
 from ministream.fork import plugin
 from ministream.fork.release import release_wheel
 from ministream.run.generate import DEFAULT_PROMPTS, reference_generate, tokenize
+from ministream.run.server import call, free_port, start as start_process, stop, wait_ready
 from ministream.run.verify import compare
 from ministream.spec import ARCH, MODEL_TYPE
-from test_serve import call, free_port, stop_server, wait_ready
 
 VERSION = "0.32.0"
 MAX_TOKENS = 32
 TOP_K = 5
 RAY_VERSION = "2.60.0"
+START_TIMEOUT = 600  # s for the server to answer
 
 
 def run(*cmd, env=None, timeout=900, check=True) -> subprocess.CompletedProcess:
@@ -182,8 +182,9 @@ def offline(plugin_env, tmp_path_factory):
         if (folder, tp) not in done:
             out = tmp_path_factory.mktemp("offline") / "vllm.json"
             env = plugin_env_vars(**({"VLLM_CPU_OMP_THREADS_BIND": "0|1"} if tp == 2 else {}))
+            # eager: the route is the subject here; the compiled default is proven on the patched wheel
             run(plugin_env, "-m", "ministream.cli", "generate", folder, "--engine", "vllm", "--dtype", "float32",
-                "--tp", tp, "--logprobs", TOP_K, "--max-tokens", MAX_TOKENS, "--json", out, env=env)
+                "--tp", tp, "--logprobs", TOP_K, "--max-tokens", MAX_TOKENS, "--json", out, "--enforce-eager", env=env)
             done[folder, tp] = json.loads(out.read_text())["vllm"]
         return done[folder, tp]
 
@@ -204,22 +205,21 @@ def test_plugin_route_matches_the_reference_model(folder, request, offline):
 
 
 @pytest.mark.vllm
+@pytest.mark.full
 def test_plugin_route_tensor_parallel_2_equals_tp_1(tiny_gqa_hf, offline):
     """The engine core and two workers are separate processes: each loads the plugin itself."""
     assert [r["ids"] for r in offline(tiny_gqa_hf, tp=2)] == [r["ids"] for r in offline(tiny_gqa_hf)]
 
 
 @pytest.mark.vllm
-def test_plugin_route_openai_server_answers_the_offline_tokens(plugin_env, tiny_hf, offline, tmp_path):
+@pytest.mark.full
+def test_plugin_route_openai_server_answers_the_offline_tokens(plugin_env, tiny_hf, offline, start_serve, tmp_path):
     want = offline(tiny_hf)
-    port, log = free_port(), tmp_path / "server.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen([str(plugin_env), "-m", "ministream.cli", "serve", str(tiny_hf), "--port", str(port),
-                                 "--dtype", "float32", "--max-model-len", "256"],
-                                stdout=out, stderr=subprocess.STDOUT, env=plugin_env_vars(), start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
+    log = tmp_path / "server.log"
+    proc, url = start_serve(tiny_hf, log, "--dtype", "float32", "--max-model-len", 256, python=plugin_env,
+                            env=plugin_env_vars())
     try:
-        wait_ready(url, proc, log)
+        wait_ready(url, proc, log, START_TIMEOUT)
         for prompt, w in list(zip(DEFAULT_PROMPTS, want))[:4]:
             status, body = call(f"{url}/v1/completions", {"model": tiny_hf.name, "prompt": prompt, "temperature": 0,
                                                           "max_tokens": MAX_TOKENS, "ignore_eos": True,
@@ -227,7 +227,7 @@ def test_plugin_route_openai_server_answers_the_offline_tokens(plugin_env, tiny_
             assert status == 200, body
             assert body["choices"][0]["token_ids"] == w["ids"], prompt
     finally:
-        stop_server(proc)
+        stop(proc)
 
 
 # ---------------------------------------------------------------- Ray: the multi-node executor
@@ -250,11 +250,8 @@ def ray_cluster(plugin_env, tmp_path_factory):
     def start(i: int, *args) -> None:
         """Start node i and wait until it runs (`ray start --block` then says it blocks)."""
         log = logs / f"node{i}.log"
-        with open(log, "w") as out:
-            command = [str(ray), "start", "--block", "--num-cpus=1", "--node-ip-address=127.0.0.1",
-                       "--disable-usage-stats", *args]
-            nodes.append(subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                          start_new_session=True))
+        nodes.append(start_process([str(ray), "start", "--block", "--num-cpus=1", "--node-ip-address=127.0.0.1",
+                                    "--disable-usage-stats", *args], log, env))
         deadline = time.monotonic() + 180
         while "will now block forever" not in log.read_text():
             assert nodes[-1].poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
@@ -267,18 +264,7 @@ def ray_cluster(plugin_env, tmp_path_factory):
         yield {"address": address, "env": {**env, "RAY_ADDRESS": address}}
     finally:
         for proc in reversed(nodes):  # the whole session of each: raylet, gcs, workers
-            try:
-                os.killpg(proc.pid, signal.SIGTERM)
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                pass
-            except ProcessLookupError:
-                continue
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait(10)
+            stop(proc, 20)
 
 
 RAY_WORKERS = """
@@ -302,6 +288,7 @@ print(json.dumps(ray.get([resolve.options(scheduling_strategy=NodeAffinitySchedu
 
 
 @pytest.mark.vllm
+@pytest.mark.full
 def test_ray_workers_on_each_node_load_the_plugin(plugin_env, ray_cluster):
     """The failure of registering in the driver only (vllm#5657, #10238): a task on each node builds the class."""
     r = run(plugin_env, "-c", RAY_WORKERS % {"arch": ARCH}, env=ray_cluster["env"], timeout=300)
@@ -321,6 +308,7 @@ if __name__ == "__main__":
 
 
 @pytest.mark.vllm
+@pytest.mark.full
 @pytest.mark.parametrize("route", ["plugin", "patched wheel"])
 def test_ray_executor_tensor_parallel_2_equals_tp_1(route, plugin_env, ray_cluster, tiny_gqa_hf, offline, tmp_path):
     """TP=2 through vLLM's Ray executor on the two-node loopback cluster. vLLM 0.32's CPU platform has no Ray

@@ -14,17 +14,25 @@ from pathlib import Path
 import pytest
 
 from ministream import MiniStreamError
-from ministream.paths import PATCH_SETS
 from ministream.fork import registry
-from ministream.fork.patchset import apply_to_files, manifest, patch_set_dir, pinned, supported_versions
 from ministream.fork.patch import MINISTREAM
-from ministream.fork.port import (Backport, PortResult, backport, merge_model, port, port_all, pristine_files,
-                                  registrations, report)
+from ministream.fork.patchset import apply_to_files, manifest, patch_set_dir, pinned, supported_versions
+from ministream.fork.port import (
+    Backport,
+    PortResult,
+    backport,
+    merge_model,
+    port,
+    port_all,
+    pristine_files,
+    registrations,
+    report,
+)
 from ministream.fork.pysource import import_target
-from ministream.fork.upstream import _relative_imports, add_example, hand_made_upstream, upstream_part
-from ministream.fork.release import NoSdist, sdist_files, sdist_names
 from ministream.fork.registry import CONFIG_PY, CONFIGS_INIT_PY, REGISTRY_PY, add_architecture, add_config
-
+from ministream.fork.release import NoSdist, sdist_files, sdist_names
+from ministream.fork.upstream import _relative_imports, add_example, hand_made_upstream, upstream_part
+from ministream.paths import PATCH_SETS
 
 # --- the merge, on small texts ----------------------------------------------------------------
 
@@ -296,8 +304,8 @@ def test_an_sdist_without_docs_and_model_tests_records_why_it_has_no_upstream_pa
 # --- release files: single members of the release wheel, cached and checked -----------------------
 
 def test_a_cached_member_that_is_not_the_releases_is_refused(tmp_path):
-    from ministream.fork.release import release_files
     from ministream.fork.patchset import pinned
+    from ministream.fork.release import release_files
 
     llama = "vllm/model_executor/models/llama.py"
     (tmp_path / "members/0.32.0" / llama).parent.mkdir(parents=True)
@@ -307,8 +315,8 @@ def test_a_cached_member_that_is_not_the_releases_is_refused(tmp_path):
 
 
 def test_members_are_read_by_range_requests_checked_and_cached(tmp_path):
-    from ministream.fork.release import release_files
     from ministream.fork.patchset import pinned
+    from ministream.fork.release import release_files
 
     pins = {p: sha for p, sha in pinned(patch_set_dir("0.6.3"), "0.6.3").items() if p.startswith("vllm/")}
     files = release_files("0.6.3", list(pins), pins, cache=tmp_path)  # no whole wheel in tmp_path

@@ -43,8 +43,8 @@ def naive_forward(m: MiniStream, ids: list[int]) -> torch.Tensor:
         return out
 
     x = W["embedding.weight"][ids]
-    for l in range(c.n_layers):
-        p = f"blocks.{l}."
+    for layer in range(c.n_layers):
+        p = f"blocks.{layer}."
         qkv = norm(x, W[p + "norm1.weight"]) @ W[p + "attn.Wqkv.weight"].T
         nq, nk = c.n_heads * D, c.n_kv_heads * D
         q = qkv[:, :nq].reshape(T, c.n_heads, D)
@@ -113,15 +113,15 @@ def test_gqa_equals_mha_with_each_kv_head_repeated_over_its_query_group():
     c, D = gqa.cfg, gqa.cfg.head_dim
     mha = MiniStream(config())  # same shape, n_kv_heads = n_heads
     state = dict(gqa.state_dict())
-    for l in range(c.n_layers):
-        W = state[f"blocks.{l}.attn.Wqkv.weight"]
+    G = c.n_heads // c.n_kv_heads
+    for layer in range(c.n_layers):
+        W = state[f"blocks.{layer}.attn.Wqkv.weight"]
         q, k, v = W.split(c.qkv_sizes)
-        G = c.n_heads // c.n_kv_heads
 
         def rep(t):  # (Nkv*D, H) -> (Nq*D, H): kv head j serves query heads j*G .. (j+1)*G-1
             return t.view(c.n_kv_heads, D, -1).repeat_interleave(G, dim=0).reshape(-1, t.shape[1])
 
-        state[f"blocks.{l}.attn.Wqkv.weight"] = torch.cat([q, rep(k), rep(v)])
+        state[f"blocks.{layer}.attn.Wqkv.weight"] = torch.cat([q, rep(k), rep(v)])
     mha.load_state_dict(state)
     ids = torch.tensor([[0, 4, 8, 15, 16, 23, 42]])
     torch.testing.assert_close(gqa(ids), mha.eval()(ids), rtol=1e-5, atol=1e-5)

@@ -4,15 +4,12 @@ One real server for the whole module (started while the offline engine of `minis
 beside it, ~1-2 min on 2 cores), stopped by SIGTERM in the last test. Every request has a timeout.
 """
 
+import functools
 import json
 import os
 import signal
-import socket
-import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -20,9 +17,18 @@ import psutil
 import pytest
 
 from ministream.checkpoint.convert import convert
-from ministream.run.generate import DEFAULT_PROMPTS, tokenize
 from ministream.run.engine import SEED, core_binding, engine_env, kv_cache_gib, llm_kwargs, server_command
+from ministream.run.generate import DEFAULT_PROMPTS, tokenize
 from ministream.run.serve import exposure_warning, served_name
+from ministream.run.server import (
+    call as any_call,
+    complete as any_complete,
+    free_port,
+    greedy,
+    stop,
+    stream,
+    wait_ready,
+)
 
 MAX_TOKENS = 16
 MAX_MODEL_LEN = 256
@@ -121,21 +127,8 @@ def test_serve_refuses_a_folder_without_config(cli, tmp_path):
 # ---------------------------------------------------------------- a real server
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def call(url: str, body=None, raw: bytes | None = None, timeout: float = 120, headers=HEADERS) -> tuple[int, dict]:
-    """(HTTP status, JSON body) of a GET (no body) or POST, with the API key unless `headers` say otherwise."""
-    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
-    req = urllib.request.Request(url, data, headers)
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, json.loads(r.read() or b"{}")  # /health answers with no body
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read() or b"{}")
+# (HTTP status, JSON body) of a GET (no body) or POST, with the API key unless `headers` say otherwise
+call = functools.partial(any_call, headers=HEADERS)
 
 
 @pytest.fixture(scope="module")
@@ -146,36 +139,13 @@ def chat_hf(tiny, tmp_path_factory) -> Path:
     return out
 
 
-def start_server(model: Path, log: Path, *args, **env) -> tuple[subprocess.Popen, str]:
-    """`ministream serve MODEL ARGS` on a free loopback port, in its own session (so a test sees its whole
-    process tree and group), its output in `log`; (process, base URL). `env` is added to this environment."""
-    port = free_port()
-    exe = Path(sys.executable).parent / "ministream"
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **env}  # lean: the tiny model needs little
-    with open(log, "w") as out:
-        proc = subprocess.Popen([str(exe), "serve", str(model), "--port", str(port), *map(str, args)],
-                                stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    return proc, f"http://127.0.0.1:{port}"
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    """SIGTERM to a server start_server started, if it still runs; SIGKILL to its session's group after 60 s."""
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
-
-
 @pytest.fixture(scope="module")
-def booting(chat_hf, tmp_path_factory):
+def booting(chat_hf, start_serve, tmp_path_factory):
     """`ministream serve` on the chat model, with an API key."""
     log = tmp_path_factory.mktemp("serve-log") / "server.log"
-    proc, url = start_server(chat_hf, log, "--dtype", "float32", "--max-model-len", MAX_MODEL_LEN, VLLM_API_KEY=API_KEY)
+    proc, url = start_serve(chat_hf, log, "--dtype", "float32", "--max-model-len", MAX_MODEL_LEN, VLLM_API_KEY=API_KEY)
     yield proc, url, log
-    stop_server(proc)
+    stop(proc)
 
 
 @pytest.fixture(scope="module")
@@ -189,31 +159,16 @@ def offline(booting, chat_hf, cli, tmp_path_factory) -> dict:
     return json.loads(out.read_text())
 
 
-def wait_ready(url: str, proc: subprocess.Popen, log: Path, timeout: float = START_TIMEOUT) -> None:
-    """Until /health answers 200; fails with the server's log if it exits or the time runs out."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, f"the server exited ({proc.returncode}):\n{log.read_text()[-4000:]}"
-        try:
-            if call(f"{url}/health", timeout=5)[0] == 200:
-                return
-        except OSError:
-            pass
-        time.sleep(1)
-    pytest.fail(f"no answer on {url}/health in {timeout}s:\n{log.read_text()[-4000:]}")
-
-
 @pytest.fixture(scope="module")
 def server(booting, offline, chat_hf):
     proc, url, log = booting
-    wait_ready(url, proc, log)
+    wait_ready(url, proc, log, START_TIMEOUT, key=API_KEY)
     return {"proc": proc, "url": url, "name": chat_hf.name, "log": log}
 
 
 def complete(server, prompt, max_tokens=MAX_TOKENS, **extra) -> tuple[int, dict]:
-    return call(f"{server['url']}/v1/completions",
-                {"model": server["name"], "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                 "ignore_eos": True, "return_token_ids": True, **extra})
+    return any_complete(server["url"], server["name"], prompt, max_tokens, headers=HEADERS, return_token_ids=True,
+                        **extra)
 
 
 @pytest.mark.vllm
@@ -248,19 +203,10 @@ def test_completion_at_temperature_0_equals_offline_generate(server, offline, ch
 def test_streaming_returns_the_same_text_in_chunks(server):
     prompt = DEFAULT_PROMPTS[0]
     whole = complete(server, prompt)[1]["choices"][0]["text"]
-    body = json.dumps({"model": server["name"], "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
-                       "ignore_eos": True, "stream": True}).encode()
-    req = urllib.request.Request(f"{server['url']}/v1/completions", body, HEADERS)
-    chunks, done = [], False
-    with urllib.request.urlopen(req, timeout=120) as r:
+    with stream(f"{server['url']}/v1/completions", greedy(server["name"], prompt, MAX_TOKENS), headers=HEADERS) as r:
         assert r.headers["Content-Type"].startswith("text/event-stream")
-        for line in r:
-            line = line.decode().strip()
-            if line == "data: [DONE]":
-                done = True
-            elif line.startswith("data: "):
-                chunks.extend(c["text"] for c in json.loads(line[6:])["choices"])
-    assert done and len([c for c in chunks if c]) > 1
+        chunks = [c["text"] for event in r for c in event["choices"]]
+    assert r.done and len([c for c in chunks if c]) > 1
     assert "".join(chunks) == whole
 
 

@@ -5,7 +5,8 @@ A real `ministream serve` on loopback (real vLLM, the tiny model at its own cont
 client that vanishes mid-stream; streams 64 requests at once. A second server has its engine core
 killed and must exit non-zero, promptly, leaving no process behind. Both boot together (~1-2 min on
 2 cores). Without an engine: `serve`, `generate` and `verify` refuse a machine or folder they cannot
-use in one line before vLLM starts, and `verify --out` / `wheel --dist` never write into an input.
+use in one line before vLLM starts. (That `verify --out` and `wheel --dist` never write into an input is
+tested with their jobs, in test_verify.py and test_wheel.py.)
 """
 
 import json
@@ -25,50 +26,42 @@ import psutil
 import pytest
 
 from ministream import MiniStreamError
-from ministream.fork.release import CACHE as RELEASE_CACHE
-from ministream.fork.wheel import build_wheel
 from ministream.run.folder import check_servable
 from ministream.run.generate import DEFAULT_PROMPTS, tokenize
-from ministream.run.verify import vllm_outputs
-from test_serve import call, start_server, stop_server, wait_ready
+from ministream.run.server import call, complete as any_complete, greedy, stop, stream as any_stream, wait_ready
 
 CONTEXT = 512  # the tiny preset's max_position_embeddings: the servers' limit
+START_TIMEOUT = 600  # s for each server to answer
 PROMPTS = DEFAULT_PROMPTS[:8]
 STREAMS = 64
 KILL_DEADLINE = 60  # seconds from the engine's SIGKILL to the server's exit
-
-
-def tree(path: Path) -> dict:
-    """Every file under `path` with its size and mtime: equal before and after means nothing was touched."""
-    return {str(p.relative_to(path)): (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(path.rglob("*"))}
 
 
 # ---------------------------------------------------------------- two real servers
 
 
 @pytest.fixture(scope="module")
-def doomed(tiny_hf, tmp_path_factory):
+def doomed(tiny_hf, start_serve, tmp_path_factory):
     """The server whose engine gets killed: started first, so that it boots while the other does."""
     log = tmp_path_factory.mktemp("doomed") / "server.log"
-    proc, url = start_server(tiny_hf, log, "--dtype", "float32")
+    proc, url = start_serve(tiny_hf, log, "--dtype", "float32")
     yield proc, url, log
-    stop_server(proc)
+    stop(proc)
 
 
 @pytest.fixture(scope="module")
-def server(doomed, tiny_hf, tmp_path_factory):
+def server(doomed, tiny_hf, start_serve, tmp_path_factory):
     log = tmp_path_factory.mktemp("faults") / "server.log"
-    proc, url = start_server(tiny_hf, log, "--dtype", "float32")
+    proc, url = start_serve(tiny_hf, log, "--dtype", "float32")
     try:
-        wait_ready(url, proc, log)
+        wait_ready(url, proc, log, START_TIMEOUT)
         yield {"proc": proc, "url": url, "name": tiny_hf.name, "log": log, "model": tiny_hf}
     finally:
-        stop_server(proc)
+        stop(proc)
 
 
 def complete(server, prompt, max_tokens=16, **extra) -> tuple[int, dict]:
-    return call(f"{server['url']}/v1/completions", {"model": server["name"], "prompt": prompt, "max_tokens": max_tokens,
-                                                    "temperature": 0, "ignore_eos": True, **extra})
+    return any_complete(server["url"], server["name"], prompt, max_tokens, **extra)
 
 
 @pytest.fixture(scope="module")
@@ -169,18 +162,9 @@ def test_client_that_vanishes_mid_stream_is_dropped_and_the_server_keeps_serving
 
 def stream(server, prompt: str) -> tuple[str, bool]:
     """(the streamed text, whether [DONE] came) of one streaming completion."""
-    body = json.dumps({"model": server["name"], "prompt": prompt, "max_tokens": 16, "temperature": 0,
-                       "ignore_eos": True, "stream": True}).encode()
-    req = urllib.request.Request(f"{server['url']}/v1/completions", body, {"Content-Type": "application/json"})
-    text, done = [], False
-    with urllib.request.urlopen(req, timeout=300) as r:
-        for line in r:
-            line = line.decode().strip()
-            if line == "data: [DONE]":
-                done = True
-            elif line.startswith("data: "):
-                text.extend(c["text"] for c in json.loads(line[6:])["choices"])
-    return "".join(text), done
+    with any_stream(f"{server['url']}/v1/completions", greedy(server["name"], prompt, 16), timeout=300) as r:
+        text = r.text()
+    return text, r.done
 
 
 @pytest.mark.vllm
@@ -196,7 +180,7 @@ def test_64_concurrent_streams_all_complete_with_their_answers(server, answers):
 @pytest.mark.vllm
 def test_engine_killed_makes_the_server_exit_non_zero_promptly_leaving_no_process(doomed):
     proc, url, log = doomed
-    wait_ready(url, proc, log)
+    wait_ready(url, proc, log, START_TIMEOUT)
     family = psutil.Process(proc.pid).children(recursive=True)
     engines = [p for p in family if "EngineCore" in " ".join(p.cmdline())]
     assert len(engines) == 1, [p.cmdline() for p in family]
@@ -256,7 +240,7 @@ COMMANDS = ["serve", "generate", "verify"]
 
 @pytest.mark.parametrize("fault", FAULTS)
 @pytest.mark.parametrize("command", COMMANDS)
-def test_command_refuses_in_one_line_before_vllm_starts(cli, tiny_hf, tmp_path, command, fault):
+def test_command_refuses_in_one_line_before_vllm_starts(cli, tiny_hf, tree, tmp_path, command, fault):
     if fault.startswith("tp_"):
         if command == "verify":
             pytest.skip("verify has no --tp: it runs one rank")
@@ -287,57 +271,3 @@ def test_folder_check_names_a_config_that_is_no_object_and_a_tokenizer_that_does
 
 def test_converted_folder_passes_the_folder_check(tiny_hf):
     assert check_servable(tiny_hf)["max_position_embeddings"] == CONTEXT
-
-
-# ---------------------------------------------------------------- outputs apart from inputs
-
-
-@pytest.mark.parametrize("where", ["the_model", "inside_the_model", "around_the_model", "inside_raw",
-                                   "a_symlink_to_the_model"])
-def test_verify_refuses_an_out_folder_that_overlaps_an_input(cli, tiny, tiny_hf, tmp_path, where):
-    model = tmp_path / "models" / "tiny"
-    shutil.copytree(tiny_hf, model)
-    raw = tmp_path / "raw"
-    shutil.copytree(tiny, raw)
-    if where == "a_symlink_to_the_model":
-        (tmp_path / "link").symlink_to(model)
-    out, how = {"the_model": (model, "is"), "inside_the_model": (model / "verify", "lies inside"),
-                "around_the_model": (model.parent, "holds"), "inside_raw": (raw / "verify", "lies inside"),
-                "a_symlink_to_the_model": (tmp_path / "link", "is")}[where]
-    before = tree(tmp_path)
-    r = cli("verify", model, "--raw", raw, "--out", out, timeout=300)
-    assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
-    assert f"the output {out} {how} the input" in r.stderr and "Traceback" not in r.stderr, r.stderr
-    assert tree(tmp_path) == before
-
-
-def test_verify_never_empties_a_dump_folder_holding_files_it_did_not_write(tiny_hf, tmp_path):
-    dump = tmp_path / "dump"
-    dump.mkdir()
-    (dump / "forward-1-0.pt").write_bytes(b"")  # a dump of an earlier run: may go
-    (dump / "thesis.tex").write_text("weeks of work")  # not verify's
-    with pytest.raises(MiniStreamError, match=r"holds files verify did not write \(thesis.tex\)"):
-        vllm_outputs(tiny_hf, {}, dump)
-    assert (dump / "thesis.tex").read_text() == "weeks of work"
-
-
-@pytest.mark.parametrize("where", ["the_tree", "inside_the_tree", "around_the_tree", "inside_the_release_cache",
-                                   "a_symlink_to_the_tree"])
-def test_wheel_refuses_a_dist_folder_that_overlaps_the_tree_or_the_release_cache(tmp_path, where):
-    tree_dir = tmp_path / "build" / "vllm-0.32.0"
-    tree_dir.mkdir(parents=True)
-    (tmp_path / "link").symlink_to(tree_dir)
-    dist, how = {"the_tree": (tree_dir, "is"), "inside_the_tree": (tree_dir / "dist", "lies inside"),
-                 "around_the_tree": (tree_dir.parent, "holds"),
-                 "inside_the_release_cache": (RELEASE_CACHE / "dist", "lies inside"),
-                 "a_symlink_to_the_tree": (tmp_path / "link", "is")}[where]
-    with pytest.raises(MiniStreamError, match=f"the output {re.escape(str(dist))} {how} the input"):
-        build_wheel("0.32.0", "cpu", tree_dir, dist)
-    assert not (RELEASE_CACHE / "dist").exists()
-
-
-def test_wheel_command_refuses_an_overlapping_dist_in_one_line(cli, tmp_path):
-    r = cli("wheel", "0.32.0", "--device", "cpu", "--tree", tmp_path, "--dist", tmp_path / "dist", timeout=300)
-    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
-        f"error: the output {tmp_path / 'dist'} lies inside the input {tmp_path}: replacing it would destroy what "
-        "the command reads; choose an output folder outside it"], r.stderr

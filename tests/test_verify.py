@@ -136,3 +136,37 @@ def test_verify_fails_on_a_bug_and_names_the_layer_and_the_cause(bug, cli, tiny,
     _, stage, words = BUGS[bug]
     assert "FAIL" in r.stdout and f"first diverging: {stage} " in r.stdout, r.stdout[-3000:]
     assert words in r.stdout, r.stdout[-3000:]
+
+
+# --- outputs apart from inputs ----------------------------------------------------------------
+
+@pytest.mark.parametrize("where", ["the_model", "inside_the_model", "around_the_model", "inside_raw",
+                                   "a_symlink_to_the_model"])
+def test_verify_refuses_an_out_folder_that_overlaps_an_input(cli, tiny, tiny_hf, tree, tmp_path, where):
+    model = tmp_path / "models" / "tiny"
+    shutil.copytree(tiny_hf, model)
+    raw = tmp_path / "raw"
+    shutil.copytree(tiny, raw)
+    if where == "a_symlink_to_the_model":
+        (tmp_path / "link").symlink_to(model)
+    out, how = {"the_model": (model, "is"), "inside_the_model": (model / "verify", "lies inside"),
+                "around_the_model": (model.parent, "holds"), "inside_raw": (raw / "verify", "lies inside"),
+                "a_symlink_to_the_model": (tmp_path / "link", "is")}[where]
+    before = tree(tmp_path)
+    r = cli("verify", model, "--raw", raw, "--out", out, timeout=300)
+    assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
+    assert f"the output {out} {how} the input" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert tree(tmp_path) == before
+
+
+def test_verify_never_empties_a_dump_folder_holding_files_it_did_not_write(tiny_hf, tmp_path):
+    from ministream import MiniStreamError
+    from ministream.run.verify import vllm_outputs
+
+    dump = tmp_path / "dump"
+    dump.mkdir()
+    (dump / "forward-1-0.pt").write_bytes(b"")  # a dump of an earlier run: may go
+    (dump / "thesis.tex").write_text("weeks of work")  # not verify's
+    with pytest.raises(MiniStreamError, match=r"holds files verify did not write \(thesis.tex\)"):
+        vllm_outputs(tiny_hf, {}, dump)
+    assert (dump / "thesis.tex").read_text() == "weeks of work"

@@ -79,7 +79,7 @@ def test_outcomes_are_read_from_a_real_pytest_report(tmp_path):
 def test_a_bare_vllm_package_is_not_a_source_tree(tmp_path):
     (tmp_path / "vllm").mkdir()
     with pytest.raises(MiniStreamError, match=r"is not a vLLM source tree \(no tests/\).*make patch VLLM_VERSION=0\.32\.0"):
-        vllm_tests.run("0.32.0", tmp_path, out=tmp_path / "out")
+        vllm_tests.run_vllm_tests("0.32.0", tmp_path, out=tmp_path / "out")
 
 
 def test_an_unpatched_tree_is_refused(tmp_path):
@@ -89,10 +89,10 @@ def test_an_unpatched_tree_is_refused(tmp_path):
     repo.git.commit("-q", "-m", "vLLM", env={**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t",
                                              "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"})
     with pytest.raises(MiniStreamError, match=r"is not patched .*make patch VLLM_VERSION=0\.32\.0"):
-        vllm_tests.run("0.32.0", tree, out=tmp_path / "out")
+        vllm_tests.run_vllm_tests("0.32.0", tree, out=tmp_path / "out")
 
 
 def test_another_installed_version_is_refused(tmp_path):
     with pytest.raises(MiniStreamError, match=r"against the installed patched vLLM 0\.31\.0, but the installed vLLM is "
                                               r"0\.32\.0\+ministream.*make install VLLM_VERSION=0\.31\.0"):
-        vllm_tests.run("0.31.0", examples_tree(tmp_path), out=tmp_path / "out")
+        vllm_tests.run_vllm_tests("0.31.0", examples_tree(tmp_path), out=tmp_path / "out")

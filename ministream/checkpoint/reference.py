@@ -96,15 +96,21 @@ class MLP(nn.Module):
         return self.w3(F.silu(g) * u)
 
 
+class NormWeight(nn.Module):
+    """An RMSNorm's weight, ones at first (rmsnorm applies it): state-dict key `<name>.weight`."""
+
+    def __init__(self, size: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+
+
 class Block(nn.Module):
     def __init__(self, cfg: TrainConfig):
         super().__init__()
         self.eps = cfg.norm_eps
-        self.norm1 = nn.Module()
-        self.norm1.weight = nn.Parameter(torch.ones(cfg.d_model))
+        self.norm1 = NormWeight(cfg.d_model)
         self.attn = Attention(cfg)
-        self.norm2 = nn.Module()
-        self.norm2.weight = nn.Parameter(torch.ones(cfg.d_model))
+        self.norm2 = NormWeight(cfg.d_model)
         self.mlp = MLP(cfg)
 
     def forward(self, x, cos, sin, mask, cache, layer):
@@ -120,8 +126,7 @@ class MiniStream(nn.Module):
         self.cfg = cfg
         self.embedding = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
-        self.norm_f = nn.Module()
-        self.norm_f.weight = nn.Parameter(torch.ones(cfg.d_model))
+        self.norm_f = NormWeight(cfg.d_model)
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
 
     @classmethod
@@ -197,7 +202,7 @@ class MiniStream(nn.Module):
 
         cache = KVCache(self.cfg, B, total, self.dtype)
         logits = self(ids, positions, key_valid, cache)[:, -1]  # (B, V)
-        out = [{"ids": [], "logprobs": []} for _ in range(B)]
+        out: list[dict[str, list]] = [{"ids": [], "logprobs": []} for _ in range(B)]
         done = torch.zeros(B, dtype=torch.bool)
         for step in range(max_new_tokens):
             lp = torch.log_softmax(logits, dim=-1)

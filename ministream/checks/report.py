@@ -30,7 +30,7 @@ def write(docs: Path, data: dict) -> list[Path]:
     docs.mkdir(parents=True, exist_ok=True)
     data["versions"] = dict(sorted(data["versions"].items(), key=lambda kv: Version(kv[0])))
     write_text(docs / DATA, json.dumps(data, indent=1) + "\n")
-    write_text(docs / TABLE, HEADER + table(data))
+    write_text(docs / TABLE, HEADER + versions_table(data))
     return [docs / DATA, docs / TABLE]
 
 
@@ -76,7 +76,7 @@ def ran_eager(case: dict) -> bool:
 _LEVELS = {"0": "level 0: none", "1": "level 1: DYNAMO_AS_IS", "2": "level 2: DYNAMO_ONCE", "3": "level 3: PIECEWISE"}
 
 
-def table(data: dict) -> str:
+def versions_table(data: dict) -> str:
     """The versions table, from matrix.json alone."""
     rows = ["| vLLM | static checks | ran here | fp32: identical ids | bf16: top-k rule | TP=2 | model ran | "
             "environment | time |",

@@ -141,7 +141,7 @@ def _check_installed(version: str, tree: Path) -> str:
     return installed[1]
 
 
-def run(version: str, tree: Path | None = None, compare: bool = False, out: Path = BUILD / "vllm-tests") -> int:
+def run_vllm_tests(version: str, tree: Path | None = None, compare: bool = False, out: Path = BUILD / "vllm-tests") -> int:
     """`ministream vllm-tests VERSION`: the exit status (1 when a MiniStream case fails or is skipped)."""
     tree = Path(tree) if tree else BUILD / f"vllm-{version}"
     if not patchset.is_source_tree(tree):

@@ -2,10 +2,11 @@
 
 cuda: FROM vLLM's official OpenAI server image of the same version, our patched wheel installed over
 its vLLM with --no-deps; or (route "plugin") the stock image left as it is, with our plugin wheel
-beside its vLLM (`make plugin`), for platforms that must run vLLM's own image. cpu: FROM a local Debian base with Python (debootstrap, imported once and
-cached), the patched CPU wheel and all its dependencies installed from a wheelhouse in the build
-context: the build needs no network. Both run docker/entrypoint.sh, i.e. `ministream serve` on the
-model folder mounted at /model, with the same defaults as `make serve`.
+beside its vLLM (`make plugin`), for platforms that must run vLLM's own image. cpu: FROM a local
+Debian base with Python (debootstrap, imported once and cached), the patched CPU wheel and all its
+dependencies installed from a wheelhouse in the build context: the build needs no network. Both run
+docker/entrypoint.sh, i.e. `ministream serve` on the model folder mounted at /model, with the same
+defaults as `make serve`.
 
 Docker where an engine answers, podman otherwise (with docker/containers.conf: runc, cgroupfs,
 no default ulimits, which the CI machines need).
@@ -116,7 +117,8 @@ def ensure_base(eng: list, name: str = BASE_IMAGE) -> str:
     print(f"$ tar -C {rootfs} -c . | {' '.join(eng)} import - {name}", flush=True)
     tar = subprocess.Popen(["tar", "-C", str(rootfs), "--exclude=./.complete", "-c", "."], stdout=subprocess.PIPE)
     imp = subprocess.run([*eng, "import", "-", name], stdin=tar.stdout, env=engine_env(), capture_output=True, text=True)
-    tar.stdout.close()
+    if tar.stdout is not None:
+        tar.stdout.close()
     if tar.wait() != 0 or imp.returncode != 0:
         raise MiniStreamError(f"importing {rootfs} as {name} failed: {imp.stderr.strip()[-500:]}")
     return name

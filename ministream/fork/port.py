@@ -32,6 +32,7 @@ import shutil
 import subprocess
 import tempfile
 import tokenize
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -41,8 +42,16 @@ from .. import MiniStreamError
 from ..paths import PATCH_SETS
 from . import registry
 from .patch import LLAMA, MINISTREAM, model_diff
-from .patchset import (UPSTREAM, ApplyError, apply_to_files, manifest, patch_set_dir, pinned, supported_versions,
-                       unified_diff)
+from .patchset import (
+    UPSTREAM,
+    ApplyError,
+    apply_to_files,
+    manifest,
+    patch_set_dir,
+    pinned,
+    supported_versions,
+    unified_diff,
+)
 from .release import NoSdist, release_files
 from .upstream import NoUpstream, UpstreamPart, hand_made_upstream, upstream_part
 
@@ -100,7 +109,8 @@ BACKPORTS = (
     Backport("head_dim read from the config, as llama.py reads it from vLLM 0.5.3 on (MiniStream's need not be "
              "hidden_size // num_heads)", 'getattr(config, "head_dim"', (
                  ("# identical to LlamaAttention except: the name\n"
-                  "class MiniStreamAttention(nn.Module):\n\n    def __init__(\n        self,\n        hidden_size: int,\n",
+                  "class MiniStreamAttention(nn.Module):\n\n    def __init__(\n        self,\n"
+                  "        hidden_size: int,\n",
                   "# identical to LlamaAttention except: the name; head_dim read from the config\n"
                   "class MiniStreamAttention(nn.Module):\n\n    def __init__(\n        self,\n"
                   "        config: LlamaConfig,\n        hidden_size: int,\n"),
@@ -151,7 +161,7 @@ def renames(base: str, ours: str) -> dict[str, str]:
             if c.startswith("Llama") and c not in ours_classes and "MiniStream" + c[len("Llama"):] in ours_classes}
 
 
-def merge_model(base: str, ours: str, theirs: str, a: str, b: str, resolutions: list[dict] = ()) -> ModelPort:
+def merge_model(base: str, ours: str, theirs: str, a: str, b: str, resolutions: Sequence[dict] = ()) -> ModelPort:
     """ministream.py@b from llama.py@a (base), ministream.py@a (ours) and llama.py@b (theirs).
 
     resolutions: conflicts resolved by hand before ({"ours", "theirs", "resolution"}, see
@@ -266,7 +276,8 @@ def _mechanical(old: list[str], mine: list[str], new: list[str], rename: dict[st
     if "".join("".join(renamed).split()) == "".join("".join(mine).split()):
         return _rename_code("".join(new), rename).splitlines(keepends=True)  # renamed and re-wrapped
     ops = _ops_from_the_end(renamed, mine) or difflib.SequenceMatcher(None, renamed, mine, autojunk=False).get_opcodes()
-    head, tail, deleted, before = [], [], [], {}
+    head, tail, deleted = [], [], []
+    before: dict[str, list[str]] = {}
     for tag, i1, i2, j1, j2 in ops:
         if tag == "equal":
             continue
@@ -431,8 +442,10 @@ def port_all(patch_sets: Path = PATCH_SETS) -> list[tuple[str, str, PortResult]]
             raise MiniStreamError(f"patch sets {sorted(set(sources) - set(done))} are ported from sets that "
                                   f"are not in {patch_sets / 'versions.json'}")
         for v in sorted(ready, key=Version):
-            result = port(sources[v], v, patch_sets)
-            results.append((sources[v], v, result))
+            src = sources[v]
+            assert src is not None  # ready: ported from a set that is done
+            result = port(src, v, patch_sets)
+            results.append((src, v, result))
             if result.model.conflicts:
                 return results  # the sets ported from this one would inherit its conflict markers
             done.append(v)

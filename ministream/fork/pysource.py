@@ -16,7 +16,9 @@ def import_target(package: str, level: int, module: str) -> str:
 
 def top_level(module: ast.Module) -> tuple[set[str], list[ast.ImportFrom]]:
     """The names a module binds at import (in if/try/with blocks too), and its star imports."""
-    names, stars, todo = set(), [], list(module.body)
+    names: set[str] = set()
+    stars: list[ast.ImportFrom] = []
+    todo: list[ast.AST] = list(module.body)
     while todo:
         node = todo.pop()
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
@@ -24,7 +26,7 @@ def top_level(module: ast.Module) -> tuple[set[str], list[ast.ImportFrom]]:
             continue
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             for a in node.names:
-                if a.name == "*":
+                if a.name == "*" and isinstance(node, ast.ImportFrom):  # `import *` does not parse
                     stars.append(node)
                 else:
                     names.add(a.asname or a.name.split(".")[0])

@@ -17,6 +17,7 @@ The files are read by parsing (ast), never by importing: a release's vLLM need n
 
 import ast
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -84,7 +85,7 @@ def _add_autoconfig_register(config: str) -> str:
         raise MiniStreamError(f"{CONFIG_PY} asks AutoConfig first but does not import it at module level: a new "
                               f"form; extend ministream/fork/registry.py (_add_autoconfig_register)")
     lines = config.splitlines(keepends=True)
-    lines.insert(_assignment(tree, "_CONFIG_REGISTRY").end_lineno,
+    lines.insert(_end(_required(tree, "_CONFIG_REGISTRY", CONFIG_PY)),
                  "\n# get_config asks transformers' AutoConfig before _CONFIG_REGISTRY, and\n"
                  f"# AutoConfig refuses a model_type it does not know\n"
                  f"AutoConfig.register(\"{MODEL_TYPE}\", {CONFIG_CLASS})\n")
@@ -94,8 +95,12 @@ def _add_autoconfig_register(config: str) -> str:
 def _autoconfig_registered(config: ast.Module) -> dict[str, str]:
     """model_type -> class of each module-level AutoConfig.register("type", Class)."""
     calls = [n.value for n in config.body if isinstance(n, ast.Expr) and isinstance(n.value, ast.Call)]
-    return {c.args[0].value: ast.unparse(c.args[1]) for c in calls if ast.unparse(c.func) == "AutoConfig.register"
-            and len(c.args) == 2 and isinstance(c.args[0], ast.Constant)}
+    registered = {}
+    for c in calls:
+        if ast.unparse(c.func) == "AutoConfig.register" and len(c.args) == 2 and isinstance(c.args[0], ast.Constant) \
+                and isinstance(model_type := c.args[0].value, str):
+            registered[model_type] = ast.unparse(c.args[1])
+    return registered
 
 
 @dataclass
@@ -129,7 +134,7 @@ def read(files: dict[str, str]) -> Registries:
     package = _config_package(configs, forms[1])
     types, modules = _config_types(config, forms[0], package)
     types, modules = _known_to_autoconfig(config, forms[0], types, modules)
-    exported = ast.literal_eval(_assignment(configs, "__all__"))
+    exported = ast.literal_eval(_required(configs, "__all__", CONFIGS_INIT_PY))
     return Registries(_architectures(registry), types, {c: package[c] for c in exported if c in package}, modules,
                       forms)
 
@@ -159,9 +164,11 @@ def _architectures(registry: ast.Module) -> dict[str, tuple[str, str]]:
                               f"_GENERATION_MODELS one): a new registry form; extend ministream/fork/registry.py")
     found = {}
     for k, v in zip(node.keys, node.values):
-        if isinstance(k, ast.Constant) and isinstance(v, ast.Tuple) and len(v.elts) == 2 and all(
-                isinstance(e, ast.Constant) for e in v.elts):
-            found[k.value] = (v.elts[0].value, v.elts[1].value)
+        if isinstance(k, ast.Constant) and isinstance(k.value, str) and isinstance(v, ast.Tuple) and len(v.elts) == 2:
+            module, cls = v.elts
+            if isinstance(module, ast.Constant) and isinstance(cls, ast.Constant) \
+                    and isinstance(module.value, str) and isinstance(cls.value, str):
+                found[k.value] = (module.value, cls.value)
     return found
 
 
@@ -174,7 +181,7 @@ def _config_types(config: ast.Module, form: str, package: dict[str, str]) -> tup
     bound |= {a.asname or a.name: a.name for n in config.body if isinstance(n, ast.Import) for a in n.names}
     bound |= {n.name: CONFIG_PY_MODULE for n in config.body if isinstance(n, ast.ClassDef)}
     types, modules = {}, {}
-    for k, v in _entries(config, _assignment(config, "_CONFIG_REGISTRY")):
+    for k, v in _entries(config, _required(config, "_CONFIG_REGISTRY", CONFIG_PY)):
         if not (isinstance(k, ast.Constant) and isinstance(k.value, str)):
             continue
         if form == "lazy" and isinstance(v, ast.Constant) and isinstance(v.value, str):
@@ -191,13 +198,15 @@ def _config_types(config: ast.Module, form: str, package: dict[str, str]) -> tup
     return types, modules
 
 
-def _entries(tree: ast.Module, node: ast.AST):
+def _entries(tree: ast.Module, node: ast.expr) -> Iterator[tuple[ast.expr, ast.expr]]:
     """(key, value) nodes of a dict display or a LazyConfigDict(...) call (a keyword's key as a
     Constant), following `**` into an inline dict or a module-level one."""
+    pairs: list[tuple[ast.expr | None, ast.expr]]
     if isinstance(node, ast.Call):
         pairs = [(ast.Constant(k.arg) if k.arg else None, k.value) for k in node.keywords]
     else:
-        pairs = zip(node.keys, node.values)
+        assert isinstance(node, ast.Dict), ast.dump(node)  # config_forms: a dict or a LazyConfigDict(...)
+        pairs = list(zip(node.keys, node.values))
     for k, v in pairs:
         if k is not None:
             yield k, v
@@ -210,6 +219,7 @@ def _entries(tree: ast.Module, node: ast.AST):
 def _from_module(node: ast.ImportFrom, module: str) -> str:
     """The absolute module `node` (in `module`, not a package's __init__) imports from."""
     if not node.level:
+        assert node.module is not None  # only `from . import x` has none
         return node.module
     base = module.rsplit(".", node.level)[0]
     return f"{base}.{node.module}" if node.module else base
@@ -219,7 +229,7 @@ def _config_package(configs: ast.Module, form: str) -> dict[str, str]:
     """Class -> module, for each class the configs package has as an attribute (which is how config.py
     and LazyConfigDict get it), in __all__ or not (0.30's DeepseekV41Config is not)."""
     if form == "class-to-module":  # its module __getattr__ imports these on first use
-        return ast.literal_eval(_assignment(configs, "_CLASS_TO_MODULE"))
+        return ast.literal_eval(_required(configs, "_CLASS_TO_MODULE", CONFIGS_INIT_PY))
     # __init__.py is the package itself: a relative import starts from a module inside it
     return {a.asname or a.name: _from_module(n, f"{CONFIGS_PACKAGE}.__init__")
             for n in configs.body if isinstance(n, ast.ImportFrom) and n.module for a in n.names}
@@ -247,8 +257,9 @@ def add_config(config: str, configs: str) -> tuple[str, str]:
         if registry == "autoconfig":
             config = _add_autoconfig_register(config)
     else:
-        node = _assignment(ast.parse(config), "_CONFIG_REGISTRY")
-        spans = [(k.arg, k.lineno, k.end_lineno) for k in node.keywords if k.arg]
+        node = _required(ast.parse(config), "_CONFIG_REGISTRY", CONFIG_PY)
+        assert isinstance(node, ast.Call), ast.dump(node)  # config_forms: "lazy" is a LazyConfigDict(...)
+        spans = [(k.arg, k.lineno, _end(k)) for k in node.keywords if k.arg]
         config = _insert_entry(config, spans, MODEL_TYPE, f'{MODEL_TYPE}="{CONFIG_CLASS}",',
                                f"{CONFIG_PY} _CONFIG_REGISTRY")
     return config, _add_export(configs, exports)
@@ -264,7 +275,7 @@ def _add_to_dict_registry(config: str) -> str:
         raise MiniStreamError(f"{CONFIG_PY} does not import from {CONFIGS_PACKAGE}: a new form; "
                               f"extend ministream/fork/registry.py (add_config)")
     lines = config.splitlines(keepends=True)
-    lines.insert(imports[0].end_lineno, f"from {CONFIGS_PACKAGE} import {CONFIG_CLASS}\n")
+    lines.insert(_end(imports[0]), f"from {CONFIGS_PACKAGE} import {CONFIG_CLASS}\n")
     return "".join(lines)
 
 
@@ -274,8 +285,8 @@ def _add_export(configs: str, form: str) -> str:
         configs = _insert_entry(configs, _dict_spans(_assignment(tree, "_CLASS_TO_MODULE")), CONFIG_CLASS,
                                 f'"{CONFIG_CLASS}": "{CONFIG_MODULE}",', f"{CONFIGS_INIT_PY} _CLASS_TO_MODULE")
     else:
-        spans = [(n.module, n.lineno, n.end_lineno) for n in tree.body
-                 if isinstance(n, ast.ImportFrom) and (n.module or "").startswith(CONFIGS_PACKAGE + ".")]
+        spans = [(n.module, n.lineno, _end(n)) for n in tree.body
+                 if isinstance(n, ast.ImportFrom) and n.module and n.module.startswith(CONFIGS_PACKAGE + ".")]
         configs = _insert_entry(configs, spans, CONFIG_MODULE, f"from {CONFIG_MODULE} import {CONFIG_CLASS}",
                                 f"{CONFIGS_INIT_PY} imports")
     spans = _list_spans(_assignment(ast.parse(configs), "__all__"))
@@ -284,7 +295,7 @@ def _add_export(configs: str, form: str) -> str:
     return _insert_entry(configs, spans, CONFIG_CLASS, f'"{CONFIG_CLASS}",', f"{CONFIGS_INIT_PY} __all__")
 
 
-def _assignment(tree: ast.Module, name: str) -> ast.AST | None:
+def _assignment(tree: ast.Module, name: str) -> ast.expr | None:
     """The value assigned to module-level `name` (plain or annotated), None if there is none."""
     for node in tree.body:
         if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in node.targets):
@@ -294,13 +305,33 @@ def _assignment(tree: ast.Module, name: str) -> ast.AST | None:
     return None
 
 
-def _dict_spans(node: ast.Dict) -> list[tuple[str, int, int]]:
-    return [(k.value, k.lineno, v.end_lineno) for k, v in zip(node.keys, node.values)
+def _required(tree: ast.Module, name: str, path: str) -> ast.expr:
+    """_assignment, refused where `name` is not assigned."""
+    node = _assignment(tree, name)
+    if node is None:
+        raise MiniStreamError(f"{path} has no {name} = ...: a new form; extend ministream/fork/registry.py")
+    return node
+
+
+def _end(node: ast.expr | ast.stmt | ast.keyword) -> int:
+    """The last line of a parsed node (ast.parse sets it on every node)."""
+    assert node.end_lineno is not None
+    return node.end_lineno
+
+
+def _dict_spans(node: ast.expr | None) -> list[tuple[str, int, int]]:
+    """(key, first line, last line) of each string key of a dict display; none for anything else."""
+    if not isinstance(node, ast.Dict):
+        return []
+    return [(k.value, k.lineno, _end(v)) for k, v in zip(node.keys, node.values)
             if isinstance(k, ast.Constant) and isinstance(k.value, str)]
 
 
-def _list_spans(node: ast.List) -> list[tuple[str, int, int]]:
-    return [(e.value, e.lineno, e.end_lineno) for e in node.elts
+def _list_spans(node: ast.expr | None) -> list[tuple[str, int, int]]:
+    """(item, first line, last line) of each string of a list display; none for anything else."""
+    if not isinstance(node, ast.List):
+        return []
+    return [(e.value, e.lineno, _end(e)) for e in node.elts
             if isinstance(e, ast.Constant) and isinstance(e.value, str)]
 
 
@@ -330,6 +361,6 @@ def _insert_entry(text: str, spans: list[tuple[str, int, int]], key: str, line: 
     lines = text.splitlines(keepends=True)
     i = _neighbour(keys, key)
     _, first, last = spans[max(i, 0)]
-    indent = re.match(r"\s*", lines[first - 1]).group(0)
+    indent = m.group(0) if (m := re.match(r"\s*", lines[first - 1])) else ""
     lines.insert(last if i >= 0 else first - 1, f"{indent}{line}\n")
     return "".join(lines)

@@ -17,7 +17,7 @@ import tempfile
 import time
 import urllib.request
 import zipfile
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 from .. import MiniStreamError
@@ -220,7 +220,7 @@ def _read_members(version: str, paths: list[str], cache: Path, dist: str = "vllm
         return {p: z.read(p) for p in paths}
 
 
-@lru_cache(maxsize=None)
+@cache
 def _index(dist: str) -> tuple[dict, ...]:
     request = urllib.request.Request(INDEX.format(dist=dist), headers={"Accept": INDEX_TYPE})
     try:
@@ -301,12 +301,12 @@ def sdist_files(version: str, paths, pinned: dict[str, str] | None = None,
         for p, data in got.items():
             _write_whole(folder / p, data)
         _write_whole(folder / NAMES, ("\n".join(sorted(names)) + "\n").encode())  # last: marks the cache whole
-    got = {p: (folder / p).read_bytes() if p in names else None for p in paths}
+    found = {p: (folder / p).read_bytes() if p in names else None for p in paths}
     for p, sha in (pinned or {}).items():
-        if p in got and got[p] is not None and hashlib.sha256(got[p]).hexdigest() != sha:
+        if (member := found.get(p)) is not None and hashlib.sha256(member).hexdigest() != sha:
             raise MiniStreamError(f"{p} of the vllm {version} sdist (cached in {folder}) does not have the sha256 "
                                   f"its patch set manifest pins ({sha[:12]}); delete {folder} and run again")
-    return {p: None if data is None else data.decode() for p, data in got.items()}
+    return {p: None if data is None else data.decode() for p, data in found.items()}
 
 
 def sdist_names(version: str, cache: Path = CACHE_ROOT) -> set[str]:
@@ -315,6 +315,7 @@ def sdist_names(version: str, cache: Path = CACHE_ROOT) -> set[str]:
     if names is None:
         sdist_files(version, [], cache=cache)
         names = _cached_names(cache / "members" / version / "sdist")
+        assert names is not None  # sdist_files wrote it
     return names
 
 
@@ -367,8 +368,8 @@ def _stream_sdist(version: str, paths: set[str], cache: Path) -> tuple[set[str],
                     continue
                 rel = member.name[len(top):]
                 names.add(rel)
-                if rel in paths:
-                    got[rel] = archive.extractfile(member).read()
+                if rel in paths and (f := archive.extractfile(member)) is not None:  # None: not a file
+                    got[rel] = f.read()
             while stream.read(1 << 20):  # the rest (tar padding, gzip trailer): all of the file is hashed
                 pass
     except (OSError, tarfile.TarError, EOFError) as e:

@@ -91,28 +91,33 @@ def upstream_part(version: str, made: HandMade, patch_sets: Path = PATCH_SETS) -
     if not any(n.startswith(("docs/", "tests/models/")) for n in names):
         raise NoUpstream(f"the vllm {version} sdist ships no docs/ and no tests/models/ (no supported-models page, "
                          f"no model tests)")
-    changed, examples = {}, None
-    if files[EXAMPLES_PY] is not None:  # (fields, methods) of its _HfExamplesInfo
-        examples = example_fields(files[EXAMPLES_PY]), example_methods(files[EXAMPLES_PY])
-        changed[EXAMPLES_PY] = add_example(files[EXAMPLES_PY], example_entry(made.entry, examples[0]))
-    docs = next((p for p in DOCS_PAGES if files[p] is not None), None)
+    pristine: dict[str, str] = {}  # the release's files that change, and what they become
+    changed: dict[str, str] = {}
+    examples = None
+    if (registry_py := files[EXAMPLES_PY]) is not None:  # (fields, methods) of its _HfExamplesInfo
+        examples = example_fields(registry_py), example_methods(registry_py)
+        pristine[EXAMPLES_PY] = registry_py
+        changed[EXAMPLES_PY] = add_example(registry_py, example_entry(made.entry, examples[0]))
+    docs = next(((p, page) for p in DOCS_PAGES if (page := files[p]) is not None), None)
     if docs is None:
         raise MiniStreamError(f"the vllm {version} sdist has none of {', '.join(DOCS_PAGES)}: a new docs layout; "
                               f"add its supported-models page to upstream.DOCS_PAGES")
-    changed[docs] = add_docs_row(files[docs], made.row)
+    pristine[docs[0]] = docs[1]
+    changed[docs[0]] = add_docs_row(docs[1], made.row)
     test_dir = next((d for d in TEST_DIRS if f"{d}/__init__.py" in names), None)
     if test_dir is None:
         raise MiniStreamError(f"the vllm {version} sdist has none of {', '.join(TEST_DIRS)}: a new tests layout; "
                               f"add its generation-test folder to upstream.TEST_DIRS")
     test = generation_test(made, test_dir, examples)
-    return UpstreamPart("".join(unified_diff(p, p, files[p], text) for p, text in changed.items()),
-                        {f"{test_dir}/{Path(made.test_path).name}": test}, {p: files[p] for p in changed},
-                        source=made.source)
+    return UpstreamPart("".join(unified_diff(p, p, pristine[p], text) for p, text in changed.items()),
+                        {f"{test_dir}/{Path(made.test_path).name}": test}, pristine, source=made.source)
 
 
 def _examples_dict(registry_py: str) -> ast.Dict:
     for node in ast.parse(registry_py).body:
-        target = node.targets[0] if isinstance(node, ast.Assign) else getattr(node, "target", None)
+        if not isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            continue
+        target = node.targets[0] if isinstance(node, ast.Assign) else node.target
         if isinstance(target, ast.Name) and target.id == EXAMPLES_DICT and isinstance(node.value, ast.Dict):
             return node.value
     raise MiniStreamError(f"{EXAMPLES_PY} has no {EXAMPLES_DICT} = {{...}}: a new layout; extend upstream.add_example")
@@ -135,8 +140,17 @@ def example_methods(registry_py: str) -> set[str]:
     return {n.name for n in _examples_class(registry_py).body if isinstance(n, ast.FunctionDef)}
 
 
+def _entry_dict(entry: str) -> ast.Dict:
+    """The hand-made entry (`"Arch": _HfExamplesInfo(...),`) as a one-entry dict display."""
+    node = ast.parse("{\n" + entry + "}").body[0]
+    assert isinstance(node, ast.Expr) and isinstance(node.value, ast.Dict), entry
+    return node.value
+
+
 def _entry_call(entry: str) -> ast.Call:
-    return ast.parse("{\n" + entry + "}").body[0].value.values[0]
+    call = _entry_dict(entry).values[0]
+    assert isinstance(call, ast.Call), entry
+    return call
 
 
 def example_entry(entry: str, fields: set[str]) -> str:
@@ -144,7 +158,7 @@ def example_entry(entry: str, fields: set[str]) -> str:
     (0.6-0.8 have no max_model_len): one argument a line, as the hand-made entry writes them."""
     kept = "".join(line for line in entry.splitlines(keepends=True)
                    if not (m := re.match(r"\s+(\w+)=", line)) or m[1] in fields)
-    unknown = {k.arg for k in _entry_call(kept).keywords} - fields
+    unknown = {k.arg for k in _entry_call(kept).keywords if k.arg is not None} - fields
     if unknown:
         raise MiniStreamError(f"the example entry sets {', '.join(sorted(unknown))}, which this release's "
                               f"{EXAMPLES_CLASS} lacks, on a line shared with another argument: one argument a line")
@@ -154,7 +168,7 @@ def example_entry(entry: str, fields: set[str]) -> str:
 def example_ids(entry: str) -> list[str]:
     """The model ids of the entry: the default, then the extras."""
     call = _entry_call(entry)
-    extras = next((ast.literal_eval(k.value) for k in call.keywords if k.arg == "extras"), {})
+    extras: dict[str, str] = next((ast.literal_eval(k.value) for k in call.keywords if k.arg == "extras"), {})
     return [ast.literal_eval(call.args[0]), *extras.values()]
 
 
@@ -166,14 +180,21 @@ def add_example(registry_py: str, entry: str) -> str:
     """tests/models/registry.py with `entry` in the text-generation examples where the hand-made one
     is: before the first entry that sorts after it (code-point order), right below the entry above
     that one (so above its comments)."""
-    arch = ast.parse("{\n" + entry + "}").body[0].value.keys[0].value
+    key = _entry_dict(entry).keys[0]
+    assert isinstance(key, ast.Constant) and isinstance(key.value, str), entry
+    arch = key.value
     d = _examples_dict(registry_py)
-    keyed = [(k.value, v) for k, v in zip(d.keys, d.values) if isinstance(k, ast.Constant)]
+    keyed = [(k.value, v) for k, v in zip(d.keys, d.values) if isinstance(k, ast.Constant) and isinstance(k.value, str)]
     if any(k == arch for k, _ in keyed):
         raise MiniStreamError(f"{EXAMPLES_PY} already has an entry {arch!r} in {EXAMPLES_DICT}")
     after = next((i for i, (k, _) in enumerate(keyed) if k > arch), len(keyed))
     lines = registry_py.splitlines(keepends=True)
-    at = keyed[after - 1][1].end_lineno if after else d.keys[0].lineno - 1
+    if after:
+        at = keyed[after - 1][1].end_lineno
+    else:
+        first = d.keys[0]
+        assert first is not None, f"{EXAMPLES_DICT} starts with a ** entry"
+        at = first.lineno - 1
     return "".join(lines[:at]) + entry + "".join(lines[at:])
 
 
@@ -186,11 +207,11 @@ def add_docs_row(page: str, cells: list[str]) -> str:
     LlamaForCausalLM), before the first row that sorts after it, in the table's form: LLaMA's row with
     our first three cells (architecture, models, example ids), its support marks kept (ours is LLaMA's code)."""
     lines = page.splitlines(keepends=True)
-    llama = next((i for i, line in enumerate(lines) if (m := _ROW.match(line)) and m[2] == TEMPLATE_ROW), None)
-    if llama is None:
+    found = next(((i, m) for i, line in enumerate(lines) if (m := _ROW.match(line)) and m[2] == TEMPLATE_ROW), None)
+    if found is None:
         raise MiniStreamError(f"the supported-models page has no row for {TEMPLATE_ROW}: a new layout; "
                               f"extend upstream.add_docs_row")
-    prefix = _ROW.match(lines[llama])[1]
+    llama, prefix = found[0], found[1][1]
     table = _table(lines, llama, prefix)
     starts = [i for i in table if lines[i].startswith(prefix)]
     rows = {i: lines[i:next((j for j in starts if j > i), table[-1] + 1)] for i in starts}
@@ -203,7 +224,8 @@ def add_docs_row(page: str, cells: list[str]) -> str:
         marks = [f" {m.strip()} " if m.strip() else " " for m in template[0].rstrip("\n").split("|")[4:-1]]
         row = ["| " + " | ".join(code(c) for c in cells[:3]) + " |" + "|".join(marks) + "|\n"]
     else:
-        cell = re.match(r"^\s*[-*] ?", template[1])[0] if len(template) > 1 else None
+        m = re.match(r"^\s*[-*] ?", template[1]) if len(template) > 1 else None
+        cell = m[0] if m else None
         if cell is None or not all(re.match(r"^\s*[-*]( |$)", line) for line in template[1:]):
             raise MiniStreamError(f"the {TEMPLATE_ROW} row of the supported-models page spans lines per cell: "
                                   f"extend upstream.add_docs_row")
@@ -251,7 +273,8 @@ def generation_test(made: HandMade, test_dir: str, examples: tuple[set[str], set
     if "max_model_len" not in fields and value is not None:
         text = _replace(text, "max_model_len=MODEL_INFO.max_model_len", "max_model_len=MAX_MODEL_LEN")
         models = re.search(r"^MODELS = .*\n", text, re.M)
-        text = _replace(text, models, models[0] + f"MAX_MODEL_LEN = {value}  # the example models' context\n")
+        text = _replace(text, models, (models[0] if models else "")
+                        + f"MAX_MODEL_LEN = {value}  # the example models' context\n")
     return text
 
 

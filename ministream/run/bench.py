@@ -20,23 +20,22 @@ Writes OUT/bench.json (every figure and the machine) and OUT/bench.png, and prin
 import json
 import math
 import os
-import platform
 import re
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 from .. import MiniStreamError
 from ..atomic import write_json
 from ..paths import BUILD
 from . import engine
 from .folder import open_folder
-from .machine import ISA_FLAGS, copy_bandwidth, machine, machine_line
+from .machine import copy_bandwidth, machine, machine_line
 
 DEFAULT_OUT = BUILD / "bench"
 VLLM_VERSION = "0.32.0"
@@ -117,7 +116,7 @@ def _worker(spec: dict) -> dict:
 
     from .generate import load_reference, vllm_engine, vllm_generate
 
-    result = {"torch_threads": torch.get_num_threads()}
+    result: dict[str, Any] = {"torch_threads": torch.get_num_threads()}
     t = time.perf_counter()
     if spec["kind"] == "vllm":
         # "eager": True or False forces it; absent, the engine default (engine.py), recorded either way
@@ -224,6 +223,7 @@ def timed_command(args: list, cwd: Path | None = None) -> dict:
     """Wall time and the process's own peak RSS (getrusage through wait4) of one command."""
     t = time.perf_counter()
     proc = subprocess.Popen([str(a) for a in args], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    assert proc.stdout is not None  # stdout=PIPE
     output = proc.stdout.read()
     _, status, usage = os.wait4(proc.pid, 0)
     wall = time.perf_counter() - t
@@ -311,7 +311,7 @@ def run_bench(out: Path, configs: list[str], batches: list[int], new_tokens: int
     for i, (preset, dtype) in enumerate(pairs):
         m = result["models"][preset]
         base = {**common, "vocab": m["vocab"], "dtype": dtype}
-        for system, spec, env in jobs(m, f"{preset}:{dtype}" in bind_configs, systems, kv_cache_gib, reverse=i % 2):
+        for system, spec, env in jobs(m, f"{preset}:{dtype}" in bind_configs, systems, kv_cache_gib, reverse=bool(i % 2)):
             r = run_worker(f"{preset}-{dtype}-{system}", {**base, **spec}, out, env)
             result["runs"].append({"model": preset, "dtype": dtype, "system": system, **r})
             save(result, out, partial=True)  # an interrupted run keeps what it measured
@@ -343,7 +343,7 @@ def prepare(result: dict, presets: list[str], out: Path, copy_mib: int, tooling_
 
 def _cores(binding: str) -> list[int]:
     """The cores of a VLLM_CPU_OMP_THREADS_BIND value ("0-1", "3", "0-1|2-3")."""
-    cores = []
+    cores: list[int] = []
     for part in binding.replace("|", ",").split(","):
         lo, _, hi = part.partition("-")
         cores += range(int(lo), int(hi or lo) + 1)
@@ -379,7 +379,7 @@ def save(result: dict, out: Path, partial: bool = False) -> Path:
 
 def series(result: dict) -> dict:
     """(model, dtype) -> system -> batch -> row, with the reference worker split into its two systems."""
-    out = {}
+    out: dict[tuple[str, str], dict[str, dict[int, dict]]] = {}
     for run in result["runs"]:
         if "error" in run:
             continue
@@ -415,7 +415,7 @@ def summarize(result: dict) -> dict:
                          "ours_over_vllm_bind": _ratio(tps["ministream"], tps["ministream_vllm_bind"]),
                          "vllm_over_reference_batched": _ratio(tps["ministream"], tps["reference_batched"]),
                          "vllm_over_reference_serial": _ratio(tps["ministream"], tps["reference_serial"])})
-    summary = {"rows": rows}
+    summary: dict[str, Any] = {"rows": rows}
     for key in ("ministream_over_llama", "compiled_over_eager", "ours_over_vllm_bind", "vllm_over_reference_batched",
                 "vllm_over_reference_serial"):
         summary[f"geomean_{key}"] = _geomean(r[key] for r in rows)
@@ -467,8 +467,8 @@ def _f(x, fmt="{:.0f}"):
 def table(result: dict) -> str:
     sm = result["summary"]
     lines = [machine_line(result.get("machine", {})),
-             "output tokens/s (batch x %d new tokens, EOS ignored); ratios of the patched vLLM (MiniStream)"
-             % result["settings"]["new_tokens"],
+             f"output tokens/s (batch x {result['settings']['new_tokens']} new tokens, EOS ignored); "
+             "ratios of the patched vLLM (MiniStream)",
              f"{'model':<14}{'dtype':<9}{'batch':>5} {'vLLM MS':>8} {'vLLM LLaMA':>10} {'MS/LLaMA':>8} "
              f"{'MS comp':>8} {'MS eager':>8} {'comp/eager':>10} "
              f"{'vLLM bind':>9} {'ours/bind':>9} {'ref batch':>9} {'x':>6} {'ref 1-by-1':>10} {'x':>6} "
@@ -477,15 +477,16 @@ def table(result: dict) -> str:
         t, ttft = r["tokens_per_s"], r["ttft_s"]
         lines.append(
             f"{r['model']:<14}{r['dtype']:<9}{r['batch']:>5} {_f(t['ministream']):>8} {_f(t['llama']):>10} "
-            f"{_f(r['ministream_over_llama'], '{:.3f}'):>8} {_f(t['ministream_compiled']):>8} {_f(t['ministream_eager']):>8} "
+            f"{_f(r['ministream_over_llama'], '{:.3f}'):>8} {_f(t['ministream_compiled']):>8} "
+            f"{_f(t['ministream_eager']):>8} "
             f"{_f(r['compiled_over_eager'], '{:.2f}'):>10} {_f(t['ministream_vllm_bind']):>9} "
             f"{_f(r['ours_over_vllm_bind'], '{:.2f}'):>9} {_f(t['reference_batched']):>9} "
             f"{_f(r['vllm_over_reference_batched'], '{:.1f}'):>6} {_f(t['reference_serial']):>10} "
             f"{_f(r['vllm_over_reference_serial'], '{:.1f}'):>6} "
             f"{_f(ttft['ministream'] and ttft['ministream'] * 1e3, '{:.0f}ms'):>8} "
             f"{_f(ttft['reference_batched'] and ttft['reference_batched'] * 1e3, '{:.0f}ms'):>8}")
-    lines.append("geometric means: MS/LLaMA %s, compiled/eager %s, ours/vLLM bind %s, vLLM/ref batched %s, "
-                 "vLLM/ref one-by-one %s" % (
+    lines.append("geometric means: MS/LLaMA {}, compiled/eager {}, ours/vLLM bind {}, vLLM/ref batched {}, "
+                 "vLLM/ref one-by-one {}".format(
         _f(sm["geomean_ministream_over_llama"], "{:.3f}"), _f(sm.get("geomean_compiled_over_eager"), "{:.2f}"),
         _f(sm["geomean_ours_over_vllm_bind"], "{:.2f}"),
         _f(sm["geomean_vllm_over_reference_batched"], "{:.1f}"),
@@ -564,7 +565,7 @@ def bench(out: Path, quick: bool = False, report_only: bool = False, systems: li
         result = json.loads(path.read_text())
         result["summary"] = summarize(result)
         return report(result, out)
-    chosen = dict(QUICK if quick else FULL)
+    chosen: dict[str, Any] = dict(QUICK if quick else FULL)
     chosen.update({k: v for k, v in settings.items() if v is not None})
     unknown = set(systems or []) - set(SYSTEMS)
     if unknown:

@@ -1,7 +1,8 @@
 """`ministream doctor MODEL`: why vLLM will not load a converted folder, or will load it and compute wrong.
 
 The troubleshooting checklist, automated; no engine is started, and of the weights only an untied head
-is read (to see it is not all zeros); the rest comes from the safetensors headers (folder.py). Each finding is one line, `ok`, `warn` or `error`, with what to do. Exit 1 on any error.
+is read (to see it is not all zeros); the rest comes from the safetensors headers (folder.py). Each
+finding is one line, `ok`, `warn` or `error`, with what to do. Exit 1 on any error.
 """
 
 import ast
@@ -63,7 +64,7 @@ def vllm_dist_version(vllm_dir: Path) -> str | None:
     for dist in importlib.metadata.distributions(path=[str(vllm_dir.parent)]):
         if (dist.metadata["Name"] or "").lower().replace("_", "-") in names:
             return dist.version
-    if installed_vllm() is None or installed_vllm().resolve() != vllm_dir.resolve():
+    if (installed := installed_vllm()) is None or installed.resolve() != vllm_dir.resolve():
         return None  # another vllm folder: the environment's distribution says nothing of it
     for name in sorted(names):
         try:
@@ -83,12 +84,16 @@ def installed_plugin() -> dict | None:
     build = Path(spec.origin).parent / "_build.py" if spec and spec.origin else None
     if build is None or not build.is_file():
         return {}
-    return {node.targets[0].id: node.value.value for node in ast.parse(build.read_text()).body
-            if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant)}
+    constants = {}
+    for node in ast.parse(build.read_text()).body:
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant) \
+                and isinstance(target := node.targets[0], ast.Name):
+            constants[target.id] = node.value.value
+    return constants
 
 
 def plugin_fits(plugin: dict | None, dist: str | None) -> bool:
-    return bool(plugin) and plugin.get("VLLM_VERSION") == (dist or "").split("+")[0]
+    return bool(plugin and plugin.get("VLLM_VERSION") == (dist or "").split("+")[0])
 
 
 def checkout_patch_version(vllm_version: str) -> str | None:
@@ -137,9 +142,11 @@ def check_model_type(config: dict, vllm_types: set[str], hf_types: set[str], bro
                    "vLLM refuses it (\"Transformers does not recognize this architecture\")", fix)
 
 
-def config_class_missing(registries: Registries, vllm_dir: Path, model_type: str) -> str | None:
+def config_class_missing(registries: Registries, vllm_dir: Path, model_type: str | None) -> str | None:
     """What vLLM at `vllm_dir` lacks to load the config class it registers for model_type; None when
     it lacks nothing, or registers none (then transformers' class is used)."""
+    if model_type is None:
+        return None
     cls = registries.config_types.get(model_type)
     if cls is None:
         return None
@@ -235,6 +242,8 @@ def check_vocab(config: dict, tensors: dict[str, Tensor], tok: int | None) -> Fi
     if tok is None:
         return Finding("warn", "vocab", "no tokenizer.json to compare vocab_size with",
                        "copy the training tokenizer.json into the folder (make convert does)")
+    if vocab is None:
+        return Finding("error", "vocab", "config.json has no vocab_size", "convert again (make convert)")
     if tok > vocab:
         return Finding("error", "vocab", f"the tokenizer has {tok} tokens but the model only {vocab} rows: ids "
                        f">= {vocab} index past the embeddings", "use the tokenizer the model was trained with")

@@ -9,6 +9,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from .. import MiniStreamError
 from ..spec import TORCH_DTYPES
@@ -106,7 +107,7 @@ def generate(model: Path, raw: Path | None = None, engines: str = "both", prompt
         engine.check_tp(tp)
     prompts = prompts or DEFAULT_PROMPTS
     ids = tokenize(model, prompts)
-    results = {"prompts": prompts, "prompt_ids": ids, "dtype": dtype, "max_tokens": max_tokens}
+    results: dict[str, Any] = {"prompts": prompts, "prompt_ids": ids, "dtype": dtype, "max_tokens": max_tokens}
     if engines in ("both", "reference"):
         eos = json.loads((model / "config.json").read_text())["eos_token_id"]
         t = time.time()

@@ -10,7 +10,6 @@ import subprocess
 import time
 from pathlib import Path
 
-
 # The CPU features that decide which kernels PyTorch and vLLM run (AMX and AVX512-BF16: bf16 matmuls
 # several times faster), as /proc/cpuinfo names them.
 ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
@@ -63,8 +62,10 @@ def _model_file() -> dict | None:
     from .doctor import installed_vllm, patch_version
 
     vllm_dir = installed_vllm()
-    path = vllm_dir and vllm_dir / "model_executor" / "models" / f"{MODEL_TYPE}.py"
-    if not path or not path.is_file():
+    if vllm_dir is None:
+        return None
+    path = vllm_dir / "model_executor" / "models" / f"{MODEL_TYPE}.py"
+    if not path.is_file():
         return None
     return {"path": str(path), "sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
             "patch_version": patch_version(vllm_dir)}

@@ -18,6 +18,8 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+from .server import event, local_url
+
 # fields of a completion request this server cannot honour, and the value that asks nothing of it: a request
 # with another value gets 400, so no client is silently given something else than it asked for
 NEUTRAL = {"n": 1, "best_of": 1, "echo": False, "logprobs": None, "stop": None, "suffix": None,
@@ -172,7 +174,7 @@ class Handler(BaseHTTPRequestHandler):
             choice = {"index": 0, "text": piece, "logprobs": None, "finish_reason": finish}
             if token_ids:
                 choice["token_ids"] = [token]
-            self._chunk(b"data: " + json.dumps({**head, "choices": [choice]}).encode() + b"\n\n")
+            self._chunk(event({**head, "choices": [choice]}))
 
         first = None
         if stream:
@@ -191,7 +193,7 @@ class Handler(BaseHTTPRequestHandler):
         usage = {"prompt_tokens": len(ids), "completion_tokens": len(new), "total_tokens": len(ids) + len(new)}
         if stream:
             if usage_chunk:
-                self._chunk(b"data: " + json.dumps({**head, "choices": [], "usage": usage}).encode() + b"\n\n")
+                self._chunk(event({**head, "choices": [], "usage": usage}))
             self._chunk(b"data: [DONE]\n\n")
             self._chunk(b"")  # the chunked body's end
         else:
@@ -233,8 +235,6 @@ def start(folder: Path, host: str = "127.0.0.1", port: int = 0, name: str | None
 
 
 def main(argv=None) -> int:
-    from .serve import local_url
-
     p = argparse.ArgumentParser(prog="python -m ministream.run.refserver", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", type=Path, help="converted HF-style folder")

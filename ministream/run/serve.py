@@ -9,7 +9,6 @@ whatever of its process group is left after --stop-timeout seconds is killed. St
 server that ends unasked (its engine died) exits non-zero, whatever status vLLM gave it.
 """
 
-import ctypes
 import importlib.util
 import json
 import os
@@ -18,12 +17,12 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 from .. import MiniStreamError
 from . import engine
 from .folder import check_servable
+from .server import API_KEY, START_TIMEOUT, die_with_parent, kill_group, local_url, reap_process_group, wait_ready
 
 SHOWN = (engine.BIND, engine.KV_CACHE)  # the settings the start line shows
 
@@ -32,45 +31,17 @@ def served_name(model: Path) -> str:
     return Path(model).resolve().name
 
 
-def _die_with_parent():
-    """In the child before exec: its own process group (signals reach all of vLLM's processes), and
-    SIGTERM when this process dies, even by SIGKILL, so no server outlives `ministream serve`."""
-    os.setpgrp()
+def _announce_when_ready(url: str, name: str, proc: subprocess.Popen, timeout: float = START_TIMEOUT):
     try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
-def _announce_when_ready(url: str, name: str, proc: subprocess.Popen, timeout: float = 1800):
-    deadline = time.monotonic() + timeout
-    while proc.poll() is None and time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
-                if r.status == 200:
-                    body = json.dumps({"model": name, "prompt": "The river runs through", "max_tokens": 16,
-                                       "temperature": 0})
-                    print(f"\nministream serve: ready at {url}/v1 (model {name!r}); try:\n"
-                          f"  curl {url}/v1/completions -H 'Content-Type: application/json' -d '{body}'\n",
-                          flush=True)
-                    return
-        except OSError:
-            pass
-        time.sleep(1)
-
-
-def _pgroup_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
+        wait_ready(url, proc, None, timeout, models=False)  # /health: it asks no key, whoever set one
+    except MiniStreamError:  # it exited, or never answered: the server's own log says why
+        return
+    body = json.dumps({"model": name, "prompt": "The river runs through", "max_tokens": 16, "temperature": 0})
+    print(f"\nministream serve: ready at {url}/v1 (model {name!r}); try:\n"
+          f"  curl {url}/v1/completions -H 'Content-Type: application/json' -d '{body}'\n", flush=True)
 
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
-API_KEY = "VLLM_API_KEY"  # vLLM's own: every /v1 request must then carry "Authorization: Bearer <key>"
 
 
 def exposure_warning(host: str, env: dict) -> str | None:
@@ -103,7 +74,7 @@ def serve(model: Path, host: str = "127.0.0.1", port: int = 8000, name: str | No
     print(f"ministream serve: {shown} {' '.join(cmd)}", flush=True)
     print(f"ministream serve: will listen on {url} once loaded (model {name!r}); Ctrl-C or SIGTERM stops it",
           flush=True)
-    proc = subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent)
+    proc = subprocess.Popen(cmd, env=env, preexec_fn=die_with_parent)
     threading.Thread(target=_announce_when_ready, args=(url, name, proc), daemon=True).start()
     stopping = []  # when the first stop signal came
     rc = _wait_forwarding_signals(proc, stopping, stop_timeout)
@@ -114,11 +85,6 @@ def serve(model: Path, host: str = "127.0.0.1", port: int = 8000, name: str | No
         print(f"ministream serve: the server stopped unasked (status {rc}): its engine died or it could not "
               "start; the reason is in the log above", file=sys.stderr, flush=True)
     return 1 if rc == 0 else rc if rc > 0 else 128 - rc
-
-
-def local_url(host: str, port: int) -> str:
-    """Where a client on this machine reaches a server listening on `host`."""
-    return f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else '[::1]' if host == '::' else host}:{port}"
 
 
 def _wait_forwarding_signals(proc: subprocess.Popen, stopping: list, stop_timeout: float) -> int:
@@ -139,18 +105,10 @@ def _wait_forwarding_signals(proc: subprocess.Popen, stopping: list, stop_timeou
                 return proc.wait(timeout=1)
             except subprocess.TimeoutExpired:
                 if stopping and time.monotonic() - stopping[0] > stop_timeout:
-                    print(f"ministream serve: no exit {stop_timeout:.0f}s after the signal; killing it", file=sys.stderr)
-                    os.killpg(proc.pid, signal.SIGKILL)
+                    print(f"ministream serve: no exit {stop_timeout:.0f}s after the signal; killing it",
+                          file=sys.stderr)
+                    kill_group(proc.pid)
     finally:
-        _reap_process_group(proc.pid, grace=10 if stopping else 0)
+        reap_process_group(proc.pid, grace=10 if stopping else 0)
         for s, h in old.items():
             signal.signal(s, h)
-
-
-def _reap_process_group(pgid: int, grace: float) -> None:
-    """The engine processes share the server's process group: give them the grace period, then kill."""
-    deadline = time.monotonic() + grace
-    while _pgroup_alive(pgid) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    if _pgroup_alive(pgid):
-        os.killpg(pgid, signal.SIGKILL)

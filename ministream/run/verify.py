@@ -171,7 +171,7 @@ def reference_states(source: Path, dtype: str, prompt_ids: list[list[int]]) -> l
     with torch.no_grad():
         for ids in prompt_ids:
             x = torch.tensor([ids])
-            hidden = []
+            hidden: list[torch.Tensor] = []
             logits = model(x, hidden_states=hidden)
             states.append({"hidden": [model.embedding(x)[0].float()] + [h[0].float() for h in hidden],
                            "logits": logits[0, -1].float()})
@@ -181,7 +181,7 @@ def reference_states(source: Path, dtype: str, prompt_ids: list[list[int]]) -> l
 def dumped_states(dump_dir: Path, prompt_ids: list[list[int]]) -> list[dict | None]:
     """The same per prompt from vLLM's dumps: each dumped forward pass holds one or more prompts' prefills
     back to back (positions restart at 0); the logits dumped after it hold one row per prompt, in order."""
-    found = {}
+    found: dict[tuple[int, ...], dict] = {}
     for path in sorted(glob.glob(str(dump_dir / "forward-*.pt")), key=_dump_order):
         fwd = torch.load(path, weights_only=True)
         logits_path = Path(path.replace("forward-", "logits-"))
@@ -197,8 +197,9 @@ def dumped_states(dump_dir: Path, prompt_ids: list[list[int]]) -> list[dict | No
 
 
 def _dump_order(path: str) -> tuple[int, int]:
-    pid, n = re.search(r"-(\d+)-(\d+)\.pt$", path).groups()
-    return int(pid), int(n)
+    m = re.search(r"-(\d+)-(\d+)\.pt$", path)
+    assert m is not None, path  # the dump hook (ministream_debug.py) names them forward-PID-N.pt
+    return int(m[1]), int(m[2])
 
 
 @dataclass
@@ -392,6 +393,7 @@ def report_comparison(model: Path, golden: dict, got: list[dict], log) -> bool:
             log(f"  prompt {r.prompt}: identical ({len(want['ids'])} tokens)  {prompt!r}")
         else:
             t = r.first_difference
+            assert t is not None  # not identical
             words = [repr(detokenize(model, s["ids"][t:t + 1])) if t < len(s["ids"]) else "end"
                      for s in (want, have)]
             log(f"  prompt {r.prompt}: first divergence at new token {t}: reference {words[0]}, vllm {words[1]}; "

