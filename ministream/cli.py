@@ -8,7 +8,6 @@ from pathlib import Path
 
 from . import MiniStreamError
 
-
 # --- the training side ----------------------------------------------------------------------
 
 def add_checkpoint(sub) -> None:
@@ -128,7 +127,7 @@ def add_port(sub) -> None:
     p.add_argument("target", metavar="TO", nargs="?", help="the release to write patches/vTO/ for, e.g. 0.33.0")
     p.add_argument("--all", action="store_true", help="port every derived patch set again from the one it was "
                                                        "ported from (manifest.json ported_from)")
-    p.set_defaults(func=lambda a: port.run(a.source, a.target, a.all))
+    p.set_defaults(func=lambda a: port.port_command(a.source, a.target, a.all))
 
 
 def add_matrix(sub) -> None:
@@ -186,7 +185,7 @@ def add_plugin(sub) -> None:
 
     p = _for_release(sub, "plugin", plugin, "the model as an out-of-tree vLLM plugin wheel -> dist/ (for a fixed vLLM)")
     p.add_argument("--dist", type=Path, help="output folder (default: dist/)")
-    p.set_defaults(func=lambda a: plugin.run(a.version, a.dist))
+    p.set_defaults(func=lambda a: plugin.plugin_command(a.version, a.dist))
 
 
 def add_install(sub) -> None:
@@ -280,13 +279,15 @@ def listed(kind):
 def add_bench(sub) -> None:
     from .run import bench
 
+    default_configs = bench.FULL["configs"]
+    assert isinstance(default_configs, list)
     p = sub.add_parser("bench", help="throughput, latency and memory: patched vLLM vs LLaMA, the reference "
                        "model, core binding; tooling costs", description=bench.__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=bench.DEFAULT_OUT, help="output folder (default: %(default)s)")
     p.add_argument("--quick", action="store_true", help="smoke run: reference bf16, batches 1 and 8, 16 new tokens")
     p.add_argument("--configs", type=listed(str), help="model:dtype pairs, comma-separated; models are "
-                   "`ministream checkpoint` presets (default: " + ",".join(bench.FULL["configs"]) + ")")
+                   "`ministream checkpoint` presets (default: " + ",".join(default_configs) + ")")
     p.add_argument("--batches", type=listed(int), help="batch sizes, e.g. 1,8,64")
     p.add_argument("--new-tokens", type=int)
     p.add_argument("--prompt-len", type=int)
@@ -310,14 +311,16 @@ def add_bench(sub) -> None:
 def add_bench_serve(sub) -> None:
     from .run import benchserve
 
+    quick_rates, full_rates = benchserve.QUICK["rates"], benchserve.FULL["rates"]
+    assert isinstance(quick_rates, list) and isinstance(full_rates, list)
     p = sub.add_parser("bench-serve", help="serving load with vLLM's benchmark client: ministream serve vs LLaMA "
                        "names vs the reference model one request at a time", description=benchserve.__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=benchserve.DEFAULT_OUT, help="output folder (default: %(default)s)")
     p.add_argument("--quick", action="store_true", help="smoke run: rates " + ",".join(
-        f"{r:g}" for r in benchserve.QUICK["rates"]) + f", {benchserve.QUICK['num_prompts']} short requests each")
+        f"{r:g}" for r in quick_rates) + f", {benchserve.QUICK['num_prompts']} short requests each")
     p.add_argument("--rates", type=listed(float), help="offered request rates (req/s), comma-separated (default: "
-                   + ",".join(f"{r:g}" for r in benchserve.FULL["rates"]) + ")")
+                   + ",".join(f"{r:g}" for r in full_rates) + ")")
     p.add_argument("--num-prompts", type=int, help="requests per rate (default: about a minute of arrivals, "
                    f"{benchserve.FULL['min_prompts']} to {benchserve.FULL['max_prompts']})")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], help=f"default: {benchserve.FULL['dtype']}")

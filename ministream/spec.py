@@ -20,6 +20,7 @@ from . import MiniStreamError
 ARCH = "MiniStreamForCausalLM"  # config.json architectures[0]; vLLM's and transformers' class
 MODEL_TYPE = "ministream"  # config.json model_type; also the model's module name in vLLM
 CONFIG_CLASS = "MiniStreamConfig"  # the config class registered for MODEL_TYPE
+MODEL_FILE_IN_TREE = f"vllm/model_executor/models/{MODEL_TYPE}.py"  # where the model file goes in a vLLM tree
 FORMAT_VERSION = 1  # the training checkpoint format this package reads
 
 # dtype name -> (torch dtype, safetensors code)

@@ -8,12 +8,9 @@ import ast
 import json
 import os
 import shutil
-import sys
-from pathlib import Path
 
 import pytest
 from packaging.version import Version
-
 from transformers import LlamaConfig
 
 from ministream.checks import environments, lines, report
@@ -62,7 +59,7 @@ def test_the_test_models_do_not_use_the_libraries_defaults():
     """A misread rope_theta or rms_norm_eps would be invisible on a model that has LlamaConfig's own values."""
     defaults = LlamaConfig()
     default_theta = getattr(defaults, "rope_theta", None) or defaults.rope_parameters["rope_theta"]
-    for preset, overrides in lines.TEST_MODELS.values():
+    for _preset, overrides in lines.TEST_MODELS.values():
         assert overrides["rope_theta"] != default_theta and overrides["norm_eps"] != defaults.rms_norm_eps
 
 

@@ -5,8 +5,8 @@ the unmodified patch sets of an old and a new release pass."""
 import pytest
 
 from ministream.checks import model_checks as static
-from ministream.fork import patchset
 from ministream.checks.matrix import Failed
+from ministream.fork import patchset
 from ministream.fork.patch import MINISTREAM
 from ministream.fork.port import touched
 from ministream.fork.release import release_files
@@ -44,7 +44,8 @@ DEFECTS = {
     "import of a module of another release": (
         "0.6.3", "names",
         ("from vllm.attention import Attention, AttentionMetadata\n",
-         "from vllm.attention import AttentionMetadata\nfrom vllm.model_executor.layers.attention import Attention\n"),
+         "from vllm.attention import AttentionMetadata\n"
+         "from vllm.model_executor.layers.attention import Attention\n"),
         ["no module vllm.model_executor.layers.attention"]),
     "import of a name of another release": (
         "0.33.0", "names",

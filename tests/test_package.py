@@ -123,22 +123,30 @@ def _imports(module: str) -> set[str]:
     return found & set(MODULES) - {"ministream"}  # the top package holds only the version and the error
 
 
-def test_the_modules_import_each_other_without_a_cycle():
-    graph = {m: _imports(m) for m in MODULES}
-    done, path = set(), []
+def _lint_imports(package: Path, cwd: Path) -> subprocess.CompletedProcess:
+    """import-linter's contract (pyproject.toml) over the `ministream` package found in `package`."""
+    shutil.copy(CHECKOUT / "pyproject.toml", cwd / "pyproject.toml")
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(package), "HOME": str(cwd)}
+    return subprocess.run([Path(sys.executable).parent / "lint-imports", "--no-cache"], cwd=cwd, env=env,
+                          capture_output=True, text=True)
 
-    def visit(m):
-        if m in path:
-            raise AssertionError("import cycle: " + " -> ".join(path[path.index(m):] + [m]))
-        if m not in done:
-            path.append(m)
-            for n in sorted(graph[m]):
-                visit(n)
-            path.pop()
-            done.add(m)
 
-    for m in MODULES:
-        visit(m)
+@pytest.mark.parametrize("planted", ["function-level import from a floor above", "none"])
+def test_the_floors_contract_refuses_an_upward_import_at_any_depth(planted, tmp_path):
+    """The layers contract that `make lint` holds: checkpoint -> fork -> run -> checks -> cli, none looking up,
+    imports inside functions included; a copy of the package with one planted import must fail it."""
+    package = tmp_path / "pkg"
+    shutil.copytree(PACKAGE, package / "ministream", ignore=shutil.ignore_patterns("patches", "models", "plugin_files",
+                                                                                     "docker", "__pycache__"))
+    if planted != "none":
+        target = package / "ministream" / "fork" / "patch.py"
+        target.write_text(target.read_text() + "\n\ndef _planted():\n    from ..run import engine\n\n    return engine\n")
+    r = _lint_imports(package, tmp_path)
+    if planted == "none":
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert "Contracts: 1 kept, 0 broken." in r.stdout
+    else:
+        assert r.returncode != 0 and "ministream.fork.patch -> ministream.run.engine" in r.stdout, r.stdout + r.stderr
 
 
 def test_spec_imports_nothing_of_the_package():

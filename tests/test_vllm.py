@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from ministream.run.generate import DEFAULT_PROMPTS, reference_generate, tokenize
 from ministream.fork.release import release_wheel
+from ministream.run.generate import DEFAULT_PROMPTS, reference_generate, tokenize
 from ministream.run.verify import compare
 
 pytestmark = pytest.mark.vllm

@@ -17,9 +17,10 @@ from pathlib import Path
 
 import ministream
 
+from ..fork.install import BREAKING_EXTRAS
+from ..fork.release import cpu_lines
 from ..paths import BUILD
 from ..run.engine import KV_CACHE
-from ..fork.release import cpu_lines
 
 LINES = BUILD / "lines"
 TRIXIE = LINES / "trixie"
@@ -29,8 +30,7 @@ TRIXIE_PACKAGES = ["libffi8", "libssl3t64", "libsqlite3-0", "libbz2-1.0", "liblz
                    "libncursesw6", "libuuid1", "libtirpc3t64", "libnsl2", "libcrypt1", "libgomp1", "libnuma1",
                    "ca-certificates", "g++"]
 DEBIAN_MIRROR = os.environ.get("MINISTREAM_DEBIAN_MIRROR", "http://deb.debian.org/debian")
-# these break `import vllm` on CPUs like this one and nothing here needs them
-NEVER = ["torchvision", "torchaudio", "torchcodec"]
+NEVER = BREAKING_EXTRAS  # these break `import vllm` on CPUs like this one and nothing here needs them
 LOCAL_WHEELS = Path("/opt/wheels")  # a machine's local torch +cpu builds, when it has them
 BASE_PYTHON = Path(sys.base_prefix) / "bin" / f"python{sys.version_info[0]}.{sys.version_info[1]}"
 # uv's cache, beside the venvs: uv hardlinks a cached wheel into each venv only within one filesystem (a
@@ -98,7 +98,8 @@ def trixie() -> Path:
 
 def _wrap(userland: str, argv: list) -> list:
     """argv as run in the line's userland: the trixie chroot sees this Python, the checkout and /tmp at the
-    same paths (the current folder: build/ lives there; bind mounts in a private mount namespace, gone when the command ends)."""
+    same paths (the current folder: build/ lives there; bind mounts in a private mount namespace, gone when
+    the command ends)."""
     if userland != "trixie":
         return argv
     binds = sorted({Path(sys.base_prefix).resolve(), Path.cwd().resolve(), Path(tempfile.gettempdir()).resolve()})

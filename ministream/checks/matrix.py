@@ -21,7 +21,6 @@ The table is printed and written to build/matrix.json and build/matrix.md (or --
 """
 
 import ast
-import json
 import py_compile
 import re
 import tempfile
@@ -32,15 +31,15 @@ from packaging.version import Version
 
 from .. import MiniStreamError
 from ..atomic import write_json, write_text
-from ..paths import BUILD, PATCH_SETS
-from ..spec import ARCH, CONFIG_CLASS, MODEL_TYPE
 from ..fork import patchset, registry
 from ..fork.patch import LLAMA, MINISTREAM
 from ..fork.patchset import ApplyError, added_files, check_pristine, patch_set_dir, pinned, supported_versions
 from ..fork.port import touched
 from ..fork.pysource import import_target, top_level
-from ..fork.upstream import upstream_files
 from ..fork.release import release_files, sdist_names
+from ..fork.upstream import upstream_files
+from ..paths import BUILD, PATCH_SETS
+from ..spec import ARCH, CONFIG_CLASS, MODEL_TYPE
 from .model_checks import CHECKS as STATIC_CHECKS, Failed, NotApplicable
 
 CHECKS = ["pristine", "applies", "compiles", "architecture", "config", "interface", *STATIC_CHECKS, "upstream"]
@@ -285,7 +284,8 @@ def matrix_table(results: dict) -> str:
              "|---" * (len(CHECKS) + 3) + "|"]
     for v, r in results.items():
         marks = " | ".join(_mark(r, c, "✓", "✗") for c in CHECKS)
-        lines.append(f"| {v} | {r['patch_set']} | {marks} | {r['checks']['config']['detail'] if r['checks']['config']['ok'] else ''} |")
+        form = r["checks"]["config"]["detail"] if r["checks"]["config"]["ok"] else ""
+        lines.append(f"| {v} | {r['patch_set']} | {marks} | {form} |")
     failures = [f"- {v} {c}: {r['checks'][c]['detail']}" for v, r in results.items() for c in CHECKS
                 if (not r["checks"][c]["ok"] and r["checks"][c]["detail"] != "skipped")
                 or r["checks"][c].get("applies") is False]
@@ -298,9 +298,9 @@ def all_passed(results: dict) -> bool:
 
 def check_versions(versions: str | None, out: Path) -> int:
     """`ministream matrix [--versions a,b]`: the exit status."""
-    versions = versions.split(",") if versions else sorted(supported_versions(), key=Version)
+    chosen = versions.split(",") if versions else sorted(supported_versions(), key=Version)
     print(f"{'vLLM':<12} {'patch set':<12} {' '.join(CHECKS)}")
-    results = run_matrix(versions, out=out)
+    results = run_matrix(chosen, out=out)
     print(f"wrote {out / 'matrix.json'} and {out / 'matrix.md'}")
     if not all_passed(results):
         print(f"error: some checks failed; see {out / 'matrix.md'}", flush=True)

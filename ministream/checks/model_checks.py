@@ -21,12 +21,25 @@ import difflib
 import symtable
 from functools import cached_property
 from pathlib import Path
+from typing import Any, NoReturn
 
-from ..spec import ARCH, CONFIG_CLASS, EMBEDDING, GLOBAL_TABLE, HEAD, LAYER_TABLE, QKV, W12, TrainConfig, hf_config, hf_names
 from ..fork import registry, release
 from ..fork.patch import LLAMA, MINISTREAM
 from ..fork.patchset import added_files
 from ..fork.pysource import import_target, top_level
+from ..spec import (
+    ARCH,
+    CONFIG_CLASS,
+    EMBEDDING,
+    GLOBAL_TABLE,
+    HEAD,
+    LAYER_TABLE,
+    QKV,
+    W12,
+    TrainConfig,
+    hf_config,
+    hf_names,
+)
 
 CONFIG_CLASS_PY = registry.CONFIG_MODULE.replace(".", "/") + ".py"
 # the converted folder's names of the embedding and the head (spec.py states every name once)
@@ -41,7 +54,7 @@ RENAMED_BY_TRANSFORMERS = {"rope_theta", "rope_scaling"}
 
 # Fused parameters: each training tensor split into HF tensors in row order (spec.py), and the
 # shard ids vLLM's fused layer takes for those rows, in the same order.
-FUSED = {QKV: (".qkv_proj", ["q", "k", "v"]),  # QKVParallelLinear
+FUSED: dict[str, tuple[str, list[str] | list[int]]] = {QKV: (".qkv_proj", ["q", "k", "v"]),  # QKVParallelLinear
          W12: (".gate_up_proj", [0, 1])}  # MergedColumnParallelLinear; SiluAndMul gates with shard 0
 
 # vLLM layers that own checkpoint tensors, and which (MiniStream has no biases).
@@ -61,7 +74,7 @@ class NotApplicable(Exception):
     """The check does not apply to this release; the message says why (recorded in its patch set)."""
 
 
-def _fail(message: str):
+def _fail(message: str) -> NoReturn:
     raise Failed(message)
 
 
@@ -76,7 +89,8 @@ class Release:
     touches and adds), else single members of the release wheel."""
 
     def __init__(self, version: str, patched: Path):
-        self.version, self.patched, self.texts = version, patched, {}
+        self.version, self.patched = version, patched
+        self.texts: dict[str, str] = {}
 
     @cached_property
     def names(self) -> set[str]:
@@ -108,7 +122,8 @@ class Release:
         if "__getattr__" in names and any(isinstance(n, ast.Constant) and n.value == name for n in ast.walk(module)):
             return True
         for star in stars:  # from x import *: x's names are this module's
-            target = self.module(_import_path(rel, star.level, star.module))
+            path = _import_path(rel, star.level, star.module)
+            target = self.module(path) if path is not None else None
             if target and target not in seen and self.defines(target, name, seen | {rel}):
                 return True
         return False
@@ -152,7 +167,7 @@ def _free_names(text: str, rel: str) -> set[str]:
 
 def _check_file(rel: str, module: ast.Module, found: Release, imports: list, where: dict, version: str) -> int:
     """Fail on the first name of `rel` that does not resolve; the number of vllm names resolved."""
-    def at(node: ast.AST) -> str:
+    def at(node: ast.stmt | ast.expr) -> str:
         return f"{rel} line {node.lineno} ({where.get(id(node), 'module level')})"
     fix = f"use what vLLM {version}'s own files provide (see its llama.py), or port the patch set again"
     bound, count = {}, 0  # local name -> the module file it is bound to
@@ -234,12 +249,13 @@ def _is_config(node: ast.AST) -> bool:
 
 def config_reads(module: ast.Module) -> dict[str, int]:
     """Attribute name -> first line where the file reads it on the HF config (config.x, getattr/hasattr)."""
-    reads = {}
+    reads: dict[str, int] = {}
     for node in ast.walk(module):
         if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load) and _is_config(node.value):
             name = node.attr
         elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr")
-              and len(node.args) >= 2 and _is_config(node.args[0]) and isinstance(node.args[1], ast.Constant)):
+              and len(node.args) >= 2 and _is_config(node.args[0]) and isinstance(node.args[1], ast.Constant)
+              and isinstance(node.args[1].value, str)):
             name = node.args[1].value
         else:
             continue
@@ -272,8 +288,8 @@ def attributes(tree: Path, patched: Path, version: str, folder: Path) -> str:
         if name not in sets | inherited | written:
             close = difflib.get_close_matches(name, sorted(llama_reads), n=3, cutoff=0.5)
             _fail(f"{MINISTREAM} line {line} reads config.{name}, which {CONFIG_CLASS} ({CONFIG_CLASS_PY}) does not "
-                  f"set, a converted config.json does not hold, and vLLM {version}'s llama.py never reads (its LlamaConfig "
-                  f"may not have it"
+                  f"set, a converted config.json does not hold, and vLLM {version}'s llama.py never reads (its "
+                  f"LlamaConfig may not have it"
                   f"{'; llama.py reads ' + ', '.join(close) if close else ''}): read it under the release's name, "
                   f"or set it in {CONFIG_CLASS}")
     return f"{len(reads)} config attributes read, all {CONFIG_CLASS}'s"
@@ -293,7 +309,7 @@ def stacked_mapping(module: ast.Module, where: str) -> dict[str, tuple[str, obje
     _fail(f"{where} has no weight-loading table (stacked_params_mapping, or a WeightsMapper's orig_to_new_stacked)")
 
 
-def _literal(node: ast.AST, where: str):
+def _literal(node: ast.expr, where: str) -> Any:
     try:
         return ast.literal_eval(node)
     except ValueError:
@@ -326,7 +342,8 @@ class Model:
     def truth(self, test: ast.AST, name: str = "") -> bool | None:
         """A condition of the constructors (on one rank) or of load_weights (loading tensor `name`), for
         this tie_word_embeddings; None if unknown."""
-        if (isinstance(test, ast.Compare) and isinstance(test.left, ast.Constant) and isinstance(test.ops[0], ast.In)
+        if (isinstance(test, ast.Compare) and isinstance(test.left, ast.Constant) and isinstance(test.left.value, str)
+                and isinstance(test.ops[0], ast.In)
                 and len(test.ops) == 1 and ast.unparse(test.comparators[0]) == "name"):
             return test.left.value in name
         if isinstance(test, ast.Attribute) and test.attr == "tie_word_embeddings" and _is_config(test.value):
@@ -366,7 +383,7 @@ class Model:
         """(attribute -> value, method name -> node) of class `cls`; __init__ last, so its assignments win."""
         node = self.classes[cls]
         methods = {m.name: m for m in node.body if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef))}
-        out = {}
+        out: dict[str, Any] = {}
         for name in sorted(methods, key=lambda m: m == "__init__"):
             self.run(methods[name].body, out)
         return out, methods
@@ -385,7 +402,14 @@ class Model:
                 return self.kind(returned[0], cls, helper) if returned else ("leaf", func.attr)
             name = ast.unparse(func)
             if name in ("make_layers", "nn.ModuleList"):
-                item = value.args[1].body if name == "make_layers" else value.args[0].elt
+                if name == "make_layers":  # make_layers(n, lambda prefix: Layer(...), ...)
+                    maker = value.args[1]
+                    assert isinstance(maker, ast.Lambda), ast.unparse(value)
+                    item = maker.body
+                else:  # nn.ModuleList(Layer(...) for i in range(n)), or a list comprehension
+                    layers = value.args[0]
+                    assert isinstance(layers, (ast.GeneratorExp, ast.ListComp)), ast.unparse(value)
+                    item = layers.elt
                 return ("list", self.kind(item, cls, method))
             if name in self.classes:
                 return ("class", name)
@@ -404,7 +428,9 @@ class Model:
 
     def resolve(self, path: str, cls: str = ARCH) -> tuple[str, tuple] | str:
         """(parameter owner's attribute path, its leaf kind) for a parameter name; else why it has none."""
-        kind, walked, parts = ("class", cls), [], path.split(".")
+        kind: tuple[Any, ...] = ("class", cls)
+        walked: list[str] = []
+        parts = path.split(".")
         init = None
         while parts:
             part = parts.pop(0)
@@ -488,10 +514,10 @@ def weights(tree: Path, patched: Path, version: str, folder: Path) -> str:
                       f"({skipped}), which the converted folder holds: skip lm_head. only when tied")
             shard = next((s for s in stacked if s + "." in name), None)
             param = name.replace(shard, stacked[shard][0]) if shard else name
-            found = model.resolve(param)
-            if isinstance(found, str):
+            resolved = model.resolve(param)
+            if isinstance(resolved, str):
                 _fail(f"{MINISTREAM}: the converted folder's {name} loads into {param}, which {ARCH} does not "
-                      f"build {setting} in vLLM {version}: {found}")
+                      f"build {setting} in vLLM {version}: {resolved}")
             count += 1
         if not isinstance(embedding, str) and embedding[0] != "model.embed_tokens":
             _fail(f"{MINISTREAM}: model.embed_tokens is not its own parameter {setting} in vLLM {version}")

@@ -30,13 +30,13 @@ import git
 from .. import MiniStreamError
 from ..checkpoint.convert import convert
 from ..checkpoint.demo import PRESETS, make_checkpoint
-from ..paths import BUILD
-from ..spec import ARCH
 from ..fork import patchset
 from ..fork.install import installed_vllm
 from ..fork.patch import applied_hash
 from ..fork.release import release_wheel
 from ..fork.wheel import LOCAL_LABEL
+from ..paths import BUILD
+from ..spec import ARCH
 
 EXAMPLES = "tests/models/registry.py"
 TEST_FILES = ["tests/models/test_registry.py", "tests/models/test_initialization.py"]
@@ -56,7 +56,8 @@ def example_models(tree: Path) -> list[str]:
                               f"part; run `make patch` on a source tree (the sdist, a checkout) first")
     ids = re.findall(r'"([\w.-]+/[\w.-]+)"', m.group("body"))
     for repo in ids:
-        if not REPO.match(repo) or REPO.match(repo)["preset"] not in PRESETS:
+        match = REPO.match(repo)
+        if not match or match["preset"] not in PRESETS:
             raise MiniStreamError(f"{tree / EXAMPLES}: example model {repo} is not ministream/ministream-<preset> "
                                   f"with a preset of `ministream checkpoint` ({', '.join(PRESETS)})")
     return ids
@@ -72,7 +73,9 @@ def hf_cache(repos: list[str], home: Path, log=print) -> Path:
         entry = home / "hub" / f"models--{repo.replace('/', '--')}"
         if (entry / "refs" / "main").is_file():
             continue
-        preset = REPO.match(repo)["preset"]
+        match = REPO.match(repo)
+        assert match, f"{repo} is not an example model's id (example_models checks them)"
+        preset = match["preset"]
         log(f"making the example model {repo} (preset {preset}) in {home}")
         with tempfile.TemporaryDirectory(dir=home.parent if home.parent.exists() else None) as tmp:
             make_checkpoint(Path(tmp) / "raw", preset, log=_quiet)

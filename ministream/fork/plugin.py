@@ -165,7 +165,7 @@ def build_plugin(version: str, dist_dir: Path | None = None) -> Path:
     return write_bytes(dist_dir / name, data)
 
 
-def run(version: str, dist_dir: Path | None = None) -> int:
+def plugin_command(version: str, dist_dir: Path | None = None) -> int:
     """`ministream plugin VERSION`: build the wheel and say what it holds and how to install it."""
     path = build_plugin(version, dist_dir)
     with zipfile.ZipFile(path) as z:

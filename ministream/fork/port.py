@@ -477,7 +477,7 @@ def report(a: str, b: str, result: PortResult) -> int:
     return 0
 
 
-def run(source: str | None, target: str | None, every: bool, patch_sets: Path = PATCH_SETS) -> int:
+def port_command(source: str | None, target: str | None, every: bool, patch_sets: Path = PATCH_SETS) -> int:
     """`ministream port FROM TO`, or `--all` (every derived set); the exit status."""
     if every:
         results = port_all(patch_sets)

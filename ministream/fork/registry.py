@@ -1,4 +1,4 @@
-"""vLLM's model and config registries, read and extended in the form of each release (0.6 on).
+"""vLLM's model and config registries, read and extended in the form of each release (0.4.3 on).
 
 Three files register a model, each in one of the forms vLLM has used:
   registry.py           _TEXT_GENERATION_MODELS = {"Arch": ("module", "Class"), ...}

@@ -97,7 +97,8 @@ def _patch_commit(tree: Path, make: str):
     except (git.InvalidGitRepositoryError, git.NoSuchPathError, ValueError) as e:
         raise MiniStreamError(f"{tree} is not a git repository with commits ({e.__class__.__name__}): "
                               f"remove it and run `{make}`") from None
-    subject = head.message.splitlines()[0] if head.message else ""
+    message = head.message if isinstance(head.message, str) else head.message.decode("utf-8", "replace")
+    subject = message.splitlines()[0] if message else ""
     if not subject.startswith(PATCH_PREFIX) or not head.parents:
         raise MiniStreamError(
             f"HEAD of {tree} ({head.hexsha[:10]} {subject!r}) is not a {PATCH_PREFIX!r} patch commit on top "
@@ -237,7 +238,9 @@ def _set_version_module(source: bytes, old: Version, new: str, release: Path) ->
             text = repr(ast.literal_eval(value) + (Version(new).local,))
         else:
             continue
-        edits.append((at[value.lineno - 1] + value.col_offset, at[value.end_lineno - 1] + value.end_col_offset, text))
+        end_line = value.end_lineno if value.end_lineno is not None else value.lineno
+        end_col = value.end_col_offset if value.end_col_offset is not None else value.col_offset
+        edits.append((at[value.lineno - 1] + value.col_offset, at[end_line - 1] + end_col, text))
     if not found:
         raise MiniStreamError(f"{VERSION_FILE} of {release.name} does not set __version__ = {str(old)!r}: "
                               f"delete it from {release.parent} and run again to download it afresh")
@@ -297,20 +300,22 @@ def _stored_spans(src: zipfile.ZipFile) -> dict:
 
 def _copy_stored(src: zipfile.ZipFile, info: zipfile.ZipInfo, span: int, out: zipfile.ZipFile):
     """Append `info`'s local header and compressed bytes to `out` unchanged, and list it in `out`'s directory."""
+    source, dest = src.fp, out.fp
+    assert source is not None and dest is not None  # both open: inside their `with` blocks
     entry = copy.copy(info)
-    entry.header_offset = out.fp.tell()
-    src.fp.seek(info.header_offset)
+    entry.header_offset = dest.tell()
+    source.seek(info.header_offset)
     left = span
     while left:
-        chunk = src.fp.read(min(left, 1 << 22))
+        chunk = source.read(min(left, 1 << 22))
         if not chunk:
             raise MiniStreamError(f"{src.filename} ends inside {info.filename}: delete it from "
-                                  f"{Path(src.filename).parent} and run again to download it afresh")
-        out.fp.write(chunk)
+                                  f"{Path(str(src.filename)).parent} and run again to download it afresh")
+        dest.write(chunk)
         left -= len(chunk)
     out.filelist.append(entry)
     out.NameToInfo[entry.filename] = entry
-    out.start_dir = out.fp.tell()
+    out.start_dir = dest.tell()
 
 
 def _new_entry(name: str, template: zipfile.ZipInfo | None, mode: int, date_time: tuple) -> zipfile.ZipInfo:

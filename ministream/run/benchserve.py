@@ -26,6 +26,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from .. import MiniStreamError
 from ..atomic import write_json
@@ -122,8 +123,9 @@ def run_system(system: str, result: dict, out: Path, files: dict, sets: dict, en
     port = free_port()
     cmd, name, folder = server_command(system, model, s["dtype"], port)
     url, log = f"http://{HOST}:{port}", out / "logs" / f"serve-{system}.log"
-    entry = result["systems"][system] = {"label": SYSTEMS[system], "runs": [],
-                                         "server": {"command": " ".join(cmd), "url": url, "log": str(log)}}
+    entry: dict[str, Any] = {"label": SYSTEMS[system], "runs": [],
+                             "server": {"command": " ".join(cmd), "url": url, "log": str(log)}}
+    result["systems"][system] = entry
     print(f"bench-serve: {system}: starting {' '.join(cmd[:4])} ... (log {log})", flush=True)
     try:
         with running(cmd, log, env if system != "reference" else {**os.environ, **engine.NO_USAGE_STATS}) as proc:
@@ -181,11 +183,12 @@ def run_bench_serve(out: Path, systems: list[str], note: str = "", **settings) -
     started = time.time()
     kv = os.environ.get(engine.KV_CACHE) or str(engine.kv_cache_gib())  # as bench: chosen once, for both vLLMs
     env = server_env(int(float(kv)))
-    result = {"schema": SCHEMA, "command": " ".join(sys.argv), "note": note,
-              "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
-              "load_average_start": os.getloadavg(), "machine": bench.machine(),
-              "settings": {**settings, "systems": systems, "keep_up": KEEP_UP},
-              "engine_env": {k: env.get(k) for k in (engine.BIND, engine.KV_CACHE)}, "systems": {}}
+    result: dict[str, Any] = {
+        "schema": SCHEMA, "command": " ".join(sys.argv), "note": note,
+        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
+        "load_average_start": os.getloadavg(), "machine": bench.machine(),
+        "settings": {**settings, "systems": systems, "keep_up": KEEP_UP},
+        "engine_env": {k: env.get(k) for k in (engine.BIND, engine.KV_CACHE)}, "systems": {}}
     s = result["settings"]
     print(f"bench-serve: preparing the {s['preset']} model", flush=True)
     result["model"] = model = bench.prepare_model(s["preset"], out / "models")
@@ -232,7 +235,7 @@ def bench_serve(out: Path, quick: bool = False, report_only: bool = False, syste
     with report_only, the table and the chart again from OUT/serve.json. 1 if a system or a run failed."""
     if report_only:
         return report(read_result(out / "serve.json", f"ministream bench-serve --out {out}"), out)
-    chosen = dict(QUICK if quick else FULL)
+    chosen: dict[str, Any] = dict(QUICK if quick else FULL)
     chosen.update({k: v for k, v in settings.items() if v is not None})
     systems = systems or list(SYSTEMS)
     unknown = set(systems) - set(SYSTEMS)

@@ -20,7 +20,7 @@ from ..fork import plugin as vllm_plugin
 from ..fork.registry import CONFIGS_INIT_PY, Registries, read_package
 from ..fork.release import DISTRIBUTIONS
 from ..paths import PATCH_SETS
-from ..spec import ARCH, MODEL_TYPE, QKV, TORCH_DTYPES, hf_names
+from ..spec import ARCH, MODEL_FILE_IN_TREE, MODEL_TYPE, QKV, TORCH_DTYPES, hf_names
 from . import engine
 from .folder import EMBED, HEAD, Folder, FolderError, Tensor, config_names, name_differences, open_folder
 
@@ -38,7 +38,8 @@ class Finding:
 
 # --- what the installed vLLM knows, read from its files (importing vllm costs seconds) -------
 
-def installed_vllm() -> Path | None:
+def installed_vllm_dir() -> Path | None:
+    """The folder of the vllm package this interpreter would import, found without importing it."""
     spec = importlib.util.find_spec("vllm")
     return Path(spec.origin).parent if spec and spec.origin else None
 
@@ -50,7 +51,7 @@ def transformers_config_types() -> set[str]:
 
 
 def patch_version(vllm_dir: Path) -> str | None:
-    model = vllm_dir / "model_executor/models/ministream.py"
+    model = vllm_dir.parent / MODEL_FILE_IN_TREE
     if not model.is_file():
         return None
     m = re.search(r'^MINISTREAM_PATCH_VERSION = "([^"]+)"', model.read_text(), re.M)
@@ -64,7 +65,7 @@ def vllm_dist_version(vllm_dir: Path) -> str | None:
     for dist in importlib.metadata.distributions(path=[str(vllm_dir.parent)]):
         if (dist.metadata["Name"] or "").lower().replace("_", "-") in names:
             return dist.version
-    if (installed := installed_vllm()) is None or installed.resolve() != vllm_dir.resolve():
+    if (installed := installed_vllm_dir()) is None or installed.resolve() != vllm_dir.resolve():
         return None  # another vllm folder: the environment's distribution says nothing of it
     for name in sorted(names):
         try:
@@ -346,7 +347,7 @@ def doctor(folder: Path, vllm_dir: Path | None = None, dtype: str | None = None,
         f = open_folder(folder)
     except FolderError as e:
         return [Finding("error", e.topic, e.text, e.fix)]
-    vllm_dir = vllm_dir or installed_vllm()
+    vllm_dir = vllm_dir or installed_vllm_dir()
     found = installed_vllm_findings(f.config, vllm_dir)
     found.append(check_head_dim(f.config, f.tensors))
     found.append(check_head(f))

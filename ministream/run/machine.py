@@ -58,13 +58,13 @@ def _model_file() -> dict | None:
     """The installed vLLM's ministream.py: which patch set it came from, and its sha256 (imports nothing)."""
     import hashlib
 
-    from ..spec import MODEL_TYPE
-    from .doctor import installed_vllm, patch_version
+    from ..spec import MODEL_FILE_IN_TREE
+    from .doctor import installed_vllm_dir, patch_version
 
-    vllm_dir = installed_vllm()
+    vllm_dir = installed_vllm_dir()
     if vllm_dir is None:
         return None
-    path = vllm_dir / "model_executor" / "models" / f"{MODEL_TYPE}.py"
+    path = vllm_dir.parent / MODEL_FILE_IN_TREE
     if not path.is_file():
         return None
     return {"path": str(path), "sha256": hashlib.sha256(path.read_bytes()).hexdigest(),

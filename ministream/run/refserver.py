@@ -18,7 +18,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from .server import event, local_url
+from .server import DONE, event, local_url
 
 # fields of a completion request this server cannot honour, and the value that asks nothing of it: a request
 # with another value gets 400, so no client is silently given something else than it asked for
@@ -194,7 +194,7 @@ class Handler(BaseHTTPRequestHandler):
         if stream:
             if usage_chunk:
                 self._chunk(event({**head, "choices": [], "usage": usage}))
-            self._chunk(b"data: [DONE]\n\n")
+            self._chunk(DONE)
             self._chunk(b"")  # the chunked body's end
         else:
             finish = "stop" if new and new[-1] in stop_ids else "length"

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from .. import MiniStreamError
@@ -53,7 +54,7 @@ def exposure_warning(host: str, env: dict) -> str | None:
 
 
 def serve(model: Path, host: str = "127.0.0.1", port: int = 8000, name: str | None = None,
-          dtype: str | None = None, tp: int = 1, max_model_len: int | None = None, extra: list[str] = (),
+          dtype: str | None = None, tp: int = 1, max_model_len: int | None = None, extra: Sequence[str] = (),
           stop_timeout: float = 60, api_key: str | None = None, enforce_eager: bool = False) -> int:
     """Run the server until it exits or this process gets SIGTERM/SIGINT; its exit status.
 
@@ -76,7 +77,7 @@ def serve(model: Path, host: str = "127.0.0.1", port: int = 8000, name: str | No
           flush=True)
     proc = subprocess.Popen(cmd, env=env, preexec_fn=die_with_parent)
     threading.Thread(target=_announce_when_ready, args=(url, name, proc), daemon=True).start()
-    stopping = []  # when the first stop signal came
+    stopping: list[float] = []  # when the first stop signal came
     rc = _wait_forwarding_signals(proc, stopping, stop_timeout)
     if stopping and rc in (0, -signal.SIGTERM, -signal.SIGINT, 128 + signal.SIGTERM):
         print("ministream serve: stopped", flush=True)

@@ -173,6 +173,7 @@ def auth(key: str | None = None) -> dict:
 
 
 def json_headers(key: str | None = None) -> dict:
+    """A JSON request's headers, with the key (`auth`)."""
     return {"Content-Type": "application/json", **auth(key)}
 
 
@@ -206,6 +207,14 @@ def complete(url: str, model: str | None, prompt, max_tokens: int, timeout: floa
     return call(f"{url}/v1/completions", greedy(model, prompt, max_tokens, **extra), timeout=timeout, headers=headers)
 
 
+DONE = b"data: [DONE]\n\n"  # the server-sent event that ends an OpenAI-style stream
+
+
+def event(body: dict) -> bytes:
+    """One server-sent event, as a server writes it: `data: JSON` and a blank line."""
+    return b"data: " + json.dumps(body).encode() + b"\n\n"
+
+
 class Stream:
     """A streaming POST, read as it arrives: `headers`, then iterate for each event's JSON (`data: {...}`
     lines); `done` once `data: [DONE]` came. A context manager that closes the connection."""
@@ -220,14 +229,14 @@ class Stream:
     def __iter__(self) -> Iterator[dict]:
         for line in self.response:
             text = line.decode().strip()
-            if text == "data: [DONE]":
+            if text == DONE.decode().strip():
                 self.done = True
             elif text.startswith("data: "):
                 yield json.loads(text[len("data: "):])
 
     def text(self) -> str:
         """The text of every choice of every event still to come, joined."""
-        return "".join(c["text"] for event in self for c in event["choices"])
+        return "".join(c["text"] for chunk in self for c in chunk["choices"])
 
     def __enter__(self) -> "Stream":
         return self
@@ -238,8 +247,3 @@ class Stream:
 
 def stream(url: str, body: dict, timeout: float = 120, headers: dict | None = None) -> Stream:
     return Stream(url, body, timeout, headers)
-
-
-def event(body: dict) -> bytes:
-    """One server-sent event, as a server writes it: `data: JSON` and a blank line."""
-    return b"data: " + json.dumps(body).encode() + b"\n\n"
