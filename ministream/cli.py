@@ -382,10 +382,10 @@ def add_serve(sub) -> None:
 
 
 def add_serve_bench(sub) -> None:
-    from .run import benchserve
+    from .run import benchclient
 
     p = sub.add_parser("serve-bench", help="vLLM's benchmark client against a running server, N requests at once",
-                       description=benchserve.serve_bench.__doc__)
+                       description=benchclient.serve_bench.__doc__)
     p.add_argument("--url", default="http://127.0.0.1:8000")
     p.add_argument("--model", help="served model name (default: the first the server lists)")
     p.add_argument("--concurrency", type=int, default=32, help="requests in flight at most (--max-concurrency)")
@@ -395,7 +395,7 @@ def add_serve_bench(sub) -> None:
                    help="corpus: bench-serve's prompts from the held-in corpus; random: vLLM's random token prompts")
     p.add_argument("--tokenizer", help="folder with the served model's tokenizer (default: the folder the server "
                    "lists as the model's root, i.e. a server on this machine)")
-    p.set_defaults(func=lambda a: benchserve.serve_bench(a.url, a.model, a.concurrency, a.max_tokens, a.num_prompts,
+    p.set_defaults(func=lambda a: benchclient.serve_bench(a.url, a.model, a.concurrency, a.max_tokens, a.num_prompts,
                                                          a.dataset, a.tokenizer))
 
 

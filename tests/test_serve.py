@@ -143,7 +143,9 @@ def chat_hf(tiny, tmp_path_factory) -> Path:
 def booting(chat_hf, start_serve, tmp_path_factory):
     """`ministream serve` on the chat model, with an API key."""
     log = tmp_path_factory.mktemp("serve-log") / "server.log"
-    proc, url = start_serve(chat_hf, log, "--dtype", "float32", "--max-model-len", MAX_MODEL_LEN, VLLM_API_KEY=API_KEY)
+    # eager here and in `offline`: the server is the subject; test_vllm.py proves the compiled default's tokens
+    proc, url = start_serve(chat_hf, log, "--dtype", "float32", "--max-model-len", MAX_MODEL_LEN, "--enforce-eager",
+                            VLLM_API_KEY=API_KEY)
     yield proc, url, log
     stop(proc)
 
@@ -154,7 +156,7 @@ def offline(booting, chat_hf, cli, tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("offline") / "vllm.json"
     args = [a for p in DEFAULT_PROMPTS for a in ("--prompt", p)]
     r = cli("generate", chat_hf, "--engine", "vllm", "--dtype", "float32", "--max-tokens", MAX_TOKENS, *args,
-            "--json", out)
+            "--json", out, "--enforce-eager")
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(out.read_text())
 

@@ -44,7 +44,7 @@ KILL_DEADLINE = 60  # seconds from the engine's SIGKILL to the server's exit
 def doomed(tiny_hf, start_serve, tmp_path_factory):
     """The server whose engine gets killed: started first, so that it boots while the other does."""
     log = tmp_path_factory.mktemp("doomed") / "server.log"
-    proc, url = start_serve(tiny_hf, log, "--dtype", "float32")
+    proc, url = start_serve(tiny_hf, log, "--dtype", "float32", "--enforce-eager")  # the faults are the subject
     yield proc, url, log
     stop(proc)
 
@@ -52,7 +52,7 @@ def doomed(tiny_hf, start_serve, tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(doomed, tiny_hf, start_serve, tmp_path_factory):
     log = tmp_path_factory.mktemp("faults") / "server.log"
-    proc, url = start_serve(tiny_hf, log, "--dtype", "float32")
+    proc, url = start_serve(tiny_hf, log, "--dtype", "float32", "--enforce-eager")  # the faults are the subject
     try:
         wait_ready(url, proc, log, START_TIMEOUT)
         yield {"proc": proc, "url": url, "name": tiny_hf.name, "log": log, "model": tiny_hf}

