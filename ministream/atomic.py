@@ -20,7 +20,9 @@ def check_output(out: Path, force: bool = False, inputs: Iterable[Path] = ()) ->
     if out.exists() and not out.is_dir():
         raise MiniStreamError(f"{out} is a file, not a folder: choose another output path")
     if _non_empty(out) and not force:
-        raise MiniStreamError(f"{out} exists and is not empty: choose another output folder or pass --force to replace it")
+        raise MiniStreamError(
+            f"{out} exists and is not empty: choose another output folder or pass --force to replace it"
+        )
 
 
 def check_apart(out: Path, inputs: Iterable[Path]) -> None:
@@ -36,8 +38,10 @@ def check_apart(out: Path, inputs: Iterable[Path]) -> None:
             how = "lies inside"
         else:
             continue
-        raise MiniStreamError(f"the output {out} {how} the input {given}: replacing it would destroy what the "
-                              "command reads; choose an output folder outside it")
+        raise MiniStreamError(
+            f"the output {out} {how} the input {given}: replacing it would destroy what the "
+            "command reads; choose an output folder outside it"
+        )
 
 
 def _non_empty(folder: Path) -> bool:

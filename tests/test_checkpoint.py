@@ -67,8 +67,9 @@ def test_training_makes_next_token_distributions_peaked(tiny, tmp_path):
 
 
 def test_variants_a_real_export_may_have(tmp_path):
-    make_checkpoint(tmp_path / "v", "tiny-gqa", steps=0, dtype="bfloat16", prefix="ddp", one_based=True,
-                    bare=True, log=quiet)
+    make_checkpoint(
+        tmp_path / "v", "tiny-gqa", steps=0, dtype="bfloat16", prefix="ddp", one_based=True, bare=True, log=quiet
+    )
     state = torch.load(tmp_path / "v" / "model.pt", weights_only=True)
     assert "config" not in state and "module.blocks.1.norm1.weight" in state
     assert "module.blocks.0.norm1.weight" not in state and "module.lm_head.weight" in state

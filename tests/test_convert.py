@@ -40,6 +40,7 @@ def untrained(tmp_path, name="raw", **kw):
 
 # --- round trip and equality -----------------------------------------------------------------
 
+
 @pytest.mark.parametrize("fixture", ["tiny", "tiny_gqa"])
 def test_raw_to_hf_to_raw_is_bit_exact(fixture, request, tmp_path):
     raw = request.getfixturevalue(fixture)
@@ -88,14 +89,15 @@ def test_wqkv_and_w12_rows_go_to_q_k_v_and_gate_up_in_order(tiny_gqa, tiny_gqa_h
     W = ckpt.state["blocks.1.attn.Wqkv.weight"]
     nq, nk = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
     assert torch.equal(t["model.layers.1.self_attn.q_proj.weight"], W[:nq])
-    assert torch.equal(t["model.layers.1.self_attn.k_proj.weight"], W[nq:nq + nk])
-    assert torch.equal(t["model.layers.1.self_attn.v_proj.weight"], W[nq + nk:])
+    assert torch.equal(t["model.layers.1.self_attn.k_proj.weight"], W[nq : nq + nk])
+    assert torch.equal(t["model.layers.1.self_attn.v_proj.weight"], W[nq + nk :])
     W12 = ckpt.state["blocks.1.mlp.w12.weight"]
     assert torch.equal(t["model.layers.1.mlp.gate_proj.weight"], W12[: cfg.d_ff])
-    assert torch.equal(t["model.layers.1.mlp.up_proj.weight"], W12[cfg.d_ff:])
+    assert torch.equal(t["model.layers.1.mlp.up_proj.weight"], W12[cfg.d_ff :])
 
 
 # --- the folder's files ------------------------------------------------------------------------
+
 
 def test_config_json_states_every_value_explicitly(tiny_gqa_hf):
     c = json.loads((tiny_gqa_hf / "config.json").read_text())
@@ -155,6 +157,7 @@ def test_dtype_flag_casts_every_tensor(tiny, tmp_path, dtype):
 
 # --- what real checkpoints look like ----------------------------------------------------------
 
+
 def test_ddp_and_compile_prefixes_are_stripped_and_said(tmp_path):
     raw = untrained(tmp_path, prefix="both")
     assert next(iter(torch.load(raw / "model.pt", weights_only=True)["model"])).startswith("module._orig_mod.")
@@ -186,14 +189,30 @@ def test_a_shape_never_seen_converts_without_code_changes(tmp_path, cli):
     raw = tmp_path / "raw"
     r = cli("checkpoint", "--preset", "tiny", "--out", raw, "--steps", "0", "--dtype", "bfloat16", "--prefix", "ddp")
     assert r.returncode == 0, r.stderr
-    cfg = dict(vocab_size=49152, d_model=576, n_layers=30, n_heads=9, n_kv_heads=3, head_dim=64, d_ff=1536,
-               max_seq_len=2048, norm_eps=1e-5, rope_theta=100000.0, bos_id=0, eos_id=1, tie_embeddings=True)
+    cfg = dict(
+        vocab_size=49152,
+        d_model=576,
+        n_layers=30,
+        n_heads=9,
+        n_kv_heads=3,
+        head_dim=64,
+        d_ff=1536,
+        max_seq_len=2048,
+        norm_eps=1e-5,
+        rope_theta=100000.0,
+        bos_id=0,
+        eos_id=1,
+        tie_embeddings=True,
+    )
     from ministream.checkpoint.format import TrainConfig
     from ministream.checkpoint.reference import MiniStream as M
+
     model = M(TrainConfig(**cfg)).to(torch.bfloat16)
     state = {"module." + k: v for k, v in model.state_dict().items()}
-    torch.save({"model": state, "config": cfg, "step": 1000, "optimizer": {"state": {0: {"exp_avg": torch.zeros(3)}}}},
-               raw / "model.pt")
+    torch.save(
+        {"model": state, "config": cfg, "step": 1000, "optimizer": {"state": {0: {"exp_avg": torch.zeros(3)}}}},
+        raw / "model.pt",
+    )
     r = cli("convert", raw, tmp_path / "hf", "--dtype", "bfloat16")
     assert r.returncode == 0, r.stderr
     c = json.loads((tmp_path / "hf" / "config.json").read_text())
@@ -208,8 +227,28 @@ def test_checkpoint_without_config_needs_flags_and_says_which(tmp_path, cli):
     assert r.returncode == 2
     assert "no config entry" in r.stderr and "--n-heads" in r.stderr and "d_model=128" in r.stderr
     assert not (tmp_path / "hf").exists()
-    flags = ["--vocab-size", 512, "--d-model", 128, "--n-layers", 2, "--n-heads", 2, "--d-ff", 384,
-             "--max-seq-len", 512, "--norm-eps", 1e-6, "--rope-theta", 10000, "--bos-id", 0, "--eos-id", 1]
+    flags = [
+        "--vocab-size",
+        512,
+        "--d-model",
+        128,
+        "--n-layers",
+        2,
+        "--n-heads",
+        2,
+        "--d-ff",
+        384,
+        "--max-seq-len",
+        512,
+        "--norm-eps",
+        1e-6,
+        "--rope-theta",
+        10000,
+        "--bos-id",
+        0,
+        "--eos-id",
+        1,
+    ]
     r = cli("convert", raw, tmp_path / "hf", *flags)
     assert r.returncode == 0, r.stderr
     r = cli("convert", raw, tmp_path / "hf2", *flags, "--d-ff", 512)
@@ -223,6 +262,7 @@ def test_flag_contradicting_the_checkpoint_config_is_refused(tiny, tmp_path, cli
 
 
 # --- bad input: a clear error, exit != 0, nothing written ----------------------------------------
+
 
 def assert_refused(cli, raw, out, *words):
     r = cli("convert", raw, out)
@@ -308,8 +348,13 @@ def test_untied_config_without_lm_head(tmp_path, cli):
 
 def test_tokenizer_larger_than_the_vocabulary(tmp_path, cli):
     raw = untrained(tmp_path)
-    rewrite(raw, lambda o: (o["config"].__setitem__("vocab_size", 256),
-                            o["model"].__setitem__("embedding.weight", o["model"]["embedding.weight"][:256])))
+    rewrite(
+        raw,
+        lambda o: (
+            o["config"].__setitem__("vocab_size", 256),
+            o["model"].__setitem__("embedding.weight", o["model"]["embedding.weight"][:256]),
+        ),
+    )
     assert_refused(cli, raw, tmp_path / "hf", "tokenizer.json", "512 tokens", "vocab_size=256")
 
 
@@ -346,6 +391,7 @@ def test_failed_forced_conversion_keeps_the_old_folder(tiny, tmp_path, cli):
 
 # --- outputs never destroy inputs ------------------------------------------------------------
 
+
 def digest(folder):
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
 
@@ -357,8 +403,13 @@ def test_an_output_that_is_holds_or_lies_inside_the_checkpoint_is_refused_even_w
     shutil.copytree(tiny, run / "raw")
     before = digest(run / "raw")
     (tmp_path / "link").symlink_to(run)
-    out = {"parent": run, "same": run / "raw", "inside": run / "raw" / "hf", "dot-dot": run / "raw" / ".." / ".",
-           "symlink": tmp_path / "link"}[where]
+    out = {
+        "parent": run,
+        "same": run / "raw",
+        "inside": run / "raw" / "hf",
+        "dot-dot": run / "raw" / ".." / ".",
+        "symlink": tmp_path / "link",
+    }[where]
     r = cli("convert", run / "raw", out, "--force")
     assert r.returncode == 2 and "destroy what the command reads" in r.stderr, r.stderr
     assert digest(run / "raw") == before
@@ -383,8 +434,11 @@ def test_sigterm_mid_conversion_leaves_the_old_output_and_no_temporary_folder(tm
     out.mkdir()
     (out / "old.txt").write_text("the previous conversion")
     exe = Path(sys.executable).parent / "ministream"
-    proc = subprocess.Popen([str(exe), "convert", str(raw), str(out), "--force", "--max-shard-size", "1MB"],
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [str(exe), "convert", str(raw), str(out), "--force", "--max-shard-size", "1MB"],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + 300
     while not list(tmp_path.glob(".hf.tmp-*/*.safetensors")) and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -414,13 +468,17 @@ def test_an_output_that_appears_while_converting_is_left_alone_without_force(tin
 
 # --- hostile configs and weights -------------------------------------------------------------
 
-@pytest.mark.parametrize("key,value,words", [
-    ("d_model", "abc", "d_model='abc': must be a number"),
-    ("n_layers", 10**9, "n_layers=1000000000: absurdly large"),
-    ("norm_eps", float("nan"), "norm_eps=nan: must be finite"),
-    ("tie_embeddings", "no", "tie_embeddings='no': must be true or false"),
-    ("head_dim", 63.5, "head_dim=63.5: must be an integer"),
-])
+
+@pytest.mark.parametrize(
+    "key,value,words",
+    [
+        ("d_model", "abc", "d_model='abc': must be a number"),
+        ("n_layers", 10**9, "n_layers=1000000000: absurdly large"),
+        ("norm_eps", float("nan"), "norm_eps=nan: must be finite"),
+        ("tie_embeddings", "no", "tie_embeddings='no': must be true or false"),
+        ("head_dim", 63.5, "head_dim=63.5: must be an integer"),
+    ],
+)
 def test_a_config_value_of_the_wrong_type_or_size_is_one_line_naming_the_key(tmp_path, cli, key, value, words):
     raw = untrained(tmp_path)
     rewrite(raw, lambda o: o["config"].__setitem__(key, value))
@@ -449,6 +507,7 @@ def test_a_float16_cast_that_overflows_is_refused(tmp_path, cli):
 
 # --- dry run -----------------------------------------------------------------------------------
 
+
 def test_dry_run_prints_the_table_and_writes_nothing(tiny_gqa, tmp_path, cli):
     r = cli("convert", tiny_gqa, tmp_path / "hf", "--dry-run")
     assert r.returncode == 0, r.stderr
@@ -460,7 +519,9 @@ def test_dry_run_prints_the_table_and_writes_nothing(tiny_gqa, tmp_path, cli):
 
 def test_dry_run_shows_the_key_differences(tmp_path, cli):
     raw = untrained(tmp_path)
-    rewrite(raw, lambda o: (o["model"].pop("norm_f.weight"), o["model"].__setitem__("final_norm.weight", torch.ones(128))))
+    rewrite(
+        raw, lambda o: (o["model"].pop("norm_f.weight"), o["model"].__setitem__("final_norm.weight", torch.ones(128)))
+    )
     r = cli("convert", raw, "--dry-run")
     assert r.returncode == 1
     assert "in the checkpoint, not in the mapping: final_norm.weight" in r.stdout

@@ -70,8 +70,11 @@ def test_unpatched_vllm_is_named_with_make_install(tiny_hf, tmp_path):
     (fake / "model_executor/models").mkdir(parents=True)
     (fake / "transformers_utils").mkdir()
     (fake / "model_executor/models/registry.py").write_text(
-        '_TEXT_GENERATION_MODELS = {\n    "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),\n}\n')
-    (fake / "transformers_utils/config.py").write_text("_CONFIG_REGISTRY = LazyConfigDict(\n    eagle=\"EAGLEConfig\",\n)\n")
+        '_TEXT_GENERATION_MODELS = {\n    "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),\n}\n'
+    )
+    (fake / "transformers_utils/config.py").write_text(
+        '_CONFIG_REGISTRY = LazyConfigDict(\n    eagle="EAGLEConfig",\n)\n'
+    )
     (fake / "transformers_utils/configs").mkdir()
     (fake / "transformers_utils/configs/__init__.py").write_text('__all__ = ["EAGLEConfig"]\n')
     found = errors(doctor(tiny_hf, vllm_dir=fake))
@@ -153,11 +156,14 @@ def test_weights_bigger_than_memory_is_an_error(tiny_hf):
     assert any(f.startswith("error memory:") and "use bfloat16" in f for f in found), found
 
 
-@pytest.mark.parametrize("change, words", [
-    (dict(rms_norm_eps=None), "rms_norm_eps is None"),
-    (dict(rope_theta=None, rope_parameters=None), "neither rope_theta nor rope_parameters.rope_theta"),
-    (dict(rope_theta=500000.0), "rope_theta=500000.0 but rope_parameters.rope_theta=10000.0"),
-])
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        (dict(rms_norm_eps=None), "rms_norm_eps is None"),
+        (dict(rope_theta=None, rope_parameters=None), "neither rope_theta nor rope_parameters.rope_theta"),
+        (dict(rope_theta=500000.0), "rope_theta=500000.0 but rope_parameters.rope_theta=10000.0"),
+    ],
+)
 def test_missing_or_inconsistent_rope_and_eps_are_errors(change, words, tiny_hf, tmp_path):
     found = errors(doctor(broken(tiny_hf, tmp_path / "f", **change)))
     assert len(found) == 1 and words in found[0], found

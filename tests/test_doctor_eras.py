@@ -67,17 +67,25 @@ def restore(vllm: Path, rel: str, version: str) -> None:
 
 # each part of the registration taken away, as a partly applied patch or a hand-edited tree leaves it
 DAMAGE = {
-    "registry.py as released": (lambda vllm, v: restore(vllm, registry.REGISTRY_PY, v),
-                                "error architecture: the installed vLLM does not register MiniStreamForCausalLM"),
-    "config.py as released": (lambda vllm, v: restore(vllm, registry.CONFIG_PY, v),
-                              "error model_type: 'ministream' is known to neither the installed vLLM nor transformers"),
-    "configs/__init__.py as released": (lambda vllm, v: restore(vllm, registry.CONFIGS_INIT_PY, v),
-                                        "error model_type: the installed vLLM registers 'ministream', but "
-                                        f"{registry.CONFIGS_INIT_PY} does not have its config class MiniStreamConfig"),
-    "configs/ministream.py removed": (lambda vllm, v: (vllm.parent / CONFIG_MODULE_FILE).unlink(),
-                                      "error model_type: the installed vLLM registers 'ministream', but its config "
-                                      f"class MiniStreamConfig is to come from {CONFIG_MODULE_FILE}, which is not "
-                                      "there"),
+    "registry.py as released": (
+        lambda vllm, v: restore(vllm, registry.REGISTRY_PY, v),
+        "error architecture: the installed vLLM does not register MiniStreamForCausalLM",
+    ),
+    "config.py as released": (
+        lambda vllm, v: restore(vllm, registry.CONFIG_PY, v),
+        "error model_type: 'ministream' is known to neither the installed vLLM nor transformers",
+    ),
+    "configs/__init__.py as released": (
+        lambda vllm, v: restore(vllm, registry.CONFIGS_INIT_PY, v),
+        "error model_type: the installed vLLM registers 'ministream', but "
+        f"{registry.CONFIGS_INIT_PY} does not have its config class MiniStreamConfig",
+    ),
+    "configs/ministream.py removed": (
+        lambda vllm, v: (vllm.parent / CONFIG_MODULE_FILE).unlink(),
+        "error model_type: the installed vLLM registers 'ministream', but its config "
+        f"class MiniStreamConfig is to come from {CONFIG_MODULE_FILE}, which is not "
+        "there",
+    ),
 }
 
 
@@ -115,7 +123,9 @@ def test_the_reader_reads_every_entry_of_each_era(version):
     files = release(version)[0]
     found = registry.read(files)
     assert found.config_types == evaluated(files[registry.CONFIG_PY], "_CONFIG_REGISTRY")["_CONFIG_REGISTRY"]
-    assert found.architectures == evaluated(files[registry.REGISTRY_PY],
-                                            "_TEXT_GENERATION_MODELS")["_TEXT_GENERATION_MODELS"]
+    assert (
+        found.architectures
+        == evaluated(files[registry.REGISTRY_PY], "_TEXT_GENERATION_MODELS")["_TEXT_GENERATION_MODELS"]
+    )
     # and vLLM can load each config class from where the reader says (0.30's DeepseekV41Config is in no __all__)
     assert set(found.config_modules) == set(found.config_types)

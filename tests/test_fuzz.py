@@ -31,41 +31,71 @@ EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "120"))
 def configs(draw) -> dict:
     n_kv = draw(st.integers(1, 2))
     n_heads = n_kv * draw(st.integers(1, 3))
-    return dict(vocab_size=draw(st.integers(8, 40)), d_model=draw(st.sampled_from([8, 12, 16, 24])),
-                n_layers=draw(st.integers(1, 3)), n_heads=n_heads, n_kv_heads=n_kv,
-                head_dim=draw(st.sampled_from([2, 4, 6, 8])), d_ff=draw(st.integers(1, 24)), max_seq_len=64,
-                norm_eps=draw(st.sampled_from([1e-5, 1e-6])), rope_theta=draw(st.sampled_from([1e4, 5e5])),
-                tie_embeddings=draw(st.booleans()), bos_id=0, eos_id=1)
+    return dict(
+        vocab_size=draw(st.integers(8, 40)),
+        d_model=draw(st.sampled_from([8, 12, 16, 24])),
+        n_layers=draw(st.integers(1, 3)),
+        n_heads=n_heads,
+        n_kv_heads=n_kv,
+        head_dim=draw(st.sampled_from([2, 4, 6, 8])),
+        d_ff=draw(st.integers(1, 24)),
+        max_seq_len=64,
+        norm_eps=draw(st.sampled_from([1e-5, 1e-6])),
+        rope_theta=draw(st.sampled_from([1e4, 5e5])),
+        tie_embeddings=draw(st.booleans()),
+        bos_id=0,
+        eos_id=1,
+    )
 
 
-HOSTILE = [("d_model", "abc"), ("n_layers", 10**9), ("norm_eps", float("nan")), ("n_heads", 0),
-           ("vocab_size", -5), ("tie_embeddings", "yes"), ("head_dim", 3.5), ("rope_theta", float("inf")),
-           ("d_ff", [1, 2]), ("n_kv_heads", 7), ("eos_id", 10**6)]
+HOSTILE = [
+    ("d_model", "abc"),
+    ("n_layers", 10**9),
+    ("norm_eps", float("nan")),
+    ("n_heads", 0),
+    ("vocab_size", -5),
+    ("tie_embeddings", "yes"),
+    ("head_dim", 3.5),
+    ("rope_theta", float("inf")),
+    ("d_ff", [1, 2]),
+    ("n_kv_heads", 7),
+    ("eos_id", 10**6),
+]
 
 
 @st.composite
 def cases(draw) -> dict:
-    return dict(config=draw(configs()), dtype=draw(st.sampled_from(["float32", "bfloat16"])),
-                prefix=draw(st.sampled_from(["", "module.", "_orig_mod.", "module._orig_mod."])),
-                one_based=draw(st.booleans()), bare=draw(st.booleans()), out_dtype=draw(st.sampled_from(
-                    ["float32", "bfloat16", "float16"])), seed=draw(st.integers(0, 2**16)),
-                damage=draw(st.sampled_from(["none", "none", "truncate", "flip", "delete_key", "hostile", "nan"])),
-                where=draw(st.floats(0, 1)), hostile=draw(st.sampled_from(HOSTILE)))
+    return dict(
+        config=draw(configs()),
+        dtype=draw(st.sampled_from(["float32", "bfloat16"])),
+        prefix=draw(st.sampled_from(["", "module.", "_orig_mod.", "module._orig_mod."])),
+        one_based=draw(st.booleans()),
+        bare=draw(st.booleans()),
+        out_dtype=draw(st.sampled_from(["float32", "bfloat16", "float16"])),
+        seed=draw(st.integers(0, 2**16)),
+        damage=draw(st.sampled_from(["none", "none", "truncate", "flip", "delete_key", "hostile", "nan"])),
+        where=draw(st.floats(0, 1)),
+        hostile=draw(st.sampled_from(HOSTILE)),
+    )
 
 
 def write_checkpoint(folder: Path, case: dict) -> dict:
     """A format-1 checkpoint folder for the case, damaged as it says; returns the config flags it needs."""
     cfg = TrainConfig.from_dict(case["config"])
     g = torch.Generator().manual_seed(case["seed"])
-    state = {k: (torch.randn(shape, generator=g) * 0.5).to(getattr(torch, case["dtype"]))
-             for k, shape in raw_shapes(cfg).items()}
+    state = {
+        k: (torch.randn(shape, generator=g) * 0.5).to(getattr(torch, case["dtype"]))
+        for k, shape in raw_shapes(cfg).items()
+    }
     if case["one_based"]:
         state = {renumber_block(k, +1): v for k, v in state.items()}
     if case["damage"] == "delete_key":
         del state[sorted(state)[int(case["where"] * (len(state) - 1))]]
     if case["damage"] == "nan":
         name = sorted(state)[int(case["where"] * (len(state) - 1))]
-        state[name] = state[name].clone().view(-1).index_fill(0, torch.tensor([0]), float("nan")).view(state[name].shape)
+        state[name] = (
+            state[name].clone().view(-1).index_fill(0, torch.tensor([0]), float("nan")).view(state[name].shape)
+        )
     state = {case["prefix"] + k: v for k, v in state.items()}
     values = dict(case["config"])
     if case["damage"] == "hostile":
@@ -117,8 +147,9 @@ def check_case(case: dict, root: Path) -> str:
         for k in want:
             assert torch.equal(restored[k].view(torch.uint8), want[k].contiguous().view(torch.uint8)), k
         outcome = "(converted)"
-    assert sorted(p.name for p in root.iterdir()) == sorted(["raw"] + (["out"] if out.exists() else [])), \
+    assert sorted(p.name for p in root.iterdir()) == sorted(["raw"] + (["out"] if out.exists() else [])), (
         "a temporary sibling was left behind"
+    )
     assert sha256(raw / "model.pt") == before, "the input checkpoint changed"
     return outcome
 
@@ -128,8 +159,13 @@ def test_every_checkpoint_round_trips_or_is_refused_cleanly(tmp_path):
     of the project's own error (what they said is printed; run with -s)."""
     seen: Counter = Counter()
 
-    @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
-              suppress_health_check=[HealthCheck.too_slow])
+    @settings(
+        max_examples=EXAMPLES,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow],
+    )
     @given(case=cases())
     def fuzz(case):
         root = Path(tempfile.mkdtemp(dir=tmp_path))
@@ -139,7 +175,11 @@ def test_every_checkpoint_round_trips_or_is_refused_cleanly(tmp_path):
             shutil.rmtree(root)
 
     fuzz()
-    report = {"cases": sum(seen.values()), "converted": seen["(converted)"], "error_kinds": len(seen) - 1,
-              "errors": dict(seen.most_common())}
+    report = {
+        "cases": sum(seen.values()),
+        "converted": seen["(converted)"],
+        "error_kinds": len(seen) - 1,
+        "errors": dict(seen.most_common()),
+    }
     print(json.dumps(report, indent=1))
     assert report["converted"] > 0 and report["error_kinds"] >= 5, report

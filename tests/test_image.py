@@ -10,13 +10,22 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent  # the checkout
 from ministream import MiniStreamError
-from ministream.fork.image import DOCKER, MODEL_MOUNT, build_args, dockerfile, engine, engine_env, run_command, tag
+from ministream.fork.image import (
+    DOCKER,
+    MODEL_MOUNT,
+    build_args,
+    container_env,
+    container_tool,
+    dockerfile,
+    run_command,
+    tag,
+)
 from ministream.fork.wheel import built_wheel, wheel_name
 from ministream.run.engine import NO_USAGE_STATS
 from ministream.run.server import call, free_port, start as start_process, wait_ready
 
+ROOT = Path(__file__).resolve().parent.parent  # the checkout
 VERSION = re.search(r"^VLLM_VERSION \?= (\S+)", (ROOT / "Makefile").read_text(), re.M).group(1)
 
 
@@ -28,7 +37,7 @@ def arg_default(text: str, name: str) -> str:
 def instructions(text: str, keyword: str) -> list[str]:
     """Every `keyword` instruction of a Dockerfile, continuation lines joined."""
     joined = re.sub(r"\s*\\\n\s*", " ", text)
-    return [line[len(keyword) + 1:].strip() for line in joined.splitlines() if line.startswith(keyword + " ")]
+    return [line[len(keyword) + 1 :].strip() for line in joined.splitlines() if line.startswith(keyword + " ")]
 
 
 # ---------------------------------------------------------------- static: both Dockerfiles
@@ -103,42 +112,57 @@ def test_run_command_mounts_the_model_read_only_on_the_host_network():
 
 
 @pytest.mark.full
-@pytest.mark.skipif(os.environ.get("MINISTREAM_TEST_IMAGE") != "1",
-                    reason="builds and runs the CPU image (minutes): `make test-image`")
+@pytest.mark.skipif(
+    os.environ.get("MINISTREAM_TEST_IMAGE") != "1", reason="builds and runs the CPU image (minutes): `make test-image`"
+)
 def test_cpu_image_serves_the_same_completion_as_make_serve(tiny_hf, cli, start_serve, tmp_path):
     start = time.monotonic()
     r = cli("image", VERSION, "--device", "cpu", timeout=3600)
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     print(f"image build: {time.monotonic() - start:.0f}s; {r.stdout.strip().splitlines()[-2]}")
 
-    eng = engine()
+    tool = container_tool()
     name = f"ministream-test-{os.getpid()}"
     servers = {}
     for where in ("image", "host"):
         log = tmp_path / f"{where}.log"
         if where == "image":
             port = free_port()
-            cmd = run_command(eng, tag(VERSION, "cpu"), str(tiny_hf.resolve()), port, "127.0.0.1",
-                              ("--dtype", "float32", "--max-model-len", "256"))
-            cmd[cmd.index("run") + 1:cmd.index("run") + 1] = ["--name", name, "-e", "VLLM_CPU_KVCACHE_SPACE=1"]
-            servers[where] = (start_process(cmd, log, engine_env()), f"http://127.0.0.1:{port}", log)
+            cmd = run_command(
+                tool,
+                tag(VERSION, "cpu"),
+                str(tiny_hf.resolve()),
+                port,
+                "127.0.0.1",
+                ("--dtype", "float32", "--max-model-len", "256"),
+            )
+            cmd[cmd.index("run") + 1 : cmd.index("run") + 1] = ["--name", name, "-e", "VLLM_CPU_KVCACHE_SPACE=1"]
+            servers[where] = (start_process(cmd, log, container_env()), f"http://127.0.0.1:{port}", log)
         else:  # what `make serve MODEL=... DTYPE=float32` runs
             servers[where] = (*start_serve(tiny_hf, log, "--dtype", "float32", "--max-model-len", 256), log)
     try:
         for proc, url, log in servers.values():
             wait_ready(url, proc, log, 900)
         answers = {}
-        for where, (proc, url, log) in servers.items():
+        for where, (_, url, _) in servers.items():
             assert call(f"{url}/v1/models")[1]["data"][0]["id"] == tiny_hf.name  # the folder's name in both
-            status, body = call(f"{url}/v1/completions", {"model": tiny_hf.name, "prompt": "Once upon a time",
-                                                         "max_tokens": 16, "temperature": 0, "ignore_eos": True,
-                                                         "return_token_ids": True})
+            status, body = call(
+                f"{url}/v1/completions",
+                {
+                    "model": tiny_hf.name,
+                    "prompt": "Once upon a time",
+                    "max_tokens": 16,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                    "return_token_ids": True,
+                },
+            )
             assert status == 200, body
             answers[where] = body["choices"][0]
         assert answers["image"]["token_ids"] == answers["host"]["token_ids"]
         assert answers["image"]["text"] == answers["host"]["text"]
     finally:  # the container gets SIGTERM from `stop`, the host server from us: both must exit cleanly
-        subprocess.run([*eng, "stop", "-t", "60", name], env=engine_env(), capture_output=True, timeout=120)
+        subprocess.run([*tool, "stop", "-t", "60", name], env=container_env(), capture_output=True, timeout=120)
         if servers["host"][0].poll() is None:
             os.kill(servers["host"][0].pid, signal.SIGTERM)
         for proc, _, _ in servers.values():
@@ -148,7 +172,7 @@ def test_cpu_image_serves_the_same_completion_as_make_serve(tiny_hf, cli, start_
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(30)
     print(f"both answered {answers['image']['text']!r}")
-    for where, (proc, _, log) in servers.items():
+    for proc, _, log in servers.values():
         assert proc.returncode == 0 and "ministream serve: stopped" in log.read_text(), log.read_text()[-3000:]
 
 

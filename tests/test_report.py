@@ -13,8 +13,9 @@ def test_the_versions_table_is_generated_from_docs_matrix_json(tmp_path):
     data = report.load(DOCS)
     written = report.write(tmp_path, data)
     assert [p.name for p in written] == [report.DATA, report.TABLE]
-    assert (tmp_path / report.TABLE).read_text() == (DOCS / report.TABLE).read_text(), \
+    assert (tmp_path / report.TABLE).read_text() == (DOCS / report.TABLE).read_text(), (
         "run `make matrix RUN=1` (never edit docs/versions.md)"
+    )
     assert report.load(tmp_path) == report.load(DOCS)
 
 
@@ -31,7 +32,13 @@ def test_every_cpu_line_has_a_recorded_run_and_every_other_release_says_static_o
 
 
 def test_a_failed_line_shows_its_stage_and_error_in_the_table():
-    data = {"versions": {"0.19.1": {"static": {"applies": True}, "run": {
-        "ok": False, "stage": "install", "error": "no wheel", "cases": [], "seconds": {"total": 60}}}}}
+    data = {
+        "versions": {
+            "0.19.1": {
+                "static": {"applies": True},
+                "run": {"ok": False, "stage": "install", "error": "no wheel", "cases": [], "seconds": {"total": 60}},
+            }
+        }
+    }
     row = report.versions_table(data).splitlines()[2]
     assert row.startswith("| 0.19.1 | ✓ | ✗ install: no wheel |")

@@ -36,8 +36,10 @@ START_TIMEOUT = 600
 API_KEY = "test-key"  # the module's server asks for it (VLLM_API_KEY)
 HEADERS = {"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"}
 # A template in the style of the chat checkpoints: bos, one line per message, then the assistant's turn.
-CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
-                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
 CONCURRENT_PROMPTS = [f"{p} {i}" for i in range(4) for p in DEFAULT_PROMPTS[:8]]  # 32 distinct prompts
 
 
@@ -80,10 +82,10 @@ def test_offline_engine_and_server_share_seed_and_eager_choice(tmp_path):
 def test_every_dtype_runs_compiled_unless_eager_is_asked(tmp_path):
     from ministream.run.engine import eager
 
-    for dtype in ("float32", "bfloat16", None):
-        assert not eager() and eager(asked=True)
+    assert not eager() and eager(asked=True)
     (tmp_path / "config.json").write_text(json.dumps({"torch_dtype": "bfloat16", "max_position_embeddings": 64}))
-    assert llm_kwargs(tmp_path, "bfloat16")["enforce_eager"] is False
+    for dtype in ("float32", "bfloat16"):
+        assert llm_kwargs(tmp_path, dtype)["enforce_eager"] is False, dtype
     assert "--enforce-eager" not in server_command(tmp_path, "127.0.0.1", 9000, "m", None, 1, None, [])
 
 
@@ -144,19 +146,32 @@ def booting(chat_hf, start_serve, tmp_path_factory):
     """`ministream serve` on the chat model, with an API key."""
     log = tmp_path_factory.mktemp("serve-log") / "server.log"
     # eager here and in `offline`: the server is the subject; test_vllm.py proves the compiled default's tokens
-    proc, url = start_serve(chat_hf, log, "--dtype", "float32", "--max-model-len", MAX_MODEL_LEN, "--enforce-eager",
-                            VLLM_API_KEY=API_KEY)
+    proc, url = start_serve(
+        chat_hf, log, "--dtype", "float32", "--max-model-len", MAX_MODEL_LEN, "--enforce-eager", VLLM_API_KEY=API_KEY
+    )
     yield proc, url, log
     stop(proc)
 
 
 @pytest.fixture(scope="module")
 def offline(booting, chat_hf, cli, tmp_path_factory) -> dict:
-    """LLM.generate's greedy tokens for DEFAULT_PROMPTS (`ministream generate --engine vllm`), while the server boots."""
+    """LLM.generate's greedy tokens for DEFAULT_PROMPTS (`ministream generate --engine vllm`) while the server boots."""
     out = tmp_path_factory.mktemp("offline") / "vllm.json"
     args = [a for p in DEFAULT_PROMPTS for a in ("--prompt", p)]
-    r = cli("generate", chat_hf, "--engine", "vllm", "--dtype", "float32", "--max-tokens", MAX_TOKENS, *args,
-            "--json", out, "--enforce-eager")
+    r = cli(
+        "generate",
+        chat_hf,
+        "--engine",
+        "vllm",
+        "--dtype",
+        "float32",
+        "--max-tokens",
+        MAX_TOKENS,
+        *args,
+        "--json",
+        out,
+        "--enforce-eager",
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(out.read_text())
 
@@ -169,14 +184,18 @@ def server(booting, offline, chat_hf):
 
 
 def complete(server, prompt, max_tokens=MAX_TOKENS, **extra) -> tuple[int, dict]:
-    return any_complete(server["url"], server["name"], prompt, max_tokens, headers=HEADERS, return_token_ids=True,
-                        **extra)
+    return any_complete(
+        server["url"], server["name"], prompt, max_tokens, headers=HEADERS, return_token_ids=True, **extra
+    )
 
 
 @pytest.mark.vllm
 def test_a_request_without_the_api_key_is_refused(server):
-    status, _ = call(f"{server['url']}/v1/completions", {"model": server["name"], "prompt": "x", "max_tokens": 1},
-                     headers={"Content-Type": "application/json"})
+    status, _ = call(
+        f"{server['url']}/v1/completions",
+        {"model": server["name"], "prompt": "x", "max_tokens": 1},
+        headers={"Content-Type": "application/json"},
+    )
     assert status == 401
     tree = [server["proc"].pid, *(c.pid for c in psutil.Process(server["proc"].pid).children(recursive=True))]
     assert not [pid for pid in tree if API_KEY in " ".join(psutil.Process(pid).cmdline())]  # out of `ps`
@@ -217,12 +236,21 @@ def test_chat_completion_uses_the_folders_template(server, chat_hf):
     from transformers import AutoTokenizer
 
     messages = [{"role": "user", "content": "Tell me about the river."}]
-    rendered = AutoTokenizer.from_pretrained(chat_hf).apply_chat_template(messages, add_generation_prompt=True,
-                                                                          tokenize=True)
+    rendered = AutoTokenizer.from_pretrained(chat_hf).apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True
+    )
     rendered = list(rendered["input_ids"] if isinstance(rendered, dict) or hasattr(rendered, "keys") else rendered)
-    status, chat = call(f"{server['url']}/v1/chat/completions",
-                        {"model": server["name"], "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0,
-                         "ignore_eos": True, "return_token_ids": True})
+    status, chat = call(
+        f"{server['url']}/v1/chat/completions",
+        {
+            "model": server["name"],
+            "messages": messages,
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        },
+    )
     assert status == 200, chat
     assert chat["prompt_token_ids"] == rendered and rendered.count(0) == 1  # one <|bos|>, from the template
     status, plain = complete(server, rendered)
@@ -239,12 +267,15 @@ def test_32_concurrent_requests_each_equal_its_sequential_answer(server):
     with ThreadPoolExecutor(len(CONCURRENT_PROMPTS)) as pool:
         concurrent = list(pool.map(lambda p: complete(server, p), CONCURRENT_PROMPTS))
     assert [s for s, _ in concurrent] == [200] * 32
-    assert [b["choices"][0]["token_ids"] for _, b in concurrent] == [b["choices"][0]["token_ids"] for _, b in sequential]
+    assert [b["choices"][0]["token_ids"] for _, b in concurrent] == [
+        b["choices"][0]["token_ids"] for _, b in sequential
+    ]
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("case", ["prompt_longer_than_max_model_len", "negative_max_tokens", "unknown_model",
-                                  "malformed_json"])
+@pytest.mark.parametrize(
+    "case", ["prompt_longer_than_max_model_len", "negative_max_tokens", "unknown_model", "malformed_json"]
+)
 def test_bad_request_gets_4xx_with_a_message_and_the_server_keeps_serving(server, case):
     url = f"{server['url']}/v1/completions"
     good = {"model": server["name"], "prompt": "Once upon a time", "max_tokens": 4}
@@ -265,8 +296,17 @@ def test_bad_request_gets_4xx_with_a_message_and_the_server_keeps_serving(server
 def test_serve_bench_reports_vllms_client_figures_as_json(server, cli):
     """`ministream serve-bench`: vLLM's benchmark client (OPENAI_API_KEY is the key it sends), the corpus prompts,
     4 at once, 8 tokens each; vLLM's own figures on stdout."""
-    r = cli("serve-bench", "--url", server["url"], "--concurrency", 4, "--max-tokens", 8,
-            env={**os.environ, "OPENAI_API_KEY": API_KEY}, timeout=600)
+    r = cli(
+        "serve-bench",
+        "--url",
+        server["url"],
+        "--concurrency",
+        4,
+        "--max-tokens",
+        8,
+        env={**os.environ, "OPENAI_API_KEY": API_KEY},
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     figures = json.loads(r.stdout)
     assert figures["completed"] == 4 and figures["failed"] == 0 and figures["total_output_tokens"] == 32

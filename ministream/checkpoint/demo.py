@@ -30,14 +30,29 @@ PRESETS = {
     # fast tests: head_dim 64 because vLLM's CPU attention kernels do not take 16 or 32
     "tiny": (dict(d_model=128, n_layers=2, n_heads=2, d_ff=384, max_seq_len=512), 512, 300),
     # GQA, head_dim != d_model / n_heads, untied head, padded vocabulary: every variant in one model
-    "tiny-gqa": (dict(d_model=128, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=64, d_ff=384,
-                      max_seq_len=512, tie_embeddings=False, vocab_size=576), 512, 300),
+    "tiny-gqa": (
+        dict(
+            d_model=128,
+            n_layers=2,
+            n_heads=4,
+            n_kv_heads=2,
+            head_dim=64,
+            d_ff=384,
+            max_seq_len=512,
+            tie_embeddings=False,
+            vocab_size=576,
+        ),
+        512,
+        300,
+    ),
     "demo": (dict(d_model=192, n_layers=4, n_heads=3, d_ff=512, max_seq_len=1024), 1024, 250),
     # the write-up's ~132M shape; a few steps only (each costs seconds on a laptop CPU)
-    "reference": (dict(d_model=768, n_layers=8, n_heads=12, d_ff=2048, max_seq_len=2048,
-                       vocab_size=32000), 32000, 0),
-    "reference-gqa": (dict(d_model=768, n_layers=8, n_heads=12, n_kv_heads=4, d_ff=2048,
-                           max_seq_len=2048, vocab_size=32000), 32000, 0),
+    "reference": (dict(d_model=768, n_layers=8, n_heads=12, d_ff=2048, max_seq_len=2048, vocab_size=32000), 32000, 0),
+    "reference-gqa": (
+        dict(d_model=768, n_layers=8, n_heads=12, n_kv_heads=4, d_ff=2048, max_seq_len=2048, vocab_size=32000),
+        32000,
+        0,
+    ),
 }
 COMMON = dict(norm_eps=1e-6, rope_theta=10000.0)
 
@@ -47,12 +62,17 @@ def train_tokenizer(vocab_size: int, corpus: Path = CORPUS) -> Tokenizer:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(corpus.read_text().split("\n\n"), trainer)
     # prompts start with <|bos|>, as in training
-    tok.post_processor = processors.TemplateProcessing(single="<|bos|> $A", pair="<|bos|> $A <|bos|> $B",
-                                                       special_tokens=[("<|bos|>", 0)])
+    tok.post_processor = processors.TemplateProcessing(
+        single="<|bos|> $A", pair="<|bos|> $A <|bos|> $B", special_tokens=[("<|bos|>", 0)]
+    )
     return tok
 
 
@@ -65,8 +85,9 @@ def make_config(preset: str, tok: Tokenizer, **overrides) -> TrainConfig:
     return TrainConfig(bos_id=0, eos_id=1, **values)
 
 
-def train(model: MiniStream, tok: Tokenizer, steps: int, seed: int, corpus: Path = CORPUS,
-          log=print) -> torch.optim.Optimizer:
+def train(
+    model: MiniStream, tok: Tokenizer, steps: int, seed: int, corpus: Path = CORPUS, log=print
+) -> torch.optim.Optimizer:
     """Next-token training on the corpus: every paragraph ends with <|eos|>."""
     g = torch.Generator().manual_seed(seed)
     ids = []
@@ -82,8 +103,8 @@ def train(model: MiniStream, tok: Tokenizer, steps: int, seed: int, corpus: Path
         for group in opt.param_groups:
             group["lr"] = lr
         starts = torch.randint(0, len(data) - seq - 1, (batch,), generator=g)
-        x = torch.stack([data[s:s + seq] for s in starts])
-        y = torch.stack([data[s + 1:s + seq + 1] for s in starts])
+        x = torch.stack([data[s : s + seq] for s in starts])
+        y = torch.stack([data[s + 1 : s + seq + 1] for s in starts])
         loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -98,8 +119,9 @@ def init_weights(model: MiniStream, seed: int) -> None:
     """GPT-2's init: N(0, 0.02), the projections that write into the residual stream scaled by 1/sqrt(2L);
     the norms' weights stay ones."""
     g = torch.Generator().manual_seed(seed)
-    into_residual = {id(p) for name, p in model.named_parameters()
-                     if name.endswith((".attn.out_proj.weight", ".mlp.w3.weight"))}
+    into_residual = {
+        id(p) for name, p in model.named_parameters() if name.endswith((".attn.out_proj.weight", ".mlp.w3.weight"))
+    }
     for p in model.parameters():
         if p.ndim == 1:
             continue  # a norm's weight
@@ -108,10 +130,20 @@ def init_weights(model: MiniStream, seed: int) -> None:
             p.copy_(torch.randn(p.shape, generator=g) * std)
 
 
-def make_checkpoint(out: Path, preset: str = "tiny", steps: int | None = None, seed: int = 0,
-                    dtype: str = "float32", prefix: str = "none", one_based: bool = False,
-                    bare: bool = False, optimizer: bool = True, force: bool = False, log=print,
-                    **overrides) -> TrainConfig:
+def make_checkpoint(
+    out: Path,
+    preset: str = "tiny",
+    steps: int | None = None,
+    seed: int = 0,
+    dtype: str = "float32",
+    prefix: str = "none",
+    one_based: bool = False,
+    bare: bool = False,
+    optimizer: bool = True,
+    force: bool = False,
+    log=print,
+    **overrides,
+) -> TrainConfig:
     """Write `out/model.pt` and `out/tokenizer.json`; returns the train config."""
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
@@ -120,9 +152,11 @@ def make_checkpoint(out: Path, preset: str = "tiny", steps: int | None = None, s
     torch.manual_seed(seed)
     tok = train_tokenizer(tok_vocab)
     cfg = make_config(preset, tok, **overrides)
-    log(f"checkpoint: preset {preset}, {cfg.n_layers} layers, d_model {cfg.d_model}, heads {cfg.n_heads}/"
+    log(
+        f"checkpoint: preset {preset}, {cfg.n_layers} layers, d_model {cfg.d_model}, heads {cfg.n_heads}/"
         f"{cfg.n_kv_heads} (q/kv), head_dim {cfg.head_dim}, vocab {cfg.vocab_size} "
-        f"(tokenizer {tok.get_vocab_size()}), {'tied' if cfg.tie_embeddings else 'untied'}; training {steps} steps")
+        f"(tokenizer {tok.get_vocab_size()}), {'tied' if cfg.tie_embeddings else 'untied'}; training {steps} steps"
+    )
     model = MiniStream(cfg)
     init_weights(model, seed)
     opt = train(model, tok, steps, seed, log=log) if steps else None
@@ -138,6 +172,8 @@ def make_checkpoint(out: Path, preset: str = "tiny", steps: int | None = None, s
     with new_folder(out, force) as tmp:
         save_checkpoint(tmp / "model.pt", state, None if bare else cfg, extra)
         tok.save(str(tmp / "tokenizer.json"))
-    log(f"checkpoint: wrote {out}/model.pt ({sum(v.numel() for v in model.parameters()) / 1e6:.1f}M parameters, "
-        f"{dtype}) and {out}/tokenizer.json")
+    log(
+        f"checkpoint: wrote {out}/model.pt ({sum(v.numel() for v in model.parameters()) / 1e6:.1f}M parameters, "
+        f"{dtype}) and {out}/tokenizer.json"
+    )
     return cfg

@@ -35,7 +35,9 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
     if path.is_dir():
         path = path / "model.pt"
     if not path.is_file():
-        raise MiniStreamError(f"{path}: no such file; a MiniStream training checkpoint folder holds model.pt and tokenizer.json")
+        raise MiniStreamError(
+            f"{path}: no such file; a MiniStream training checkpoint folder holds model.pt and tokenizer.json"
+        )
     obj = _torch_load(path)
 
     notes = []
@@ -45,13 +47,16 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
         if ignored:
             notes.append(f"ignored entries: {', '.join(ignored)}")
         if config is not None and not isinstance(config, dict):
-            raise MiniStreamError(f"{path}: 'config' is a {type(config).__name__}, expected a dict of train config values")
+            raise MiniStreamError(
+                f"{path}: 'config' is a {type(config).__name__}, expected a dict of train config values"
+            )
     elif isinstance(obj, dict):
         state, config = obj, None
     else:
         raise MiniStreamError(
             f"{path}: holds a {type(obj).__name__}, not a MiniStream checkpoint "
-            "(expected a state dict or {'model': state dict, 'config': ...})")
+            "(expected a state dict or {'model': state dict, 'config': ...})"
+        )
     bad = [k for k, v in state.items() if not isinstance(k, str) or not isinstance(v, torch.Tensor)]
     if bad:
         raise MiniStreamError(f"{path}: state dict entry {bad[0]!r} is not a named tensor")
@@ -81,13 +86,15 @@ def _torch_load(path: Path):
                 f"{path}: the pickle needs code to be executed to load "
                 f"({what.group(1) if what else 'an object that is not a tensor, dict or number'}); it is refused. "
                 "Re-save it with plain tensors and dicts: "
-                "torch.save({'model': model.state_dict(), 'config': dict(config)}, 'model.pt')") from None
+                "torch.save({'model': model.state_dict(), 'config': dict(config)}, 'model.pt')"
+            ) from None
         raise MiniStreamError(f"{path}: not a readable torch checkpoint ({e}); is it truncated?") from None
     except Exception as e:  # torch raises many kinds (RuntimeError, EOFError, IndexError, ...) for a bad file
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise MiniStreamError(
             f"{path}: not a readable torch checkpoint ({first}); "
-            "is it truncated or another kind of file? Copy it again from the training run") from None
+            "is it truncated or another kind of file? Copy it again from the training run"
+        ) from None
 
 
 def _strip_prefixes(state: dict, notes: list[str]) -> dict:
@@ -97,9 +104,11 @@ def _strip_prefixes(state: dict, notes: list[str]) -> dict:
         while k.startswith(_PREFIXES):
             p = next(p for p in _PREFIXES if k.startswith(p))
             stripped.add(p)
-            k = k[len(p):]
+            k = k[len(p) :]
         if k in out:
-            raise MiniStreamError(f"key {k!r} appears twice once the {'/'.join(sorted(stripped))} prefixes are stripped")
+            raise MiniStreamError(
+                f"key {k!r} appears twice once the {'/'.join(sorted(stripped))} prefixes are stripped"
+            )
         out[k] = value
     if stripped:
         notes.append(f"stripped key prefixes: {', '.join(sorted(stripped))}")
@@ -118,13 +127,13 @@ def resolve_config(ckpt: Checkpoint, overrides: dict | None = None) -> TrainConf
     """The train config: the checkpoint's own, else the caller's values; checked against the shapes."""
     overrides = {k: v for k, v in (overrides or {}).items() if v is not None}
     if ckpt.config is not None:
-        conflicts = {k: (ckpt.config[k], v) for k, v in overrides.items()
-                     if k in ckpt.config and ckpt.config[k] != v}
+        conflicts = {k: (ckpt.config[k], v) for k, v in overrides.items() if k in ckpt.config and ckpt.config[k] != v}
         if conflicts:
             k, (a, b) = next(iter(conflicts.items()))
             raise MiniStreamError(
                 f"{ckpt.path}: the checkpoint's config says {k}={a!r} but a flag says {b!r}; "
-                "drop the flag (the checkpoint's own config wins) or fix the checkpoint")
+                "drop the flag (the checkpoint's own config wins) or fix the checkpoint"
+            )
         values, source = {**overrides, **ckpt.config}, f"{ckpt.path} config"
     else:
         values, source = overrides, f"{ckpt.path} has no config entry, so the flags"
@@ -135,7 +144,8 @@ def resolve_config(ckpt: Checkpoint, overrides: dict | None = None) -> TrainConf
             raise MiniStreamError(
                 f"{ckpt.path} has no config entry and these values are not given: {', '.join(missing)}; "
                 f"pass them as flags: {' '.join('--' + m.replace('_', '-') + ' N' for m in missing)}"
-                + (f". The tensor shapes suggest {seen}" if seen else ""))
+                + (f". The tensor shapes suggest {seen}" if seen else "")
+            )
     cfg = TrainConfig.from_dict(values, source)
     check_state(ckpt.state, cfg, str(ckpt.path))
     return cfg

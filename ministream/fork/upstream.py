@@ -21,8 +21,11 @@ EXAMPLES_PY = "tests/models/registry.py"  # the example model of each architectu
 EXAMPLES_DICT = "_TEXT_GENERATION_EXAMPLE_MODELS"
 EXAMPLES_CLASS = "_HfExamplesInfo"
 # the supported-models page, newest layout first: mkdocs (0.9+), MyST (0.6.6-0.8), reStructuredText (0.6.3)
-DOCS_PAGES = ("docs/models/supported_models.md", "docs/source/models/supported_models.md",
-              "docs/source/models/supported_models.rst")
+DOCS_PAGES = (
+    "docs/models/supported_models.md",
+    "docs/source/models/supported_models.md",
+    "docs/source/models/supported_models.rst",
+)
 # the folder of the decoder-only generation tests, newest layout first
 TEST_DIRS = ("tests/models/language/generation", "tests/models/decoder_only/language")
 TESTS_UTILS_PY = "tests/models/utils.py"  # check_logprobs_close, check_outputs_equal: the test imports them
@@ -33,6 +36,7 @@ TEMPLATE_ROW = "LlamaForCausalLM"  # our docs row takes its form and support mar
 @dataclass
 class HandMade:
     """The hand-made set's upstream part, taken apart: what every release gets, in its own form."""
+
     source: str  # the hand-made set's folder name (v0.32.0)
     entry: str  # the example entry's lines (comment included), as added to tests/models/registry.py
     row: list[str]  # the cells of the supported-models row (Markdown)
@@ -59,15 +63,23 @@ def hand_made_upstream(src: Path, patch_sets: Path = PATCH_SETS) -> HandMade:
     diff = (folder / UPSTREAM / "upstream.diff").read_text()
     for chunk in re.split(r"^diff --git a/\S+ b/", diff, flags=re.M)[1:]:
         path, body = chunk.split("\n", 1)
-        added[path] = [line[1:] for line in body.splitlines(keepends=True)
-                       if line.startswith("+") and not line.startswith("+++")]
+        added[path] = [
+            line[1:] for line in body.splitlines(keepends=True) if line.startswith("+") and not line.startswith("+++")
+        ]
     tests = sorted((folder / UPSTREAM / "files").rglob("test_*.py"))
     rows = [line for path, lines in added.items() if path.startswith("docs/") for line in lines]
     if EXAMPLES_PY not in added or len(rows) != 1 or not rows[0].startswith("| `") or len(tests) != 1:
-        raise MiniStreamError(f"{folder / UPSTREAM} is not in the shape port reads (an entry added to {EXAMPLES_PY}, "
-                              f"one Markdown row to the supported-models page, one test_*.py): extend upstream.py")
-    return HandMade(folder.name, "".join(added[EXAMPLES_PY]), [c.strip() for c in rows[0].strip().split("|")[1:-1]],
-                    tests[0].relative_to(folder / UPSTREAM / "files").as_posix(), tests[0].read_text())
+        raise MiniStreamError(
+            f"{folder / UPSTREAM} is not in the shape port reads (an entry added to {EXAMPLES_PY}, "
+            f"one Markdown row to the supported-models page, one test_*.py): extend upstream.py"
+        )
+    return HandMade(
+        folder.name,
+        "".join(added[EXAMPLES_PY]),
+        [c.strip() for c in rows[0].strip().split("|")[1:-1]],
+        tests[0].relative_to(folder / UPSTREAM / "files").as_posix(),
+        tests[0].read_text(),
+    )
 
 
 def upstream_files(version: str, patch_sets: Path = PATCH_SETS) -> dict[str, str | None]:
@@ -89,8 +101,9 @@ def upstream_part(version: str, made: HandMade, patch_sets: Path = PATCH_SETS) -
     """upstream/ for release `version`, from its sdist's files."""
     files, names = upstream_files(version, patch_sets), sdist_names(version)
     if not any(n.startswith(("docs/", "tests/models/")) for n in names):
-        raise NoUpstream(f"the vllm {version} sdist ships no docs/ and no tests/models/ (no supported-models page, "
-                         f"no model tests)")
+        raise NoUpstream(
+            f"the vllm {version} sdist ships no docs/ and no tests/models/ (no supported-models page, no model tests)"
+        )
     pristine: dict[str, str] = {}  # the release's files that change, and what they become
     changed: dict[str, str] = {}
     examples = None
@@ -100,17 +113,25 @@ def upstream_part(version: str, made: HandMade, patch_sets: Path = PATCH_SETS) -
         changed[EXAMPLES_PY] = add_example(registry_py, example_entry(made.entry, examples[0]))
     docs = next(((p, page) for p in DOCS_PAGES if (page := files[p]) is not None), None)
     if docs is None:
-        raise MiniStreamError(f"the vllm {version} sdist has none of {', '.join(DOCS_PAGES)}: a new docs layout; "
-                              f"add its supported-models page to upstream.DOCS_PAGES")
+        raise MiniStreamError(
+            f"the vllm {version} sdist has none of {', '.join(DOCS_PAGES)}: a new docs layout; "
+            f"add its supported-models page to upstream.DOCS_PAGES"
+        )
     pristine[docs[0]] = docs[1]
     changed[docs[0]] = add_docs_row(docs[1], made.row)
     test_dir = next((d for d in TEST_DIRS if f"{d}/__init__.py" in names), None)
     if test_dir is None:
-        raise MiniStreamError(f"the vllm {version} sdist has none of {', '.join(TEST_DIRS)}: a new tests layout; "
-                              f"add its generation-test folder to upstream.TEST_DIRS")
+        raise MiniStreamError(
+            f"the vllm {version} sdist has none of {', '.join(TEST_DIRS)}: a new tests layout; "
+            f"add its generation-test folder to upstream.TEST_DIRS"
+        )
     test = generation_test(made, test_dir, examples)
-    return UpstreamPart("".join(unified_diff(p, p, pristine[p], text) for p, text in changed.items()),
-                        {f"{test_dir}/{Path(made.test_path).name}": test}, pristine, source=made.source)
+    return UpstreamPart(
+        "".join(unified_diff(p, p, pristine[p], text) for p, text in changed.items()),
+        {f"{test_dir}/{Path(made.test_path).name}": test},
+        pristine,
+        source=made.source,
+    )
 
 
 def _examples_dict(registry_py: str) -> ast.Dict:
@@ -132,8 +153,11 @@ def _examples_class(registry_py: str) -> ast.ClassDef:
 
 def example_fields(registry_py: str) -> set[str]:
     """The fields of this release's _HfExamplesInfo dataclass."""
-    return {n.target.id for n in _examples_class(registry_py).body
-            if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+    return {
+        n.target.id
+        for n in _examples_class(registry_py).body
+        if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)
+    }
 
 
 def example_methods(registry_py: str) -> set[str]:
@@ -156,12 +180,15 @@ def _entry_call(entry: str) -> ast.Call:
 def example_entry(entry: str, fields: set[str]) -> str:
     """The hand-made entry with only the keyword arguments this release's _HfExamplesInfo has
     (0.6-0.8 have no max_model_len): one argument a line, as the hand-made entry writes them."""
-    kept = "".join(line for line in entry.splitlines(keepends=True)
-                   if not (m := re.match(r"\s+(\w+)=", line)) or m[1] in fields)
+    kept = "".join(
+        line for line in entry.splitlines(keepends=True) if not (m := re.match(r"\s+(\w+)=", line)) or m[1] in fields
+    )
     unknown = {k.arg for k in _entry_call(kept).keywords if k.arg is not None} - fields
     if unknown:
-        raise MiniStreamError(f"the example entry sets {', '.join(sorted(unknown))}, which this release's "
-                              f"{EXAMPLES_CLASS} lacks, on a line shared with another argument: one argument a line")
+        raise MiniStreamError(
+            f"the example entry sets {', '.join(sorted(unknown))}, which this release's "
+            f"{EXAMPLES_CLASS} lacks, on a line shared with another argument: one argument a line"
+        )
     return kept
 
 
@@ -209,12 +236,13 @@ def add_docs_row(page: str, cells: list[str]) -> str:
     lines = page.splitlines(keepends=True)
     found = next(((i, m) for i, line in enumerate(lines) if (m := _ROW.match(line)) and m[2] == TEMPLATE_ROW), None)
     if found is None:
-        raise MiniStreamError(f"the supported-models page has no row for {TEMPLATE_ROW}: a new layout; "
-                              f"extend upstream.add_docs_row")
+        raise MiniStreamError(
+            f"the supported-models page has no row for {TEMPLATE_ROW}: a new layout; extend upstream.add_docs_row"
+        )
     llama, prefix = found[0], found[1][1]
     table = _table(lines, llama, prefix)
     starts = [i for i in table if lines[i].startswith(prefix)]
-    rows = {i: lines[i:next((j for j in starts if j > i), table[-1] + 1)] for i in starts}
+    rows = {i: lines[i : next((j for j in starts if j > i), table[-1] + 1)] for i in starts}
     arch = re.sub(r"`", "", cells[0])
     if any((m := _ROW.match(lines[i])) and m[2] == arch for i in starts):
         raise MiniStreamError(f"the supported-models page already has a row for {arch}")
@@ -227,10 +255,16 @@ def add_docs_row(page: str, cells: list[str]) -> str:
         m = re.match(r"^\s*[-*] ?", template[1]) if len(template) > 1 else None
         cell = m[0] if m else None
         if cell is None or not all(re.match(r"^\s*[-*]( |$)", line) for line in template[1:]):
-            raise MiniStreamError(f"the {TEMPLATE_ROW} row of the supported-models page spans lines per cell: "
-                                  f"extend upstream.add_docs_row")
-        row = [prefix + code(cells[0]) + "\n", cell + code(cells[1]) + "\n", cell + code(cells[2]) + "\n",
-               *template[3:]]
+            raise MiniStreamError(
+                f"the {TEMPLATE_ROW} row of the supported-models page spans lines per cell: "
+                f"extend upstream.add_docs_row"
+            )
+        row = [
+            prefix + code(cells[0]) + "\n",
+            cell + code(cells[1]) + "\n",
+            cell + code(cells[2]) + "\n",
+            *template[3:],
+        ]
     after = [i for i in starts if (m := _ROW.match(lines[i])) and m[2] > arch]
     at = after[0] if after else table[-1] + 1
     return "".join(lines[:at] + row + lines[at:])
@@ -239,8 +273,11 @@ def add_docs_row(page: str, cells: list[str]) -> str:
 def _table(lines: list[str], row: int, prefix: str) -> list[int]:
     """Line indices of the table holding line `row`: contiguous Markdown table lines, or the
     contiguous item lines of a list-table."""
-    inside = (lambda line: line.startswith("|")) if prefix == "| " else \
-        (lambda line: bool(line.strip()) and bool(re.match(r"^\s*[-*]( |$)", line)))
+    inside = (
+        (lambda line: line.startswith("|"))
+        if prefix == "| "
+        else (lambda line: bool(line.strip()) and bool(re.match(r"^\s*[-*]( |$)", line)))
+    )
     start = end = row
     while start > 0 and inside(lines[start - 1]):
         start -= 1
@@ -261,10 +298,13 @@ def generation_test(made: HandMade, test_dir: str, examples: tuple[set[str], set
     if examples is None:
         ids = ", ".join(f'"{i}"' for i in example_ids(made.entry))
         text = _replace(text, re.search(r"^from \.+registry import HF_EXAMPLE_MODELS\n", text, re.M), "")
-        text = _replace(text, 'MODEL_INFO = HF_EXAMPLE_MODELS.get_hf_info("MiniStreamForCausalLM")\n'
-                              "MODELS = [MODEL_INFO.default, *MODEL_INFO.extras.values()]\n",
-                        "# this release has no tests/models/registry.py of example models: the ids are listed here\n"
-                        f"MODELS = [{ids}]\n")
+        text = _replace(
+            text,
+            'MODEL_INFO = HF_EXAMPLE_MODELS.get_hf_info("MiniStreamForCausalLM")\n'
+            "MODELS = [MODEL_INFO.default, *MODEL_INFO.extras.values()]\n",
+            "# this release has no tests/models/registry.py of example models: the ids are listed here\n"
+            f"MODELS = [{ids}]\n",
+        )
         text = text.replace(" on the example models of tests/models/registry.py", " on the MiniStream example models")
     for check in ("check_available_online", "check_transformers_version"):
         if check not in methods:
@@ -273,8 +313,9 @@ def generation_test(made: HandMade, test_dir: str, examples: tuple[set[str], set
     if "max_model_len" not in fields and value is not None:
         text = _replace(text, "max_model_len=MODEL_INFO.max_model_len", "max_model_len=MAX_MODEL_LEN")
         models = re.search(r"^MODELS = .*\n", text, re.M)
-        text = _replace(text, models, (models[0] if models else "")
-                        + f"MAX_MODEL_LEN = {value}  # the example models' context\n")
+        text = _replace(
+            text, models, (models[0] if models else "") + f"MAX_MODEL_LEN = {value}  # the example models' context\n"
+        )
     return text
 
 
@@ -282,17 +323,20 @@ def _replace(text: str, old, new: str) -> str:
     """`text` with `old` (a string or a match) replaced once; refused when the hand-made test lacks it."""
     old = old[0] if isinstance(old, re.Match) else old
     if not old or old not in text:
-        raise MiniStreamError(f"the hand-made generation test no longer has {old!r}, which port adapts for older "
-                              f"releases: extend upstream.generation_test")
+        raise MiniStreamError(
+            f"the hand-made generation test no longer has {old!r}, which port adapts for older "
+            f"releases: extend upstream.generation_test"
+        )
     return text.replace(old, new, 1)
 
 
 def _relative_imports(text: str, src: str, dst: str) -> str:
     """`text`'s relative imports, written in package `src`, rewritten for package `dst`."""
+
     def rewrite(m: re.Match) -> str:
         target = import_target(src, len(m[1]), m[2]).split("/")
         here = dst.split("/")
-        common = next((i for i, (a, b) in enumerate(zip(here, target[:-1])) if a != b),
-                      min(len(here), len(target) - 1))
+        common = next((i for i, (a, b) in enumerate(zip(here, target[:-1])) if a != b), min(len(here), len(target) - 1))
         return f"from {'.' * (len(here) - common + 1)}{'.'.join(target[common:])} import"
+
     return re.sub(r"^from (\.+)([\w.]*) import", rewrite, text, flags=re.M)

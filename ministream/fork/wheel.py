@@ -95,17 +95,21 @@ def _patch_commit(tree: Path, make: str):
         repo = git.Repo(tree)
         head = repo.head.commit
     except (git.InvalidGitRepositoryError, git.NoSuchPathError, ValueError) as e:
-        raise MiniStreamError(f"{tree} is not a git repository with commits ({e.__class__.__name__}): "
-                              f"remove it and run `{make}`") from None
+        raise MiniStreamError(
+            f"{tree} is not a git repository with commits ({e.__class__.__name__}): remove it and run `{make}`"
+        ) from None
     message = head.message if isinstance(head.message, str) else head.message.decode("utf-8", "replace")
     subject = message.splitlines()[0] if message else ""
     if not subject.startswith(PATCH_PREFIX) or not head.parents:
         raise MiniStreamError(
             f"HEAD of {tree} ({head.hexsha[:10]} {subject!r}) is not a {PATCH_PREFIX!r} patch commit on top "
-            f"of the pristine release: commit your changes into the patch commit, or run `{make}` again")
+            f"of the pristine release: commit your changes into the patch commit, or run `{make}` again"
+        )
     if repo.is_dirty(path="vllm"):
-        print(f"warning: {tree} has uncommitted changes under vllm/; the wheel holds HEAD only "
-              f"({head.hexsha[:10]})", file=sys.stderr)
+        print(
+            f"warning: {tree} has uncommitted changes under vllm/; the wheel holds HEAD only ({head.hexsha[:10]})",
+            file=sys.stderr,
+        )
     return head
 
 
@@ -116,8 +120,12 @@ def read_patch(tree: Path, version: str, device: str) -> Patch:
     make = make_patch(version, device, tree)
     head = _patch_commit(tree, make)
     before, after = _blobs(head.parents[0]), _blobs(head)
-    patch = Patch(tree=tree, commit=head.hexsha, device=applied_device(head.message),
-                  date_time=time.gmtime(max(head.committed_date, 315532800))[:6])  # zip dates start in 1980
+    patch = Patch(
+        tree=tree,
+        commit=head.hexsha,
+        device=applied_device(head.message),
+        date_time=time.gmtime(max(head.committed_date, 315532800))[:6],
+    )  # zip dates start in 1980
     for path, blob in after.items():
         old = before.get(path)
         if old is None or old.binsha != blob.binsha or old.mode != blob.mode:
@@ -128,8 +136,9 @@ def read_patch(tree: Path, version: str, device: str) -> Patch:
         patch.deleted.add(path)
         patch.pristine[path] = before[path].data_stream.read()
     if not patch.changed and not patch.deleted:
-        raise MiniStreamError(f"the patch commit {head.hexsha[:10]} of {tree} changes nothing under vllm/: "
-                              f"run `{make}` again")
+        raise MiniStreamError(
+            f"the patch commit {head.hexsha[:10]} of {tree} changes nothing under vllm/: run `{make}` again"
+        )
     return patch
 
 
@@ -141,7 +150,8 @@ def check_device(patch: Patch, version: str, device: str) -> None:
         raise MiniStreamError(
             f"{patch.tree} is patched for {made_for}, but vLLM {version}'s {device} wheel needs the tree patched for "
             f"{device} ({'with' if device == 'cpu' else 'without'} the CPU part, {cpu.PLATFORM_FILE}'s platform "
-            f"fix): run `{make_patch(version, device, patch.tree)}`")
+            f"fix): run `{make_patch(version, device, patch.tree)}`"
+        )
 
 
 # ---------------------------------------------------------------- names and versions
@@ -171,8 +181,10 @@ def _split_name(wheel: Path) -> tuple[str, Version, str]:
     try:
         name, version, _, _ = parse_wheel_filename(wheel.name)
     except InvalidWheelFilename as e:
-        raise MiniStreamError(f"{wheel} is not a wheel's file name ({e}): delete it from {wheel.parent} "
-                              f"and run again to download it afresh") from None
+        raise MiniStreamError(
+            f"{wheel} is not a wheel's file name ({e}): delete it from {wheel.parent} "
+            f"and run again to download it afresh"
+        ) from None
     # the tags as the file spells them (its last three fields); parse_wheel_filename expands them into a set
     tags = "-".join(wheel.name[: -len(".whl")].split("-")[-3:])
     return name.replace("-", "_"), version, tags
@@ -193,8 +205,9 @@ def built_wheel(version: str, device: str, dist_dir: Path | None = None) -> Path
     ours = patched_version(device_release(version, device))
     hits = sorted(dist_dir.glob(f"{stem}-{ours}-*.whl"))
     if not hits:
-        raise MiniStreamError(f"no {stem}-{ours}-*.whl in {dist_dir}: run "
-                              f"`make wheel VLLM_VERSION={version} DEVICE={device}` first")
+        raise MiniStreamError(
+            f"no {stem}-{ours}-*.whl in {dist_dir}: run `make wheel VLLM_VERSION={version} DEVICE={device}` first"
+        )
     return hits[-1]
 
 
@@ -208,13 +221,17 @@ def _set_version(metadata: bytes, old: Version, new: str, release: Path) -> byte
     """METADATA with its Version header set to `new`; compat32 gives back every other byte as read."""
     msg = BytesParser(policy=compat32).parsebytes(metadata)
     if msg.get_all("Version") != [str(old)]:
-        raise MiniStreamError(f"METADATA of {release.name} has no single 'Version: {old}' header: "
-                              f"delete it from {release.parent} and run again to download it afresh")
+        raise MiniStreamError(
+            f"METADATA of {release.name} has no single 'Version: {old}' header: "
+            f"delete it from {release.parent} and run again to download it afresh"
+        )
     # email writes "\n" line ends and a blank line after the headers: a file otherwise would change elsewhere
     if _flatten(msg) != metadata:
-        raise MiniStreamError(f"METADATA of {release.name} would not be written back byte for byte (CRLF line "
-                              f"ends, or no blank line after its headers): teach _set_version in {__file__} "
-                              f"this release's METADATA")
+        raise MiniStreamError(
+            f"METADATA of {release.name} would not be written back byte for byte (CRLF line "
+            f"ends, or no blank line after its headers): teach _set_version in {__file__} "
+            f"this release's METADATA"
+        )
     msg.replace_header("Version", new)
     return _flatten(msg)
 
@@ -242,8 +259,10 @@ def _set_version_module(source: bytes, old: Version, new: str, release: Path) ->
         end_col = value.end_col_offset if value.end_col_offset is not None else value.col_offset
         edits.append((at[value.lineno - 1] + value.col_offset, at[end_line - 1] + end_col, text))
     if not found:
-        raise MiniStreamError(f"{VERSION_FILE} of {release.name} does not set __version__ = {str(old)!r}: "
-                              f"delete it from {release.parent} and run again to download it afresh")
+        raise MiniStreamError(
+            f"{VERSION_FILE} of {release.name} does not set __version__ = {str(old)!r}: "
+            f"delete it from {release.parent} and run again to download it afresh"
+        )
     for start, end, text in reversed(edits):
         source = source[:start] + text.encode() + source[end:]
     return source
@@ -255,33 +274,42 @@ def _set_version_module(source: bytes, old: Version, new: str, release: Path) ->
 def _check_against_release(patch: Patch, src: zipfile.ZipFile, release: Path, version: str, device: str):
     """Refuse to overlay a file unless the release wheel's copy is the unpatched base the patch was made on."""
     names = set(src.namelist())
-    again = (f"the patched tree {patch.tree} is not vLLM {version}'s source; "
-             f"run `{make_patch(version, device, patch.tree)}` again")
+    again = (
+        f"the patched tree {patch.tree} is not vLLM {version}'s source; "
+        f"run `{make_patch(version, device, patch.tree)}` again"
+    )
     if VERSION_FILE in patch.changed or VERSION_FILE in patch.deleted:
-        raise MiniStreamError(f"the patch changes {VERSION_FILE}, which the wheel writes itself (the release's "
-                              f"version with ours added): change the patch so it leaves {VERSION_FILE} alone")
+        raise MiniStreamError(
+            f"the patch changes {VERSION_FILE}, which the wheel writes itself (the release's "
+            f"version with ours added): change the patch so it leaves {VERSION_FILE} alone"
+        )
     for path in sorted(patch.changed.keys() | patch.deleted):
         if path not in patch.pristine:  # added by the patch
             if path in names:
-                raise MiniStreamError(f"the patch adds {path}, but the release wheel {release.name} already "
-                                      f"ships it: {again}")
+                raise MiniStreamError(
+                    f"the patch adds {path}, but the release wheel {release.name} already ships it: {again}"
+                )
         elif path not in names:
-            raise MiniStreamError(f"the patch changes {path}, which the release wheel {release.name} does "
-                                  f"not ship: {again}")
+            raise MiniStreamError(
+                f"the patch changes {path}, which the release wheel {release.name} does not ship: {again}"
+            )
         elif src.read(path) != patch.pristine[path]:
             raise MiniStreamError(
                 f"{path} in {release.name} differs from the pristine source the patch was made on (HEAD~1 of "
                 f"{patch.tree}): this build ships its own version of that file, which the wheel must keep; "
                 f"change the patch so it leaves {path} alone (or run `{make_patch(version, device, patch.tree)}` "
-                f"for the version and device you build)")
+                f"for the version and device you build)"
+            )
 
 
 def _dist_info(src: zipfile.ZipFile, release: Path) -> str:
     """The release wheel's .dist-info/ folder, found by its METADATA."""
     found = [n[: -len("METADATA")] for n in src.namelist() if n.endswith(".dist-info/METADATA") and n.count("/") == 1]
     if len(found) != 1:
-        raise MiniStreamError(f"{release.name} has {len(found)} .dist-info/METADATA files, not one: delete it "
-                              f"from {release.parent} and run again to download it afresh")
+        raise MiniStreamError(
+            f"{release.name} has {len(found)} .dist-info/METADATA files, not one: delete it "
+            f"from {release.parent} and run again to download it afresh"
+        )
     return found[0]
 
 
@@ -309,8 +337,10 @@ def _copy_stored(src: zipfile.ZipFile, info: zipfile.ZipInfo, span: int, out: zi
     while left:
         chunk = source.read(min(left, 1 << 22))
         if not chunk:
-            raise MiniStreamError(f"{src.filename} ends inside {info.filename}: delete it from "
-                                  f"{Path(str(src.filename)).parent} and run again to download it afresh")
+            raise MiniStreamError(
+                f"{src.filename} ends inside {info.filename}: delete it from "
+                f"{Path(str(src.filename)).parent} and run again to download it afresh"
+            )
         dest.write(chunk)
         left -= len(chunk)
     out.filelist.append(entry)
@@ -355,20 +385,22 @@ def _write_files(src: zipfile.ZipFile, out: zipfile.ZipFile, patch: Patch, rewri
     return records
 
 
-def _write_dist_info(src: zipfile.ZipFile, out: zipfile.ZipFile, old: str, new: str, metadata: bytes,
-                     records: list, date_time: tuple):
+def _write_dist_info(
+    src: zipfile.ZipFile, out: zipfile.ZipFile, old: str, new: str, metadata: bytes, records: list, date_time: tuple
+):
     """The release's .dist-info/ files renamed to `new`, in its order, with our METADATA, then RECORD last."""
     for info in src.infolist():
         if not info.filename.startswith(old) or info.filename == f"{old}RECORD":
             continue
         data = metadata if info.filename == f"{old}METADATA" else src.read(info)
-        records.append(_write(out, _new_entry(new + info.filename[len(old):], info, 0, ()), data))
+        records.append(_write(out, _new_entry(new + info.filename[len(old) :], info, 0, ()), data))
     template = src.getinfo(f"{old}RECORD") if f"{old}RECORD" in src.namelist() else None
     out.writestr(_new_entry(f"{new}RECORD", template, 0o644, date_time), record_file(records, f"{new}RECORD"))
 
 
-def build_wheel(version: str, device: str, tree: Path | None = None, dist_dir: Path | None = None,
-                quiet: bool = False) -> Path:
+def build_wheel(
+    version: str, device: str, tree: Path | None = None, dist_dir: Path | None = None, quiet: bool = False
+) -> Path:
     """dist/<dist>-VERSION+ministream.V-<release tags>.whl: the release wheel with the patch commit's files."""
     tree = Path(tree) if tree else default_tree(version)
     dist_dir = Path(dist_dir) if dist_dir else DIST
@@ -385,15 +417,16 @@ def build_wheel(version: str, device: str, tree: Path | None = None, dist_dir: P
         old_info = _dist_info(src, release)
         _check_against_release(patch, src, release, version, device)
         if VERSION_FILE not in src.namelist():
-            raise MiniStreamError(f"{release.name} has no {VERSION_FILE} to carry our version: delete it "
-                                  f"from {release.parent} and run again to download it afresh")
+            raise MiniStreamError(
+                f"{release.name} has no {VERSION_FILE} to carry our version: delete it "
+                f"from {release.parent} and run again to download it afresh"
+            )
         rewritten = {path: data for path, (data, _) in patch.changed.items()}
         rewritten[VERSION_FILE] = _set_version_module(src.read(VERSION_FILE), release_version, new_version, release)
         metadata = _set_version(src.read(f"{old_info}METADATA"), release_version, new_version, release)
         with new_file(final) as tmp, zipfile.ZipFile(tmp, "w") as out:
             records = _write_files(src, out, patch, rewritten, old_info)
-            _write_dist_info(src, out, old_info, f"{stem}-{new_version}.dist-info/", metadata, records,
-                             patch.date_time)
+            _write_dist_info(src, out, old_info, f"{stem}-{new_version}.dist-info/", metadata, records, patch.date_time)
         names = set(src.namelist())
     if not quiet:
         _report(final, release, patch, names, new_version)
@@ -408,9 +441,11 @@ def _platform_fix(source: bytes, release: Path) -> bytes:
 def _report(final: Path, release: Path, patch: Patch, names: set, new_version: str):
     added = sorted(patch.changed.keys() - names)
     changed = sorted(patch.changed.keys() & names)
-    print(f"{final}: {release.name} + {len(added)} added, {len(changed)} changed, "
-          f"{len(patch.deleted)} deleted file(s) from {patch.tree} @ {patch.commit[:10]}; "
-          f"vllm.__version__ {new_version}")
+    print(
+        f"{final}: {release.name} + {len(added)} added, {len(changed)} changed, "
+        f"{len(patch.deleted)} deleted file(s) from {patch.tree} @ {patch.commit[:10]}; "
+        f"vllm.__version__ {new_version}"
+    )
     for path in added:
         print(f"  A {path}")
     for path in changed:

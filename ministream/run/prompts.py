@@ -28,9 +28,18 @@ def _log_uniform(rng: random.Random, lo: int, hi: int) -> int:
     return min(hi, max(lo, round(math.exp(rng.uniform(math.log(lo), math.log(hi))))))
 
 
-def build_prompts(tok, counts: list[int], seed: int, prompt_tokens=PROMPT_TOKENS, output_tokens=(16, 128),
-                  prefix_groups: int = 4, prefix_tokens=PREFIX_TOKENS, shared_fraction: float = 0.5,
-                  max_model_len: int = 2048, corpus: Path = CORPUS) -> dict:
+def build_prompts(
+    tok,
+    counts: list[int],
+    seed: int,
+    prompt_tokens=PROMPT_TOKENS,
+    output_tokens=(16, 128),
+    prefix_groups: int = 4,
+    prefix_tokens=PREFIX_TOKENS,
+    shared_fraction: float = 0.5,
+    max_model_len: int = 2048,
+    corpus: Path = CORPUS,
+) -> dict:
     """Prompts from the corpus, one list of rows per entry of `counts`; deterministic for a seed.
 
     tok: the folder's tokenizers.Tokenizer (its encode adds <|bos|>, as vLLM's endpoint does). A row is
@@ -46,8 +55,10 @@ def build_prompts(tok, counts: list[int], seed: int, prompt_tokens=PROMPT_TOKENS
     starts = [i for i in range(len(offsets) - longest) if i == 0 or text[offsets[i][0]].isspace()]
     needed = sum(counts) + prefix_groups
     if needed > len(starts):
-        raise MiniStreamError(f"{needed} prompts asked, but {corpus} has {len(starts)} places to start one: "
-                              "ask for fewer (--num-prompts, --rates)")
+        raise MiniStreamError(
+            f"{needed} prompts asked, but {corpus} has {len(starts)} places to start one: "
+            "ask for fewer (--num-prompts, --rates)"
+        )
     rng = random.Random(seed)
     free, opened = starts[:], set()
     rng.shuffle(free)
@@ -56,13 +67,15 @@ def build_prompts(tok, counts: list[int], seed: int, prompt_tokens=PROMPT_TOKENS
         """n tokens of the corpus from a fresh start (its leading space stripped), opening unlike any before."""
         while free:
             s = free.pop()
-            found = text[offsets[s][0]:offsets[s + n - 1][1]].strip()
+            found = text[offsets[s][0] : offsets[s + n - 1][1]].strip()
             first = tuple(tok.encode(found, add_special_tokens=False).ids[:BLOCK])
             if first not in opened:
                 opened.add(first)
                 return found
-        raise MiniStreamError(f"{corpus} has no more passages that open unlike the {len(opened)} taken: "
-                              "ask for fewer prompts (--num-prompts, --rates)")
+        raise MiniStreamError(
+            f"{corpus} has no more passages that open unlike the {len(opened)} taken: "
+            "ask for fewer prompts (--num-prompts, --rates)"
+        )
 
     def length(prompt: str) -> int:
         return len(tok.encode(prompt).ids)
@@ -81,27 +94,43 @@ def build_prompts(tok, counts: list[int], seed: int, prompt_tokens=PROMPT_TOKENS
                 prompt = prefixes[group] + "\n\n" + passage(_log_uniform(rng, prompt_tokens[0], room))
             n = length(prompt)
             if n + out > max_model_len:
-                raise MiniStreamError(f"a prompt of {n} tokens + {out} new ones exceeds the model's {max_model_len}: "
-                                      "lower prompt_tokens/output_tokens in benchserve's settings")
+                raise MiniStreamError(
+                    f"a prompt of {n} tokens + {out} new ones exceeds the model's {max_model_len}: "
+                    "lower prompt_tokens/output_tokens in benchserve's settings"
+                )
             rows.append({"prompt": prompt, "output_tokens": out, "prompt_tokens": n, "group": group})
         sets.append(rows)
     return {"sets": sets, "prefixes": prefixes, "prefix_tokens": [length(p) for p in prefixes]}
 
 
 def _spread(xs: list[int]) -> dict:
-    return {"min": min(xs), "median": statistics.median(xs), "mean": statistics.fmean(xs), "max": max(xs),
-            "total": sum(xs)} if xs else {}
+    return (
+        {
+            "min": min(xs),
+            "median": statistics.median(xs),
+            "mean": statistics.fmean(xs),
+            "max": max(xs),
+            "total": sum(xs),
+        }
+        if xs
+        else {}
+    )
 
 
 def dataset_stats(rows: list[dict]) -> dict:
     groups = [r["group"] for r in rows if r["group"] is not None]
-    return {"requests": len(rows), "prompt_tokens": _spread([r["prompt_tokens"] for r in rows]),
-            "output_tokens": _spread([r["output_tokens"] for r in rows]), "shared_prefix_requests": len(groups),
-            "requests_per_group": {str(g): groups.count(g) for g in sorted(set(groups))}}
+    return {
+        "requests": len(rows),
+        "prompt_tokens": _spread([r["prompt_tokens"] for r in rows]),
+        "output_tokens": _spread([r["output_tokens"] for r in rows]),
+        "shared_prefix_requests": len(groups),
+        "requests_per_group": {str(g): groups.count(g) for g in sorted(set(groups))},
+    }
 
 
 def write_jsonl(rows: list[dict], path: Path) -> Path:
     """The rows as vLLM's custom dataset reads them: {"prompt", "output_tokens"} per line."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    return write_text(path, "".join(json.dumps({"prompt": r["prompt"], "output_tokens": r["output_tokens"]}) + "\n"
-                                    for r in rows))
+    return write_text(
+        path, "".join(json.dumps({"prompt": r["prompt"], "output_tokens": r["output_tokens"]}) + "\n" for r in rows)
+    )

@@ -22,8 +22,18 @@ from .server import DONE, event, local_url
 
 # fields of a completion request this server cannot honour, and the value that asks nothing of it: a request
 # with another value gets 400, so no client is silently given something else than it asked for
-NEUTRAL = {"n": 1, "best_of": 1, "echo": False, "logprobs": None, "stop": None, "suffix": None,
-           "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "min_tokens": 0}
+NEUTRAL = {
+    "n": 1,
+    "best_of": 1,
+    "echo": False,
+    "logprobs": None,
+    "stop": None,
+    "suffix": None,
+    "repetition_penalty": 1.0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "min_tokens": 0,
+}
 
 
 class FifoLock:
@@ -91,12 +101,26 @@ class Handler(BaseHTTPRequestHandler):
             self._json(200, None)
         elif self.path == "/v1/models":
             s = self.server
-            self._json(200, {"object": "list", "data": [{
-                "id": s.name, "object": "model", "created": int(time.time()), "owned_by": "ministream",
-                "root": str(s.folder), "max_model_len": s.max_len}]})
+            self._json(
+                200,
+                {
+                    "object": "list",
+                    "data": [
+                        {
+                            "id": s.name,
+                            "object": "model",
+                            "created": int(time.time()),
+                            "owned_by": "ministream",
+                            "root": str(s.folder),
+                            "max_model_len": s.max_len,
+                        }
+                    ],
+                },
+            )
         else:
-            self._error(BadRequest(f"no route {self.path}: this server answers /health, /v1/models and "
-                                   "/v1/completions", 404))
+            self._error(
+                BadRequest(f"no route {self.path}: this server answers /health, /v1/models and /v1/completions", 404)
+            )
 
     def do_POST(self):
         if self.path != "/v1/completions":
@@ -138,19 +162,29 @@ class Handler(BaseHTTPRequestHandler):
         if not isinstance(max_tokens, int) or max_tokens < 1:
             raise BadRequest(f"max_tokens must be an integer >= 1, got {max_tokens!r}")
         if len(ids) + max_tokens > s.max_len:
-            raise BadRequest(f"This model's maximum context length is {s.max_len} tokens; the prompt has "
-                             f"{len(ids)} and max_tokens asks {max_tokens} more")
+            raise BadRequest(
+                f"This model's maximum context length is {s.max_len} tokens; the prompt has "
+                f"{len(ids)} and max_tokens asks {max_tokens} more"
+            )
         temperature = body.get("temperature")
         options = body.get("stream_options") or {}
-        return {"rid": f"cmpl-{next(s.ids)}", "ids": ids, "max_tokens": max_tokens,
-                "temperature": 1.0 if temperature is None else float(temperature),
-                "top_p": float(body.get("top_p") or 1.0), "top_k": max(0, int(body.get("top_k") or 0)),
-                "seed": body.get("seed"), "stop_ids": () if body.get("ignore_eos") else (s.eos,),
-                "stream": bool(body.get("stream")), "usage_chunk": bool(options.get("include_usage")),
-                "token_ids": bool(body.get("return_token_ids"))}
+        return {
+            "rid": f"cmpl-{next(s.ids)}",
+            "ids": ids,
+            "max_tokens": max_tokens,
+            "temperature": 1.0 if temperature is None else float(temperature),
+            "top_p": float(body.get("top_p") or 1.0),
+            "top_k": max(0, int(body.get("top_k") or 0)),
+            "seed": body.get("seed"),
+            "stop_ids": () if body.get("ignore_eos") else (s.eos,),
+            "stream": bool(body.get("stream")),
+            "usage_chunk": bool(options.get("include_usage")),
+            "token_ids": bool(body.get("return_token_ids")),
+        }
 
-    def _complete(self, rid, ids, max_tokens, temperature, top_p, top_k, seed, stop_ids, stream, usage_chunk,
-                  token_ids):
+    def _complete(
+        self, rid, ids, max_tokens, temperature, top_p, top_k, seed, stop_ids, stream, usage_chunk, token_ids
+    ):
         s, tok = self.server, self.server.tokenizer
         created, received = int(time.time()), time.monotonic()
         head = {"id": rid, "object": "text_completion", "created": created, "model": s.name}
@@ -166,14 +200,14 @@ class Handler(BaseHTTPRequestHandler):
             assert isinstance(whole, str)  # one sequence of ids decodes to one text
             if whole.endswith("\ufffd"):
                 return ""
-            added, text = whole[len(text):], whole
+            added, text = whole[len(text) :], whole
             return added
 
         def on_token(_b: int, token: int):
             nonlocal first
             first = first or time.monotonic()
             piece = delta(token)
-            finish = ("stop" if token in stop_ids else "length" if len(out) == max_tokens else None)
+            finish = "stop" if token in stop_ids else "length" if len(out) == max_tokens else None
             choice = {"index": 0, "text": piece, "logprobs": None, "finish_reason": finish}
             if token_ids:
                 choice["token_ids"] = [token]
@@ -187,8 +221,9 @@ class Handler(BaseHTTPRequestHandler):
             self.end_headers()
         with s.lock:  # one request at a time: the team's script, behind an HTTP front
             started = time.monotonic()
-            result = s.model.generate([ids], max_tokens, temperature, top_k, top_p, seed, stop_ids,
-                                      on_token=on_token if stream else None)[0]
+            result = s.model.generate(
+                [ids], max_tokens, temperature, top_k, top_p, seed, stop_ids, on_token=on_token if stream else None
+            )[0]
             finished = time.monotonic()
             s.record.append({"id": rid, "received": received, "started": started, "finished": finished})
         new = result["ids"]
@@ -200,13 +235,19 @@ class Handler(BaseHTTPRequestHandler):
             self._chunk(b"")  # the chunked body's end
         else:
             finish = "stop" if new and new[-1] in stop_ids else "length"
-            choice = {"index": 0, "text": tok.decode(new, skip_special_tokens=True), "logprobs": None,
-                      "finish_reason": finish}
+            choice = {
+                "index": 0,
+                "text": tok.decode(new, skip_special_tokens=True),
+                "logprobs": None,
+                "finish_reason": finish,
+            }
             if token_ids:
                 choice.update(token_ids=new, prompt_token_ids=ids)
             self._json(200, {**head, "choices": [choice], "usage": usage})
-        s.log(f"{rid}: {len(ids)} prompt + {len(new)} new tokens; waited {started - received:.2f}s, "
-              f"first token {(first or finished) - received:.2f}s, generated in {finished - started:.2f}s")
+        s.log(
+            f"{rid}: {len(ids)} prompt + {len(new)} new tokens; waited {started - received:.2f}s, "
+            f"first token {(first or finished) - received:.2f}s, generated in {finished - started:.2f}s"
+        )
 
     def _chunk(self, data: bytes) -> None:
         self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
@@ -229,16 +270,25 @@ class Handler(BaseHTTPRequestHandler):
         pass
 
 
-def start(folder: Path, host: str = "127.0.0.1", port: int = 0, name: str | None = None, dtype: str = "bfloat16",
-          quiet: bool = False) -> RefServer:
+def start(
+    folder: Path,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    name: str | None = None,
+    dtype: str = "bfloat16",
+    quiet: bool = False,
+) -> RefServer:
     """The server, loaded and listening (port 0: any free one, server.server_address says which); not yet
     serving: call serve_forever (in a thread, for a test)."""
     return RefServer((host, port), folder, name or Path(folder).resolve().name, dtype, quiet)
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m ministream.run.refserver", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m ministream.run.refserver",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("model", type=Path, help="converted HF-style folder")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8001)

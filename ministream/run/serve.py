@@ -38,8 +38,11 @@ def _announce_when_ready(url: str, name: str, proc: subprocess.Popen, timeout: f
     except MiniStreamError:  # it exited, or never answered: the server's own log says why
         return
     body = json.dumps({"model": name, "prompt": "The river runs through", "max_tokens": 16, "temperature": 0})
-    print(f"\nministream serve: ready at {url}/v1 (model {name!r}); try:\n"
-          f"  curl {url}/v1/completions -H 'Content-Type: application/json' -d '{body}'\n", flush=True)
+    print(
+        f"\nministream serve: ready at {url}/v1 (model {name!r}); try:\n"
+        f"  curl {url}/v1/completions -H 'Content-Type: application/json' -d '{body}'\n",
+        flush=True,
+    )
 
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -49,13 +52,25 @@ def exposure_warning(host: str, env: dict) -> str | None:
     """A warning when the server would answer anyone who reaches `host` with no key asked of them."""
     if host in LOOPBACK or env.get(API_KEY):
         return None
-    return (f"ministream serve: WARNING: listening on {host} without an API key: anyone who reaches this port "
-            f"can use the model. Set {API_KEY}=<key> (or --api-key) so that requests must carry it.")
+    return (
+        f"ministream serve: WARNING: listening on {host} without an API key: anyone who reaches this port "
+        f"can use the model. Set {API_KEY}=<key> (or --api-key) so that requests must carry it."
+    )
 
 
-def serve(model: Path, host: str = "127.0.0.1", port: int = 8000, name: str | None = None,
-          dtype: str | None = None, tp: int = 1, max_model_len: int | None = None, extra: Sequence[str] = (),
-          stop_timeout: float = 60, api_key: str | None = None, enforce_eager: bool = False) -> int:
+def serve(
+    model: Path,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    name: str | None = None,
+    dtype: str | None = None,
+    tp: int = 1,
+    max_model_len: int | None = None,
+    extra: Sequence[str] = (),
+    stop_timeout: float = 60,
+    api_key: str | None = None,
+    enforce_eager: bool = False,
+) -> int:
     """Run the server until it exits or this process gets SIGTERM/SIGINT; its exit status.
 
     api_key goes to vLLM through its environment (VLLM_API_KEY), never on a command line `ps` shows."""
@@ -73,8 +88,9 @@ def serve(model: Path, host: str = "127.0.0.1", port: int = 8000, name: str | No
     url = local_url(host, port)
     shown = " ".join(f"{k}={env[k]}" for k in SHOWN if k in env)
     print(f"ministream serve: {shown} {' '.join(cmd)}", flush=True)
-    print(f"ministream serve: will listen on {url} once loaded (model {name!r}); Ctrl-C or SIGTERM stops it",
-          flush=True)
+    print(
+        f"ministream serve: will listen on {url} once loaded (model {name!r}); Ctrl-C or SIGTERM stops it", flush=True
+    )
     proc = subprocess.Popen(cmd, env=env, preexec_fn=die_with_parent)
     threading.Thread(target=_announce_when_ready, args=(url, name, proc), daemon=True).start()
     stopping: list[float] = []  # when the first stop signal came
@@ -83,8 +99,12 @@ def serve(model: Path, host: str = "127.0.0.1", port: int = 8000, name: str | No
         print("ministream serve: stopped", flush=True)
         return 0
     if not stopping:  # nobody asked it to stop: vLLM ends its server with status 0 when the engine dies
-        print(f"ministream serve: the server stopped unasked (status {rc}): its engine died or it could not "
-              "start; the reason is in the log above", file=sys.stderr, flush=True)
+        print(
+            f"ministream serve: the server stopped unasked (status {rc}): its engine died or it could not "
+            "start; the reason is in the log above",
+            file=sys.stderr,
+            flush=True,
+        )
     return 1 if rc == 0 else rc if rc > 0 else 128 - rc
 
 
@@ -92,6 +112,7 @@ def _wait_forwarding_signals(proc: subprocess.Popen, stopping: list, stop_timeou
     """The server's exit status; SIGTERM/SIGINT meanwhile go to it (a second one as SIGKILL), and its
     process group is killed if it has not exited stop_timeout seconds after the first; whatever of the
     group is left when it exits, too."""
+
     def forward(signum, _frame):
         stopping.append(time.monotonic())
         try:
@@ -106,8 +127,9 @@ def _wait_forwarding_signals(proc: subprocess.Popen, stopping: list, stop_timeou
                 return proc.wait(timeout=1)
             except subprocess.TimeoutExpired:
                 if stopping and time.monotonic() - stopping[0] > stop_timeout:
-                    print(f"ministream serve: no exit {stop_timeout:.0f}s after the signal; killing it",
-                          file=sys.stderr)
+                    print(
+                        f"ministream serve: no exit {stop_timeout:.0f}s after the signal; killing it", file=sys.stderr
+                    )
                     kill_group(proc.pid)
     finally:
         reap_process_group(proc.pid, grace=10 if stopping else 0)

@@ -86,12 +86,19 @@ def start(cmd: list[str], log: Path | None, env: dict | None = None) -> subproce
     """`cmd` in a session of its own (its process group is its pid; what it starts joins the group), that
     gets SIGTERM when this process dies; its output in `log` (None: this process's stderr)."""
     if log is None:
-        return subprocess.Popen(cmd, stdout=sys.stderr, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                                preexec_fn=_parent_death_signal)
+        return subprocess.Popen(
+            cmd,
+            stdout=sys.stderr,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+            preexec_fn=_parent_death_signal,
+        )
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "w") as f:
-        return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                                preexec_fn=_parent_death_signal)
+        return subprocess.Popen(
+            cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True, preexec_fn=_parent_death_signal
+        )
 
 
 def log_tail(log: Path | None, lines: int = 30) -> str:
@@ -112,8 +119,14 @@ def answers(url: str, timeout: float = 5, key: str | None = None, models: bool =
         return False
 
 
-def wait_ready(url: str, proc: subprocess.Popen, log: Path | None, timeout: float = START_TIMEOUT,
-               key: str | None = None, models: bool = True) -> float:
+def wait_ready(
+    url: str,
+    proc: subprocess.Popen,
+    log: Path | None,
+    timeout: float = START_TIMEOUT,
+    key: str | None = None,
+    models: bool = True,
+) -> float:
     """Seconds until the server answers (`answers`); ServerFailed with the log's tail if it exits or the
     time runs out."""
     t = time.monotonic()
@@ -141,8 +154,9 @@ def stop(proc: subprocess.Popen, timeout: float = STOP_TIMEOUT) -> None:
 
 
 @contextmanager
-def running(cmd: list[str], log: Path, env: dict | None = None,
-            stop_timeout: float = STOP_TIMEOUT) -> Iterator[subprocess.Popen]:
+def running(
+    cmd: list[str], log: Path, env: dict | None = None, stop_timeout: float = STOP_TIMEOUT
+) -> Iterator[subprocess.Popen]:
     """`start`, then `stop` however the block ends."""
     proc = start(cmd, log, env)
     try:
@@ -182,8 +196,9 @@ def get(url: str, timeout: float, key: str | None = None):
     return urllib.request.urlopen(urllib.request.Request(url, headers=auth(key)), timeout=timeout)
 
 
-def call(url: str, body=None, raw: bytes | None = None, timeout: float = 120,
-         headers: dict | None = None) -> tuple[int, dict]:
+def call(
+    url: str, body=None, raw: bytes | None = None, timeout: float = 120, headers: dict | None = None
+) -> tuple[int, dict]:
     """(HTTP status, JSON body) of a GET (no body) or POST, whatever the status; headers: JSON and the key
     (`auth`) unless given."""
     data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
@@ -197,12 +212,12 @@ def call(url: str, body=None, raw: bytes | None = None, timeout: float = 120,
 
 def greedy(model: str | None, prompt, max_tokens: int, **extra) -> dict:
     """A completion request: temperature 0, EOS ignored, unless `extra` says otherwise."""
-    return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            **extra}
+    return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, **extra}
 
 
-def complete(url: str, model: str | None, prompt, max_tokens: int, timeout: float = 120, headers: dict | None = None,
-             **extra) -> tuple[int, dict]:
+def complete(
+    url: str, model: str | None, prompt, max_tokens: int, timeout: float = 120, headers: dict | None = None, **extra
+) -> tuple[int, dict]:
     """(HTTP status, JSON body) of one `greedy` completion from the server at base URL `url`."""
     return call(f"{url}/v1/completions", greedy(model, prompt, max_tokens, **extra), timeout=timeout, headers=headers)
 
@@ -232,7 +247,7 @@ class Stream:
             if text == DONE.decode().strip():
                 self.done = True
             elif text.startswith("data: "):
-                yield json.loads(text[len("data: "):])
+                yield json.loads(text[len("data: ") :])
 
     def text(self) -> str:
         """The text of every choice of every event still to come, joined."""

