@@ -21,7 +21,7 @@ from ..atomic import new_folder
 from ..paths import CORPUS
 from ..spec import TrainConfig, renumber_block
 from .format import save_checkpoint
-from .reference import MiniStream
+from .reference import Block, MiniStream
 
 SPECIAL_TOKENS = ["<|bos|>", "<|eos|>", "<|pad|>"]  # ids 0, 1, 2
 
@@ -119,9 +119,8 @@ def init_weights(model: MiniStream, seed: int) -> None:
     """GPT-2's init: N(0, 0.02), the projections that write into the residual stream scaled by 1/sqrt(2L);
     the norms' weights stay ones."""
     g = torch.Generator().manual_seed(seed)
-    into_residual = {
-        id(p) for name, p in model.named_parameters() if name.endswith((".attn.out_proj.weight", ".mlp.w3.weight"))
-    }
+    blocks = [b for b in model.blocks if isinstance(b, Block)]
+    into_residual = {id(p) for b in blocks for p in (b.attn.out_proj.weight, b.mlp.w3.weight)}
     for p in model.parameters():
         if p.ndim == 1:
             continue  # a norm's weight
