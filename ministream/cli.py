@@ -413,6 +413,20 @@ def listed(kind):
     return lambda text: [kind(x) for x in text.split(",") if x]
 
 
+def _given(a: argparse.Namespace, settings: dict) -> dict:
+    """The command line's value (None where not given) of each of a benchmark's settings that it has an option for."""
+    return {name: getattr(a, name) for name in settings if hasattr(a, name)}
+
+
+def _note_and_report(p: argparse.ArgumentParser, result: str) -> None:
+    p.add_argument("--note", default="", help="free text stored in the JSON (e.g. 'machine shared')")
+    p.add_argument(
+        "--report",
+        action="store_true",
+        help=f"measure nothing: the table and the chart again, from OUT/{result} (also of an interrupted run)",
+    )
+
+
 def add_bench(sub) -> None:
     from .run import bench
 
@@ -446,31 +460,8 @@ def add_bench(sub) -> None:
     )
     p.add_argument("--systems", type=listed(str), help=f"subset of {','.join(bench.SYSTEMS)}")
     p.add_argument("--no-tooling", dest="tooling", action="store_false", default=None)
-    p.add_argument("--note", default="", help="free text stored in the JSON (e.g. 'machine shared')")
-    p.add_argument(
-        "--report",
-        action="store_true",
-        help="measure nothing: the table and the chart again, from OUT/bench.json (also of an interrupted run)",
-    )
-    p.set_defaults(
-        func=lambda a: bench.bench(
-            a.out,
-            a.quick,
-            a.report,
-            a.systems,
-            a.note,
-            configs=a.configs,
-            batches=a.batches,
-            new_tokens=a.new_tokens,
-            prompt_len=a.prompt_len,
-            repeats=a.repeats,
-            serial_requests=a.serial_requests,
-            bind_configs=a.bind_configs,
-            copy_mib=a.copy_mib,
-            kv_cache_gib=a.kv_cache_gib,
-            tooling=a.tooling,
-        )
-    )
+    _note_and_report(p, "bench.json")
+    p.set_defaults(func=lambda a: bench.bench(a.out, a.quick, a.report, a.systems, a.note, **_given(a, bench.FULL)))
 
 
 def add_bench_serve(sub) -> None:
@@ -520,27 +511,9 @@ def add_bench_serve(sub) -> None:
         help=f"median time per output token a sustained rate keeps (default: {benchserve.FULL['tpot_target_s']:g})",
     )
     p.add_argument("--seed", type=int, help="the prompt set's and the arrivals' seed (default: 0)")
-    p.add_argument("--note", default="", help="free text stored in the JSON (e.g. 'machine shared')")
-    p.add_argument(
-        "--report",
-        action="store_true",
-        help="measure nothing: the table and the chart again, from OUT/serve.json (also of an interrupted run)",
-    )
+    _note_and_report(p, "serve.json")
     p.set_defaults(
-        func=lambda a: benchserve.bench_serve(
-            a.out,
-            a.quick,
-            a.report,
-            a.systems,
-            a.note,
-            rates=a.rates,
-            num_prompts=a.num_prompts,
-            dtype=a.dtype,
-            preset=a.preset,
-            ttft_target_s=a.ttft_target_s,
-            tpot_target_s=a.tpot_target_s,
-            seed=a.seed,
-        )
+        func=lambda a: benchserve.bench_serve(a.out, a.quick, a.report, a.systems, a.note, **_given(a, benchserve.FULL))
     )
 
 

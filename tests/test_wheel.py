@@ -28,6 +28,8 @@ from ministream.fork.patch import DEVICE_TRAILER, HASH_TRAILER, SUBJECT, patch_t
 from ministream.fork.release import device_release, release_wheel
 from ministream.fork.wheel import VERSION_FILE, _set_version, build_wheel, patched_version
 
+from conftest import pip_target
+
 VERSION = "0.32.0"
 DEVICES = ["cpu", "cuda"]
 REGISTRY = "vllm/model_executor/models/registry.py"
@@ -281,23 +283,7 @@ def installed(wheels, tmp_path_factory) -> dict:
     targets = {}
     for device, wheel in wheels.items():
         targets[device] = tmp_path_factory.mktemp(f"site-{device}")
-        run = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "pip",
-                "install",
-                "-q",
-                "--no-deps",
-                "--no-compile",
-                "--target",
-                str(targets[device]),
-                str(wheel),
-            ],
-            capture_output=True,
-            text=True,
-        )
-        assert run.returncode == 0, run.stderr
+        pip_target(wheel, targets[device], "--no-compile")
     yield targets
     for target in targets.values():  # CI's disk is shared by the whole suite
         shutil.rmtree(target)

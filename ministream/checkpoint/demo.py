@@ -26,33 +26,17 @@ from .reference import Block, MiniStream
 SPECIAL_TOKENS = ["<|bos|>", "<|eos|>", "<|pad|>"]  # ids 0, 1, 2
 
 # name: (train config without vocab/bos/eos, tokenizer vocab target, training steps)
+TINY = dict(d_model=128, n_layers=2, n_heads=2, d_ff=384, max_seq_len=512)
+REFERENCE = dict(d_model=768, n_layers=8, n_heads=12, d_ff=2048, max_seq_len=2048, vocab_size=32000)
 PRESETS = {
     # fast tests: head_dim 64 because vLLM's CPU attention kernels do not take 16 or 32
-    "tiny": (dict(d_model=128, n_layers=2, n_heads=2, d_ff=384, max_seq_len=512), 512, 300),
+    "tiny": (TINY, 512, 300),
     # GQA, head_dim != d_model / n_heads, untied head, padded vocabulary: every variant in one model
-    "tiny-gqa": (
-        dict(
-            d_model=128,
-            n_layers=2,
-            n_heads=4,
-            n_kv_heads=2,
-            head_dim=64,
-            d_ff=384,
-            max_seq_len=512,
-            tie_embeddings=False,
-            vocab_size=576,
-        ),
-        512,
-        300,
-    ),
+    "tiny-gqa": (dict(TINY, n_heads=4, n_kv_heads=2, head_dim=64, tie_embeddings=False, vocab_size=576), 512, 300),
     "demo": (dict(d_model=192, n_layers=4, n_heads=3, d_ff=512, max_seq_len=1024), 1024, 250),
     # the write-up's ~132M shape; a few steps only (each costs seconds on a laptop CPU)
-    "reference": (dict(d_model=768, n_layers=8, n_heads=12, d_ff=2048, max_seq_len=2048, vocab_size=32000), 32000, 0),
-    "reference-gqa": (
-        dict(d_model=768, n_layers=8, n_heads=12, n_kv_heads=4, d_ff=2048, max_seq_len=2048, vocab_size=32000),
-        32000,
-        0,
-    ),
+    "reference": (REFERENCE, 32000, 0),
+    "reference-gqa": (dict(REFERENCE, n_kv_heads=4), 32000, 0),
 }
 COMMON = dict(norm_eps=1e-6, rope_theta=10000.0)
 

@@ -67,16 +67,7 @@ FULL = dict(
     tooling=True,
 )
 QUICK = dict(
-    configs=["reference:bfloat16"],
-    batches=[1, 8],
-    new_tokens=16,
-    prompt_len=32,
-    repeats=1,
-    serial_requests=2,
-    bind_configs=["reference:bfloat16"],
-    copy_mib=256,
-    kv_cache_gib=None,
-    tooling=True,
+    FULL, configs=["reference:bfloat16"], batches=[1, 8], new_tokens=16, repeats=1, serial_requests=2, copy_mib=256
 )
 
 
@@ -700,14 +691,7 @@ def chart(result: dict, path: Path) -> Path | None:
 # ---------------------------------------------------------------- command line
 
 
-def bench(
-    out: Path,
-    quick: bool = False,
-    report_only: bool = False,
-    systems: list[str] | None = None,
-    note: str = "",
-    **settings,
-) -> int:
+def bench(out: Path, quick=False, report_only=False, systems: list[str] | None = None, note="", **settings) -> int:
     """`ministream bench`: the FULL (or QUICK) settings with the given ones (not None) in their place; with
     report_only, the table and the chart again from OUT/bench.json. 1 if a system failed."""
     if report_only:

@@ -31,52 +31,27 @@ def check_client() -> None:
         )
 
 
+def client_common(url: str, name: str, tokenizer: str, seed: int, result: Path) -> list[str]:
+    """What every run of `vllm bench serve` here asks: the OpenAI completions endpoint of the server at `url`,
+    EOS ignored, greedy, the percentiles the tables show, the result saved to `result`."""
+    return [
+        *["--backend", "openai", "--base-url", url, "--endpoint", "/v1/completions"],
+        *["--model", name, "--tokenizer", tokenizer, "--seed", str(seed)],
+        *"--ignore-eos --temperature 0 --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,99".split(),
+        *["--disable-tqdm", "--save-result", "--result-dir", str(result.parent), "--result-filename", result.name],
+    ]
+
+
 def client_args(
     url: str, name: str, tokenizer: str, dataset: Path, num_prompts: int, rate: float, seed: int, result: Path
 ) -> list[str]:
     """`vllm bench serve` options: the custom JSONL set in its order, each row's own output length, EOS ignored,
     greedy, Poisson arrivals at `rate`, the percentiles the table shows, the whole result saved."""
     return [
-        "--backend",
-        "openai",
-        "--base-url",
-        url,
-        "--endpoint",
-        "/v1/completions",
-        "--model",
-        name,
-        "--tokenizer",
-        tokenizer,
-        "--dataset-name",
-        "custom",
-        "--dataset-path",
-        str(dataset),
-        "--custom-output-len",
-        "-1",
-        "--skip-chat-template",
-        "--disable-shuffle",
-        "--num-prompts",
-        str(num_prompts),
-        "--request-rate",
-        str(rate),
-        "--burstiness",
-        "1",
-        "--ignore-eos",
-        "--temperature",
-        "0",
-        "--percentile-metrics",
-        "ttft,tpot,itl,e2el",
-        "--metric-percentiles",
-        "50,99",
-        "--seed",
-        str(seed),
-        "--disable-tqdm",
-        "--save-result",
-        "--save-detailed",
-        "--result-dir",
-        str(result.parent),
-        "--result-filename",
-        result.name,
+        *client_common(url, name, tokenizer, seed, result),
+        *f"--num-prompts {num_prompts} --request-rate {rate} --burstiness 1".split(),
+        *"--dataset-name custom --custom-output-len -1 --skip-chat-template --disable-shuffle --save-detailed".split(),
+        *["--dataset-path", str(dataset)],
     ]
 
 
@@ -152,37 +127,8 @@ def serve_bench(
     with tempfile.TemporaryDirectory(prefix="serve-bench-") as tmp:
         result = Path(tmp) / "result.json"
         args = [
-            "--backend",
-            "openai",
-            "--base-url",
-            url,
-            "--endpoint",
-            "/v1/completions",
-            "--model",
-            model,
-            "--tokenizer",
-            tokenizer,
-            "--num-prompts",
-            str(num_prompts),
-            "--max-concurrency",
-            str(concurrency),
-            "--request-rate",
-            "inf",
-            "--ignore-eos",
-            "--temperature",
-            "0",
-            "--seed",
-            str(seed),
-            "--percentile-metrics",
-            "ttft,tpot,itl,e2el",
-            "--metric-percentiles",
-            "50,99",
-            "--disable-tqdm",
-            "--save-result",
-            "--result-dir",
-            tmp,
-            "--result-filename",
-            result.name,
+            *client_common(url, model, tokenizer, seed, result),
+            *f"--num-prompts {num_prompts} --max-concurrency {concurrency} --request-rate inf".split(),
         ]
         if dataset == "random":
             args += ["--dataset-name", "random", "--random-input-len", "32", "--random-output-len", str(max_tokens)]

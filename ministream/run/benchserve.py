@@ -305,12 +305,7 @@ def save(result: dict, out: Path, partial: bool = False) -> Path:
 
 
 def bench_serve(
-    out: Path,
-    quick: bool = False,
-    report_only: bool = False,
-    systems: list[str] | None = None,
-    note: str = "",
-    **settings,
+    out: Path, quick=False, report_only=False, systems: list[str] | None = None, note="", **settings
 ) -> int:
     """`ministream bench-serve`: the FULL (or QUICK) settings with the given ones (not None) in their place;
     with report_only, the table and the chart again from OUT/serve.json. 1 if a system or a run failed."""
