@@ -83,6 +83,7 @@ def test_sdist_and_wheel_ship_the_patch_sets_the_model_file_and_the_scripts(buil
     assert len(sets) >= len(set(versions.values())), "every patch set's diffs ship"
 
 
+@pytest.mark.full
 def test_the_installed_package_runs_from_another_folder_without_this_checkout(installed, tmp_path):
     r = run(
         installed / "python",
@@ -96,6 +97,7 @@ def test_the_installed_package_runs_from_another_folder_without_this_checkout(in
     assert found.split() == ["True", "True", "True"]
 
 
+@pytest.mark.full
 def test_installed_patch_wheel_and_doctor_work_from_another_folder(installed, tmp_path, tiny_hf):
     """What a user of `pip install ministream-vllm` runs: patch, wheel, then doctor against the installed result."""
     env = {

@@ -129,7 +129,7 @@ def test_clean_folder_has_no_findings_and_no_diverging_layer(tiny, tiny_hf):
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.full)])
 def test_verify_passes_on_the_converted_folder(dtype, cli, tiny, tiny_hf, tmp_path):
     r = cli("verify", tiny_hf, "--raw", tiny, "--dtype", dtype, "--out", tmp_path)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -138,7 +138,7 @@ def test_verify_passes_on_the_converted_folder(dtype, cli, tiny, tiny_hf, tmp_pa
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("bug", ["gate_up_swapped", "rope_theta"])
+@pytest.mark.parametrize("bug", [pytest.param("gate_up_swapped", marks=pytest.mark.full), "rope_theta"])
 def test_verify_fails_on_a_bug_and_names_the_layer_and_the_cause(bug, cli, tiny, tiny_hf, tmp_path):
     broken = inject(tiny_hf, bug, tmp_path / bug)
     r = cli("verify", broken, "--raw", tiny, "--out", tmp_path / "out", "--max-tokens", 16)
