@@ -92,7 +92,14 @@ def test_only_the_releases_without_the_files_have_no_upstream_part():
     assert sorted(NO_UPSTREAM) == ["0.15.1", "0.4.3", "0.5.5"]
 
 
-@pytest.mark.parametrize("version", [v for v in supported_versions() if v not in NO_UPSTREAM])
+@pytest.mark.parametrize(
+    "version",
+    [
+        v if v in QUICK else pytest.param(v, marks=pytest.mark.full)
+        for v in supported_versions()
+        if v not in NO_UPSTREAM
+    ],
+)
 def test_the_upstream_part_applies_to_the_releases_sdist_files(version):
     upstream = checked(version)["checks"]["upstream"]
     assert upstream["ok"] and upstream.get("applies", True), f"vLLM {version}: {upstream['detail']}"

@@ -445,6 +445,7 @@ def wheel_made_tree(where: Path, pristine: Path, user_commit: bool) -> git.Repo:
     return repo
 
 
+@pytest.mark.full
 def test_a_wheel_made_tree_is_remade_from_the_sdist(pristine, tmp_path, capsys):
     wheel_made_tree(tmp_path / f"vllm-{VERSION}", pristine, user_commit=False)
     tree = patch_tree(VERSION, build=tmp_path)
@@ -693,6 +694,7 @@ def test_a_tree_that_is_holds_or_lies_inside_an_input_is_refused(tmp_path, monke
     assert not out.exists() or where != "inside-cache"
 
 
+@pytest.mark.full
 def test_a_release_without_an_sdist_is_made_from_its_wheels_python_package(tmp_path, capsys):
     tree = patch_tree("0.15.1", build=tmp_path)
     root = list(git.Repo(tree).iter_commits())[-1]
