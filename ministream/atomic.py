@@ -61,6 +61,9 @@ def new_folder(out: str | Path, force: bool = False, inputs: Iterable[Path] = ()
     check_output(out, force, inputs)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    # mkdtemp makes it 0700, and the rename would keep that: the folder gets what `mkdir` would give (the umask
+    # decides), so another user (a container's unprivileged server) can read what was converted here
+    tmp.chmod(0o777 & ~_umask())
     try:
         yield tmp
         check_output(out, force, inputs)  # again: something may have appeared at `out` meanwhile

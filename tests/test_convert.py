@@ -5,6 +5,7 @@ import json
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -526,3 +527,15 @@ def test_dry_run_shows_the_key_differences(tmp_path, cli):
     assert r.returncode == 1
     assert "in the checkpoint, not in the mapping: final_norm.weight" in r.stdout
     assert "in the mapping, not in the checkpoint: norm_f.weight" in r.stdout
+
+
+def test_the_converted_folder_gets_the_mode_mkdir_would_give_under_the_umask(tiny, tmp_path):
+    """A folder converted by one user and served by another (the image's unprivileged user) must be readable:
+    the temporary folder's 0700 must not survive the rename."""
+    old = os.umask(0o022)
+    try:
+        convert(tiny, tmp_path / "hf", log=lambda *a, **k: None)
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "hf").stat().st_mode) == 0o755
+    assert {stat.S_IMODE(p.stat().st_mode) for p in (tmp_path / "hf").iterdir()} == {0o644}
