@@ -48,6 +48,8 @@ def test_a_registry_without_our_entry_says_to_patch_a_source_tree(tmp_path):
         example_models(tmp_path)
 
 
+# make test's `make vllm-tests` step serves vLLM's own tests from this cache offline; this one names the parts
+@pytest.mark.full
 def test_the_hf_cache_serves_the_example_model_offline(tmp_path):
     home = hf_cache(["ministream/ministream-tiny"], tmp_path / "hf-home", log=lambda *a: None)
     probe = (
