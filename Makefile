@@ -1,4 +1,6 @@
 # MiniStream on vLLM. `make help` lists the targets; README.md explains the path.
+# Path variables (RAW, OUT, MODEL, VLLM_SRC, PROMPTS, BENCH_OUT) go to the commands in single quotes: spaces and
+# any script are fine, a path holding a single quote is not.
 SHELL := /bin/bash
 .DEFAULT_GOAL := help
 
@@ -74,6 +76,8 @@ help:
 	@echo "make matrix [VERSIONS=a,b]         every supported vLLM version x patch checks -> build/matrix.md"
 	@echo "make matrix RUN=1 [VERSIONS=a,b]   ... and each line with a CPU build run for real -> docs/matrix.json, README"
 	@echo "make matrix CLEAN=1 [VERSIONS=a,b] remove the lines' venvs (and, for all, their uv cache): 3-8 GiB each"
+	@echo "make clean [FORCE=1]               remove build/vllm-*, dist/, out/ where they hold only what the tool made;"
+	@echo "                                   anything of yours there (commits, branches, files) stops it, named (FORCE=1: all)"
 
 $(VENV)/.setup-done: pyproject.toml scripts/setup.sh
 	scripts/setup.sh $(TORCH_VERSION)
@@ -93,19 +97,19 @@ format: setup
 	$(VENV)/bin/ruff check --fix ministream tests
 
 checkpoint: setup
-	$(MS) checkpoint --preset $(PRESET) --out $(RAW) $(CHECKPOINT_ARGS)
+	$(MS) checkpoint --preset $(PRESET) --out '$(RAW)' $(CHECKPOINT_ARGS)
 
 convert: setup
-	$(MS) convert $(RAW) $(OUT) $(if $(DTYPE),--dtype $(DTYPE)) $(CONVERT_ARGS)
+	$(MS) convert '$(RAW)' '$(OUT)' $(if $(DTYPE),--dtype $(DTYPE)) $(CONVERT_ARGS)
 
 generate: setup
-	$(MS) generate $(MODEL)
+	$(MS) generate '$(MODEL)'
 
 patch: setup
-	$(MS) patch $(VLLM_VERSION) --device $(DEVICE) $(if $(VLLM_SRC),--src $(VLLM_SRC)) $(if $(VLLM_GIT_URL),--git-url $(VLLM_GIT_URL))
+	$(MS) patch $(VLLM_VERSION) --device $(DEVICE) $(if $(VLLM_SRC),--src '$(VLLM_SRC)') $(if $(VLLM_GIT_URL),--git-url '$(VLLM_GIT_URL)')
 
 wheel: patch
-	$(MS) wheel $(VLLM_VERSION) --device $(DEVICE) $(if $(VLLM_SRC),--tree $(VLLM_SRC))
+	$(MS) wheel $(VLLM_VERSION) --device $(DEVICE) $(if $(VLLM_SRC),--tree '$(VLLM_SRC)')
 
 port: setup
 	$(MS) port $(if $(FROM)$(TO),$(FROM) $(TO),--all)
@@ -120,14 +124,14 @@ plugin: setup
 	$(MS) plugin $(VLLM_VERSION)
 
 vllm-tests: install
-	$(MS) vllm-tests $(VLLM_VERSION) $(if $(VLLM_SRC),--tree $(VLLM_SRC)) $(if $(COMPARE),--compare)
+	$(MS) vllm-tests $(VLLM_VERSION) $(if $(VLLM_SRC),--tree '$(VLLM_SRC)') $(if $(COMPARE),--compare)
 
 # RAW goes to the reference model when given, or when MODEL is the default (the demo's folders)
 verify: setup
-	$(MS) verify $(MODEL) $(if $(or $(filter command line environment,$(origin RAW)),$(filter file,$(origin MODEL))),--raw $(RAW)) $(if $(DTYPE),--dtype $(DTYPE)) $(if $(PROMPTS),--prompts $(PROMPTS))
+	$(MS) verify '$(MODEL)' $(if $(or $(filter command line environment,$(origin RAW)),$(filter file,$(origin MODEL))),--raw '$(RAW)') $(if $(DTYPE),--dtype $(DTYPE)) $(if $(PROMPTS),--prompts '$(PROMPTS)')
 
 doctor: setup
-	$(MS) doctor $(MODEL)
+	$(MS) doctor '$(MODEL)'
 
 demo: setup
 	@[ -f out/demo/raw/model.pt ] || $(MS) checkpoint --preset demo --out out/demo/raw
@@ -138,12 +142,12 @@ demo: setup
 # matplotlib (the chart) comes with setup's `bench` extra
 bench: setup
 	$(MAKE) --no-print-directory install
-	$(MS) bench --out $(BENCH_OUT) $(if $(BENCH_QUICK),--quick) $(BENCH_ARGS)
+	$(MS) bench --out '$(BENCH_OUT)' $(if $(BENCH_QUICK),--quick) $(BENCH_ARGS)
 
 # BENCH_ARGS: any `ministream bench-serve` option (--rates, --systems, --num-prompts, ...)
 bench-serve: setup
 	$(MAKE) --no-print-directory install
-	$(MS) bench-serve --out $(BENCH_OUT) $(if $(BENCH_QUICK),--quick) $(BENCH_ARGS)
+	$(MS) bench-serve --out '$(BENCH_OUT)' $(if $(BENCH_QUICK),--quick) $(BENCH_ARGS)
 
 # the quick tier, what CI runs (.ci/run): lint first, then every route end to end on 0.32.0
 test: setup
@@ -159,7 +163,7 @@ test-full: setup image-prereqs
 	$(MAKE) --no-print-directory vllm-tests DEVICE=cpu COMPARE=1
 
 serve: setup
-	$(MS) serve $(MODEL) --host $(HOST) --port $(PORT) $(if $(DTYPE),--dtype $(DTYPE)) $(if $(TP),--tp $(TP)) $(if $(filter 1,$(EAGER)),--enforce-eager) \
+	$(MS) serve '$(MODEL)' --host $(HOST) --port $(PORT) $(if $(DTYPE),--dtype $(DTYPE)) $(if $(TP),--tp $(TP)) $(if $(filter 1,$(EAGER)),--enforce-eager) \
 		$(if $(PP),--vllm-args='--pipeline-parallel-size $(PP) --distributed-executor-backend ray')
 
 # podman, runc and debootstrap from apt, unless a Docker engine answers
@@ -175,5 +179,6 @@ test-image: setup image-prereqs
 	$(MAKE) --no-print-directory install DEVICE=cpu
 	MINISTREAM_TEST_IMAGE=1 $(PY) -m pytest -ra -s tests/test_image.py $(PYTEST_ARGS)
 
-clean:
-	rm -rf out dist build/vllm-* build/lib build/bdist.* *.egg-info  # setuptools (pip install .) builds in build/ too
+# only what the tool made and can make again; a tree, folder or file holding your work stops it (FORCE=1: all)
+clean: setup
+	$(MS) clean $(if $(filter 1,$(FORCE)),--force)

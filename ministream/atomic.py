@@ -1,11 +1,25 @@
 """Output folders (and files) that appear whole or not at all, never overwrite a user's work unasked, and never
-destroy an input: a training checkpoint can be weeks of GPU time."""
+destroy an input: a training checkpoint can be weeks of GPU time.
 
+Two more guarantees for where the tool meets other runs:
+- One writer at a time: `lock(path)` around whatever writes an output (a tree, a folder, a file in dist/ or
+  the cache). A second run waits, saying for whom, and then finds the work done; flock(2) frees a lock of a
+  killed process by itself, so no lock is ever stale.
+- Leftovers name their maker: every temporary name beside an output is `.<name>.<kind>-<pid>@<host>-<random>`,
+  so the next run beside it removes those whose process is gone (`sweep`), and only those.
+"""
+
+import errno
+import fcntl
 import json
 import os
+import re
 import shutil
+import signal
+import socket
+import sys
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -60,24 +74,25 @@ def new_folder(out: str | Path, force: bool = False, inputs: Iterable[Path] = ()
     inputs = list(inputs)
     check_output(out, force, inputs)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    # mkdtemp makes it 0700, and the rename would keep that: the folder gets what `mkdir` would give (the umask
-    # decides), so another user (a container's unprivileged server) can read what was converted here
-    tmp.chmod(0o777 & ~_umask())
-    try:
-        yield tmp
-        check_output(out, force, inputs)  # again: something may have appeared at `out` meanwhile
-        _replace(out, tmp)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    with lock(out, f"writing {out}"):
+        check_output(out, force, inputs)  # again: a run we waited for may have filled it
+        sweep(out)
+        tmp = temp_folder(out, "tmp")
+        try:
+            yield tmp
+            mark_made(tmp)
+            check_output(out, force, inputs)  # again: something may have appeared at `out` meanwhile
+            _replace(out, tmp)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
 
 
 def _replace(out: Path, tmp: Path) -> None:
     """`tmp` takes `out`'s name; an old `out` is moved aside first and removed only once `tmp` is in place."""
     old = None
     if out.exists():
-        old = out.with_name(f".{out.name}.old-{tmp.name.rsplit('-', 1)[-1]}")
+        old = out.with_name(f".{out.name}.old-{maker()}-{tmp.name.rsplit('-', 1)[-1]}")
         out.rename(old)
     try:
         tmp.rename(out)
@@ -93,11 +108,12 @@ def write_bytes(path: Path, data: bytes) -> Path:
     """`path` whole or not at all: a temporary file beside it, then a rename (a reader, or a run stopped
     half-way, never sees half a file). The file gets the mode a plain write would (the umask decides)."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
+    sweep(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.part-{maker()}-")
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
-        os.chmod(tmp, 0o666 & ~_umask())
+        os.chmod(tmp, 0o666 & ~umask())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -119,17 +135,212 @@ def new_file(final: Path):
     `final` on success with the mode a plain write would give, removed on error: `final` is never half-written."""
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=final.parent, prefix=f".{final.name}.", suffix=".part")
+    sweep(final)
+    fd, tmp = tempfile.mkstemp(dir=final.parent, prefix=f".{final.name}.part-{maker()}-")
     os.close(fd)
     try:
         yield Path(tmp)
-        os.chmod(tmp, 0o666 & ~_umask())
+        os.chmod(tmp, 0o666 & ~umask())
         os.replace(tmp, final)
     finally:
         Path(tmp).unlink(missing_ok=True)
 
 
-def _umask() -> int:
+def umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+# --- leftovers of killed runs -----------------------------------------------------------------
+
+KINDS = ("tmp", "old", "part", "partial", "wheel-made", "download")  # what a leftover beside an output can be
+_LEFTOVER = re.compile(rf"^\.(?P<name>.+)\.(?P<kind>{'|'.join(KINDS)})-(?P<pid>\d+)@(?P<host>.+)-(?P<rand>[^-]+)$")
+
+
+def maker() -> str:
+    """`<pid>@<host>`: who made a temporary name, for `sweep` to tell a live run's work from a dead one's."""
+    return f"{os.getpid()}@{socket.gethostname()}"
+
+
+def temp_folder(beside: Path, kind: str) -> Path:
+    """An empty folder `.<name>.<kind>-<pid>@<host>-<random>` beside `beside`, with the mode `mkdir` would give.
+
+    mkdtemp makes it 0700, and a rename keeps that: the umask decides instead, so another user (a container's
+    unprivileged server, a colleague) can read what was made here, as after `cp -r`."""
+    assert kind in KINDS
+    tmp = Path(tempfile.mkdtemp(prefix=f".{beside.name}.{kind}-{maker()}-", dir=beside.parent))
+    tmp.chmod(0o777 & ~umask())
+    return tmp
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def dead_leftover(path: Path) -> bool:
+    """Is `path` a temporary name (`.<name>.<kind>-<pid>@<host>-<random>`) whose run is gone from this host?"""
+    m = _LEFTOVER.match(Path(path).name)
+    return m is not None and m["host"] == socket.gethostname() and not alive(int(m["pid"]))
+
+
+def leftovers(beside: Path) -> list[tuple[Path, bool]]:
+    """The temporary names of runs beside `beside`, each with whether its maker is gone (same host, dead pid)."""
+    beside = Path(beside)
+    try:
+        entries = list(beside.parent.iterdir())
+    except OSError:
+        return []
+    return [
+        (entry, dead_leftover(entry))
+        for entry in entries
+        if (m := _LEFTOVER.match(entry.name)) and m["name"] == beside.name
+    ]
+
+
+def sweep(beside: Path) -> list[Path]:
+    """Remove what killed runs left beside `beside` (their pid is gone on this host); a live run's, or one of
+    another host (a shared disk), stays. Returns what was removed."""
+    removed = []
+    for path, dead in leftovers(beside):
+        if not dead:
+            continue
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+        if not path.exists():
+            print(f"removed {path}, left by a run that was killed", file=sys.stderr)
+            removed.append(path)
+    return removed
+
+
+# --- one writer at a time -------------------------------------------------------------------------
+
+
+def lock_file(target: Path) -> Path:
+    """Where `lock(target)` locks: `.<name>.lock` beside the target."""
+    target = Path(target)
+    return target.with_name(f".{target.name}.lock")
+
+
+@contextmanager
+def lock(target: Path, what: str, path: Path | None = None) -> Iterator[None]:
+    """Hold the lock of `target` (at `path`, by default `lock_file(target)`) while the block writes it.
+
+    A second run prints who holds it (`what` it is doing, pid and host) and waits: when its turn comes it
+    sees what the first made. The lock file goes when the holder is done; flock frees a killed holder's."""
+    path = Path(path) if path is not None else lock_file(target)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    while True:
+        try:
+            fd, writable = os.open(path, os.O_RDWR | os.O_CREAT, 0o666), True
+        except PermissionError:  # another user's lock file (a shared cache): flock needs only a read handle
+            fd, writable = os.open(path, os.O_RDONLY), False
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another run"
+                print(f"waiting for {holder} to finish with {target} ...", file=sys.stderr, flush=True)
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            # the holder before us may have removed the file we locked: then lock the one at `path` now
+            try:
+                same = os.path.samestat(os.fstat(fd), os.stat(path))
+            except FileNotFoundError:
+                same = False
+            if not same:
+                os.close(fd)
+                continue
+        except BaseException:
+            os.close(fd)
+            raise
+        break
+    try:
+        if writable:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"pid {maker()} ({what})\n".encode(), 0)
+        yield
+    finally:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+        os.close(fd)
+
+
+def pause_point(name: str) -> None:
+    """Where the tests kill a run with a real SIGKILL: MINISTREAM_PAUSE_AT=<name> stops the process here,
+    having said so on stderr, until a signal ends it (the points: convert:weights, patch:pristine,
+    patch:apply, wheel:zip)."""
+    if os.environ.get("MINISTREAM_PAUSE_AT") == name:
+        print(f"paused at {name} (pid {os.getpid()})", file=sys.stderr, flush=True)
+        while True:
+            signal.pause()
+
+
+# --- a full disk ------------------------------------------------------------------------------------
+
+
+def check_space(where: Path, needed: int, what: str) -> None:
+    """Refuse, before writing, an output of about `needed` bytes in `where` that the disk cannot hold."""
+    where = Path(where)
+    probe = next((p for p in [where, *where.parents] if p.exists()), Path("."))
+    free = shutil.disk_usage(probe).free
+    if needed > free:
+        raise MiniStreamError(
+            f"{what} needs about {_gb(needed)} free in {probe}, which has {_gb(free)}: "
+            f"free some space there or choose an output on another disk"
+        )
+
+
+def disk_full(e: OSError, where: Path, what: str) -> MiniStreamError | None:
+    """The error to raise for a write that failed because the disk filled up (`what`: "while converting X"); None
+    for any other OSError."""
+    if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+        return None
+    return MiniStreamError(
+        f"the disk holding {where} filled up {what} ({os.strerror(e.errno)}); nothing was "
+        f"replaced and the partial output is removed: free some space there, or choose another output, and run again"
+    )
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.2f} GB" if n < 10e9 else f"{n / 1e9:.0f} GB"
+
+
+# --- what the tool made, for `ministream clean` to tell from the user's ---------------------------
+
+MADE = ".ministream-made.json"  # in each folder the tool writes whole: its files, as they were written
+
+
+def _files(folder: Path) -> dict[str, list[int]]:
+    return {
+        p.relative_to(folder).as_posix(): [p.stat().st_size, p.stat().st_mtime_ns]
+        for p in sorted(folder.rglob("*"))
+        if (p.is_file() or p.is_symlink()) and p.name != MADE
+    }
+
+
+def mark_made(folder: Path) -> None:
+    """Record in `folder` the files the tool just wrote there (size and mtime): `changed_since_made` tells
+    them from files a user added or edited later."""
+    folder = Path(folder)
+    write_json(folder / MADE, {"made_by": f"ministream {' '.join(sys.argv[1:2])}".strip(), "files": _files(folder)})
+
+
+def changed_since_made(folder: Path) -> list[str] | None:
+    """The files of `folder` the tool did not write, or that changed since (relative paths); None when the
+    tool made no record there (a folder it did not make)."""
+    try:
+        made = json.loads((Path(folder) / MADE).read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    now = _files(Path(folder))
+    return sorted(rel for rel, seen in now.items() if made.get(rel) != seen)

@@ -64,6 +64,7 @@ def add_checkpoint(sub) -> None:
 
 def add_convert(sub) -> None:
     from .checkpoint import convert
+    from .checkpoint.tokenizer import read_chat_template
     from .spec import DTYPES, TrainConfig
 
     p = sub.add_parser("convert", help="training checkpoint folder -> HF-style folder", description=convert.__doc__)
@@ -98,7 +99,7 @@ def add_convert(sub) -> None:
             return convert.dry_run(load_checkpoint(a.raw), overrides)
         if a.out is None:
             raise MiniStreamError("give an output folder: ministream convert RAW OUT (or --dry-run)")
-        template = a.chat_template.read_text() if a.chat_template else None
+        template = read_chat_template(a.chat_template) if a.chat_template else None
         convert.convert(
             a.raw.parent if a.raw.is_file() else a.raw,
             a.out,
@@ -622,6 +623,19 @@ def _exit_on_sigterm(signum, frame):
     sys.exit(128 + signum)
 
 
+def add_clean(sub) -> None:
+    from .fork import clean
+
+    p = sub.add_parser(
+        "clean",
+        help="remove what the tool made and can make again; refuse what holds your work",
+        description=clean.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--force", action="store_true", help="remove build/vllm-*, dist/ and out/ whatever they hold")
+    p.set_defaults(func=lambda a: clean.clean(Path("."), a.force))
+
+
 def main(argv=None):
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     parser = argparse.ArgumentParser(prog="ministream", description=__doc__)
@@ -636,7 +650,8 @@ def main(argv=None):
         add_plugin,
         add_install,
         add_vllm_tests,
-        add_image,  # the vLLM side
+        add_image,
+        add_clean,  # the vLLM side
         add_generate,
         add_verify,
         add_doctor,

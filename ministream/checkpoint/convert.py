@@ -17,7 +17,7 @@ import torch
 from tqdm import tqdm
 
 from .. import MiniStreamError, __version__
-from ..atomic import check_output, new_folder
+from ..atomic import check_output, check_space, disk_full, new_folder, pause_point
 from ..spec import (
     ARCH,
     HEAD,
@@ -148,6 +148,7 @@ def write_folder(
     ) as progress:
         for name, part in files.items():
             write_safetensors(tmp / name, part, torch_dtype, progress, allow_nonfinite)
+            pause_point("convert:weights")
     if len(files) > 1:
         weight_map = {k: name for name, part in files.items() for k, _ in part}
         _write_json(tmp / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
@@ -229,8 +230,16 @@ def convert(
     for note in ckpt.notes:
         log(f"note: {note}")
     cfg = resolve_config(ckpt, overrides)
-    with new_folder(out, force, inputs) as tmp:
-        write_folder(tmp, ckpt.path.parent, cfg, ckpt.state, dtype, chat_template, max_shard_size, allow_nonfinite)
+    what = f"converting {raw_dir} to {out}"  # "... needs about N GB free", "filled up while ..."
+    # the weights in the output dtype and the tokenizer; an old folder --force replaces stays until the new is whole
+    weights = sum(t.numel() for t in ckpt.state.values() if isinstance(t, torch.Tensor)) * TORCH_DTYPES[dtype].itemsize
+    tok = ckpt.path.parent / "tokenizer.json"
+    check_space(out.parent, weights + (tok.stat().st_size if tok.is_file() else 0), what)
+    try:
+        with new_folder(out, force, inputs) as tmp:
+            write_folder(tmp, ckpt.path.parent, cfg, ckpt.state, dtype, chat_template, max_shard_size, allow_nonfinite)
+    except OSError as e:
+        raise disk_full(e, out, f"while {what}") or e from None
     log(
         f"convert: wrote {out} ({cfg.n_layers} layers, d_model {cfg.d_model}, heads {cfg.n_heads}/{cfg.n_kv_heads}, "
         f"head_dim {cfg.head_dim}, vocab {cfg.vocab_size}, {'tied' if cfg.tie_embeddings else 'untied'}, {dtype})"

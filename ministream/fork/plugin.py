@@ -24,7 +24,7 @@ from pathlib import Path
 from packaging.version import Version
 
 from .. import MiniStreamError, __version__
-from ..atomic import write_bytes
+from ..atomic import lock, write_bytes
 from ..paths import DIST, shipped
 from ..spec import ARCH, CONFIG_CLASS, MODEL_TYPE
 from .patchset import apply_to_files, manifest, patch_set_dir, pinned
@@ -183,7 +183,8 @@ def build_plugin(version: str, dist_dir: Path | None = None) -> Path:
     info_dir = f"{DISTRIBUTION.replace('-', '_')}-{plugin_version(version)}.dist-info"
     data = wheel_bytes(package_files(version), info_dir, dist_info(version))
     dist_dir.mkdir(parents=True, exist_ok=True)
-    return write_bytes(dist_dir / name, data)
+    with lock(dist_dir / name, f"building {name}"):
+        return write_bytes(dist_dir / name, data)
 
 
 def plugin_command(version: str, dist_dir: Path | None = None) -> int:

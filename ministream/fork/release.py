@@ -10,10 +10,11 @@ import hashlib
 import io
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 import tarfile
-import tempfile
 import time
 import urllib.request
 import zipfile
@@ -21,7 +22,7 @@ from functools import cache
 from pathlib import Path
 
 from .. import MiniStreamError
-from ..atomic import new_file, write_bytes
+from ..atomic import lock, new_file, sweep, temp_folder, write_bytes
 from ..paths import CACHE as CACHE_ROOT, CPU_LINES, RELEASE_PINS
 
 CACHE = CACHE_ROOT / "wheels"
@@ -127,7 +128,15 @@ def release_wheel(version: str, device: str = "cuda", cache: Path = CACHE) -> Pa
         return verified(hit, dist, version)
     cache.mkdir(parents=True, exist_ok=True)
     stem = dist.replace("-", "_")
-    with tempfile.TemporaryDirectory(dir=cache) as tmp:
+    with lock(cache / f"{stem}-{version}", f"downloading {dist} {version}"):
+        hit = cached_wheel(version, dist, cache)  # a run we waited for fetched it
+        return verified(hit, dist, version) if hit else _download_wheel(dist, version, stem, cache)
+
+
+def _download_wheel(dist: str, version: str, stem: str, cache: Path) -> Path:
+    sweep(cache / f"{stem}-{version}")
+    tmp = temp_folder(cache / f"{stem}-{version}", "download")  # named for `sweep`, should the run be killed
+    try:
         cmd = [
             sys.executable,
             "-m",
@@ -140,18 +149,26 @@ def release_wheel(version: str, device: str = "cuda", cache: Path = CACHE) -> Pa
             "-q",
             f"{dist}=={version}",
             "-d",
-            tmp,
+            str(tmp),
         ]
         run = subprocess.run(cmd, capture_output=True, text=True)
         got = sorted(Path(tmp).glob(f"{stem}-{version}-*.whl"))
         if run.returncode != 0 or not got:
+            said = run.stderr.strip().splitlines()[-1] if run.stderr.strip() else "no wheel found"
+            offline = re.search(r"connect|resolve|network|timed out|proxy|SSL", run.stderr, re.I)
+            why = (
+                "PyPI could not be reached: check the network (or pip's proxy settings)"
+                if offline
+                else f"check that {dist} {version} exists (https://pypi.org/project/{dist}/#history)"
+            )
             raise MiniStreamError(
-                f"could not download the {dist}=={version} release wheel with pip "
-                f"({run.stderr.strip().splitlines()[-1] if run.stderr.strip() else 'no wheel found'}); "
-                f"check the version exists on PyPI, or put the wheel in {cache}/"
+                f"could not download the {dist}=={version} release wheel with pip ({said}); {why}, or put "
+                f"{stem}-{version}-*.whl in {cache}/"
             )
         # checked, then renamed into place: an interrupted or bad download is never cached
         return verified(got[0], dist, version).rename(cache / got[0].name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def cached_wheel(version: str, dist: str = "vllm", cache: Path = CACHE) -> Path | None:
@@ -172,7 +189,7 @@ def release_sdist(version: str, cache: Path = SDISTS) -> Path:
     path = cache / name
     if path.is_file():
         return verified(path, "vllm", version)
-    found = [f for f in _index("vllm") if f["filename"] == name]
+    found = [f for f in _index("vllm", f"{name} in {cache}/") if f["filename"] == name]
     if not found:
         raise NoSdist(
             f"PyPI has no sdist {name}: check the version "
@@ -180,11 +197,14 @@ def release_sdist(version: str, cache: Path = SDISTS) -> Path:
         )
     cache.mkdir(parents=True, exist_ok=True)
     try:
-        with new_file(path) as partial:
-            with urllib.request.urlopen(found[0]["url"], timeout=TIMEOUT) as r, open(partial, "wb") as f:
-                while block := r.read(1 << 20):
-                    f.write(block)
-            verified(partial, "vllm", version, name)
+        with lock(path, f"downloading {name}"):
+            if path.is_file():  # a run we waited for fetched it
+                return verified(path, "vllm", version)
+            with new_file(path) as partial:
+                with urllib.request.urlopen(found[0]["url"], timeout=TIMEOUT) as r, open(partial, "wb") as f:
+                    while block := r.read(1 << 20):
+                        f.write(block)
+                verified(partial, "vllm", version, name)
         return path
     except OSError as e:
         raise MiniStreamError(
@@ -253,16 +273,24 @@ def _read_members(version: str, paths: list[str], cache: Path, dist: str = "vllm
         return {p: z.read(p) for p in paths}
 
 
-@cache
-def _index(dist: str) -> tuple[dict, ...]:
-    request = urllib.request.Request(INDEX.format(dist=dist), headers={"Accept": INDEX_TYPE})
+def _index(dist: str, wanted: str = "") -> tuple[dict, ...]:
+    """PyPI's file list of `dist`; offline, the error names `wanted` ("<file> in <folder>/"), what would do
+    instead of the network."""
     try:
-        with urllib.request.urlopen(request, timeout=TIMEOUT) as r:
-            return tuple(json.load(r)["files"])
+        return _read_index(dist)
     except OSError as e:
+        instead = f", or put {wanted}" if wanted else ""
         raise MiniStreamError(
-            f"could not read the PyPI index of {dist} ({e}); check the network, or put the release wheel in {CACHE}/"
+            f"could not reach PyPI to read the index of {dist} ({getattr(e, 'reason', None) or e}): check the "
+            f"network (or the proxy settings){instead}"
         ) from None
+
+
+@cache
+def _read_index(dist: str) -> tuple[dict, ...]:
+    request = urllib.request.Request(INDEX.format(dist=dist), headers={"Accept": INDEX_TYPE})
+    with urllib.request.urlopen(request, timeout=TIMEOUT) as r:
+        return tuple(json.load(r)["files"])
 
 
 def _wheel_url(version: str, dist: str = "vllm") -> tuple[str, int]:
@@ -400,7 +428,7 @@ def _stream_sdist(version: str, paths: set[str], cache: Path) -> tuple[set[str],
     if local.is_file():
         raw, where = open(local, "rb"), str(local)
     else:
-        found = [f for f in _index("vllm") if f["filename"] == name]
+        found = [f for f in _index("vllm", f"{name} in {cache / 'sdists'}/") if f["filename"] == name]
         if not found:
             raise NoSdist(f"no sdist on PyPI for {version}")
         where = found[0]["url"]

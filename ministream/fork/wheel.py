@@ -33,10 +33,9 @@ from packaging.utils import InvalidWheelFilename, parse_wheel_filename
 from packaging.version import Version
 
 from .. import MiniStreamError, __version__
-from ..atomic import check_apart, new_file
+from ..atomic import check_apart, lock, new_file, pause_point
 from ..paths import BUILD, DIST
 from . import cpu
-from .cpu import PLATFORM_FILE
 from .release import CACHE as RELEASE_CACHE, DISTRIBUTIONS, device_release, release_wheel
 
 # The local version label that marks a wheel as ours: vLLM 0.32.0 becomes 0.32.0+ministream.0.1.0.
@@ -424,18 +423,14 @@ def build_wheel(
         rewritten = {path: data for path, (data, _) in patch.changed.items()}
         rewritten[VERSION_FILE] = _set_version_module(src.read(VERSION_FILE), release_version, new_version, release)
         metadata = _set_version(src.read(f"{old_info}METADATA"), release_version, new_version, release)
-        with new_file(final) as tmp, zipfile.ZipFile(tmp, "w") as out:
+        with lock(final, f"building {final.name}"), new_file(final) as tmp, zipfile.ZipFile(tmp, "w") as out:
+            pause_point("wheel:zip")
             records = _write_files(src, out, patch, rewritten, old_info)
             _write_dist_info(src, out, old_info, f"{stem}-{new_version}.dist-info/", metadata, records, patch.date_time)
         names = set(src.namelist())
     if not quiet:
         _report(final, release, patch, names, new_version)
     return final
-
-
-def _platform_fix(source: bytes, release: Path) -> bytes:
-    """The CPU part's platform fix of `release`'s copy of the file (cpu.platform_fix; for tests/test_lines.py)."""
-    return cpu.platform_fix(source, f"{PLATFORM_FILE} of {release.name}")
 
 
 def _report(final: Path, release: Path, patch: Patch, names: set, new_version: str):

@@ -16,13 +16,23 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .. import MiniStreamError
+from ..checkpoint.tokenizer import check_chat_template as check_chat_template_text
 from ..fork import plugin as vllm_plugin
 from ..fork.registry import CONFIGS_INIT_PY, Registries, read_package
 from ..fork.release import DISTRIBUTIONS
 from ..paths import PATCH_SETS
 from ..spec import ARCH, MODEL_FILE_IN_TREE, MODEL_TYPE, QKV, TORCH_DTYPES, hf_names
 from . import engine
-from .folder import EMBED, HEAD, Folder, FolderError, Tensor, config_names, name_differences, open_folder
+from .folder import (
+    EMBED,
+    HEAD,
+    Folder,
+    Tensor,
+    config_names,
+    name_differences,
+    open_folder,
+    shape_differences,
+)
 
 
 @dataclass
@@ -359,6 +369,32 @@ def check_names(config: dict, tensors: dict[str, Tensor]) -> list[Finding]:
     return found or [Finding("ok", "tensors", f"the {len(tensors)} tensors are exactly {ARCH}'s parameters")]
 
 
+def check_shapes(config: dict, tensors: dict[str, Tensor]) -> list[Finding]:
+    wrong = shape_differences(config, tensors)
+    if wrong:
+        more = f" (and {len(wrong) - 3} more)" if len(wrong) > 3 else ""
+        return [Finding("error", "shapes", "; ".join(wrong[:3]) + more, "convert again, or fix config.json")]
+    return [Finding("ok", "shapes", "every tensor has the shape and dtype config.json gives it")]
+
+
+def check_chat_template(folder: Path) -> list[Finding]:
+    """tokenizer_config.json's chat template, when it has one, compiles (vLLM compiles it per chat request)."""
+    path = Path(folder) / "tokenizer_config.json"
+    try:
+        template = json.loads(path.read_text()).get("chat_template") if path.is_file() else None
+    except (OSError, ValueError, AttributeError) as e:
+        return [Finding("error", "chat_template", f"{path} cannot be read ({e})", "convert again (make convert)")]
+    if template is None:
+        return []
+    if not isinstance(template, str):
+        return [Finding("warn", "chat_template", f"{path}: a chat template that is not one string", "check it")]
+    try:
+        check_chat_template_text(template, f"{path} chat_template")
+    except MiniStreamError as e:
+        return [Finding("error", "chat_template", str(e), "convert again with a fixed --chat-template")]
+    return [Finding("ok", "chat_template", "tokenizer_config.json's chat template compiles")]
+
+
 def check_memory(
     folder: Folder, dtype: str | None, max_model_len: int | None, memory_gib: float | None, kv_cache_gib: float | None
 ) -> list[Finding]:
@@ -499,16 +535,15 @@ def doctor(
     memory_gib: float | None = None,
     kv_cache_gib: float | None = None,
 ) -> list[Finding]:
-    try:
-        f = open_folder(folder)
-    except FolderError as e:
-        return [Finding("error", e.topic, e.text, e.fix)]
+    f = open_folder(folder)  # a folder that cannot be read at all: FolderError, one line (exit 2)
     vllm_dir = vllm_dir or installed_vllm_dir()
     found = installed_vllm_findings(f.config, vllm_dir)
     found.append(check_head_dim(f.config, f.tensors))
     found.append(check_head(f))
     found.append(check_vocab(f.config, f.tensors, f.tokenizer_size))
     found += check_names(f.config, f.tensors)
+    found += check_shapes(f.config, f.tensors)
+    found += check_chat_template(folder)
     found += check_memory(f, dtype, max_model_len, memory_gib, kv_cache_gib)
     found += check_rope_eps(f.config)
     return found
