@@ -35,8 +35,13 @@ PROMPTS ?=
 HOST ?= 127.0.0.1
 PORT ?= 8000
 TP ?=
-# pipeline stages across Ray nodes (multi-node recipe, README "Which route?")
+# pipeline stages: across Ray nodes, or with NNODES over vLLM's multiprocessing executor (README "Which route?")
 PP ?=
+# multi-node (vLLM's multiprocessing executor): every node runs make serve with its NODE_RANK; 0 serves the API
+NNODES ?=
+NODE_RANK ?= 0
+MASTER_ADDR ?= 127.0.0.1
+MASTER_PORT ?= 29501
 # bench, bench-serve: BENCH_QUICK=1 for a smoke run; BENCH_ARGS for any `ministream bench` (bench-serve) option
 BENCH_OUT ?= build/bench
 BENCH_QUICK ?=
@@ -65,6 +70,7 @@ help:
 	@echo "                                   the rule for DTYPE (float32|bfloat16), else layer by layer [PROMPTS=file]"
 	@echo "make doctor MODEL=dir              check a converted folder and the installed vLLM, one line per finding"
 	@echo "make serve MODEL=dir [PORT=8000]   OpenAI-compatible server on the patched vLLM [DTYPE=] [TP=] [PP=] [EAGER=1] [HOST=127.0.0.1]"
+	@echo "                                   [NNODES=n NODE_RANK=r MASTER_ADDR=a MASTER_PORT=p]: one node of n (0 serves the API)"
 	@echo "make image VLLM_VERSION=x DEVICE=d container image ministream-vllm:x-d (docker, else podman)"
 	@echo "                                   [ROUTE=plugin DEVICE=cuda: vLLM's own image + our plugin -> :x-cuda-plugin]"
 	@echo "make test-image                    build the CPU image and check it serves like make serve (slow, not in test)"
@@ -164,7 +170,7 @@ test-full: setup image-prereqs
 
 serve: setup
 	$(MS) serve '$(MODEL)' --host $(HOST) --port $(PORT) $(if $(DTYPE),--dtype $(DTYPE)) $(if $(TP),--tp $(TP)) $(if $(filter 1,$(EAGER)),--enforce-eager) \
-		$(if $(PP),--vllm-args='--pipeline-parallel-size $(PP) --distributed-executor-backend ray')
+		$(if $(NNODES),--nnodes $(NNODES) --node-rank $(NODE_RANK) --master-addr $(MASTER_ADDR) --master-port $(MASTER_PORT) $(if $(PP),--pp $(PP)),$(if $(PP),--vllm-args='--pipeline-parallel-size $(PP) --distributed-executor-backend ray'))
 
 # podman, runc and debootstrap from apt, unless a Docker engine answers
 image-prereqs:

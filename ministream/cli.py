@@ -555,6 +555,15 @@ def add_serve(sub) -> None:
     p.add_argument("--name", help="served model name (default: the folder's name)")
     p.add_argument("--dtype", help="weights/activations dtype (default: vLLM's auto, the folder's torch_dtype)")
     p.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
+    p.add_argument("--pp", type=int, default=1, help="pipeline_parallel_size (with --nnodes: over the nodes)")
+    p.add_argument("--nnodes", type=int, default=1, help="machines this server spans (vLLM's multiproc executor)")
+    p.add_argument("--node-rank", type=int, default=0, help="this machine's rank: 0 serves the API, others headless")
+    p.add_argument("--master-addr", default="127.0.0.1", help="rank 0's address, as every node reaches it")
+    p.add_argument("--master-port", type=int, default=29501, help="rank 0's torch.distributed port")
+    p.add_argument("--rendezvous-port", type=int, help="rank 0's port for the nodes' check (default: master port + 1)")
+    p.add_argument(
+        "--node-timeout", type=float, default=600, help="seconds rank 0 waits for the other nodes (and they for it)"
+    )
     p.add_argument("--max-model-len", type=int, help="longest prompt + output, in tokens (default: the model's)")
     p.add_argument("--stop-timeout", type=float, default=60, help="seconds to wait after SIGTERM before SIGKILL")
     p.add_argument(
@@ -583,8 +592,21 @@ def add_serve(sub) -> None:
             a.stop_timeout,
             a.api_key,
             a.enforce_eager,
+            a.pp,
+            _cluster(a),
         )
     )
+
+
+def _cluster(a):
+    from .run import nodes
+
+    if a.nnodes == 1:
+        return None
+    if not 0 <= a.node_rank < a.nnodes:
+        raise MiniStreamError(f"--node-rank {a.node_rank}: give 0 to {a.nnodes - 1} for --nnodes {a.nnodes}")
+    port = a.rendezvous_port or a.master_port + 1
+    return nodes.Plan(a.nnodes, a.node_rank, a.master_addr, a.master_port, port, a.node_timeout)
 
 
 def add_serve_bench(sub) -> None:

@@ -198,3 +198,25 @@ def server_command(
     if eager(enforce_eager):
         cmd += ["--enforce-eager"]
     return cmd + list(extra)
+
+
+def node_command(server: list[str], pp: int, nnodes: int, rank: int, master_addr: str, master_port: int) -> list[str]:
+    """`server_command`'s server as one node of vLLM's multiprocessing executor over `nnodes` machines (vLLM PR
+    #23691, from 0.11.1): `vllm serve` (its --headless for the nodes that serve no API), through vllm_cli for
+    the CPU build whose own `vllm` command cannot start."""
+    module = server.index("vllm.entrypoints.openai.api_server")
+    args = [a for a in server[module + 1 :]]
+    args[args.index("--model") : args.index("--model") + 2] = [args[args.index("--model") + 1]]  # positional
+    cmd = [*server[: module - 1], "-m", "ministream.run.vllm_cli", "serve", *args]
+    cmd += ["--pipeline-parallel-size", str(pp), "--distributed-executor-backend", "mp"]
+    cmd += ["--nnodes", str(nnodes), "--node-rank", str(rank), "--master-addr", master_addr]
+    cmd += ["--master-port", str(master_port)]
+    return cmd + (["--headless"] if rank > 0 else [])
+
+
+def node_env(local_ranks: int, host_ip: str, environ: dict | None = None) -> dict:
+    """A node's engine environment: `engine_env` for the ranks this node runs, and the address vLLM
+    advertises to the other nodes (VLLM_HOST_IP: rank 0 sends each step's scheduler output there)."""
+    env = engine_env(local_ranks, environ)
+    env.setdefault("VLLM_HOST_IP", host_ip)
+    return env

@@ -21,7 +21,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from .. import MiniStreamError
-from . import engine
+from ..fork.install import installed_vllm
+from . import engine, nodes
 from .folder import check_servable
 from .server import API_KEY, START_TIMEOUT, die_with_parent, kill_group, local_url, reap_process_group, wait_ready
 
@@ -70,31 +71,71 @@ def serve(
     stop_timeout: float = 60,
     api_key: str | None = None,
     enforce_eager: bool = False,
+    pp: int = 1,
+    cluster: nodes.Plan | None = None,
 ) -> int:
     """Run the server until it exits or this process gets SIGTERM/SIGINT; its exit status.
 
-    api_key goes to vLLM through its environment (VLLM_API_KEY), never on a command line `ps` shows."""
+    cluster: this process is one node of a server over cluster.nnodes machines (nodes.py); rank 0 serves
+    the API, the others run headless. api_key goes to vLLM through its environment (VLLM_API_KEY), never
+    on a command line `ps` shows."""
     check_servable(model)  # a folder vLLM can read, and ranks this machine has, before minutes of engine start
-    engine.check_tp(tp)
+    nnodes = cluster.nnodes if cluster else 1
+    if pp < 1 or (tp * pp) % nnodes:
+        raise MiniStreamError(
+            f"--tp {tp} x --pp {pp} = {tp * pp} ranks cannot be spread evenly over --nnodes {nnodes}: "
+            f"give a --tp or --pp whose product is a multiple of {nnodes}"
+        )
+    local = tp * pp // nnodes  # the ranks this node runs
+    engine.check_tp(local)
     if importlib.util.find_spec("vllm") is None:
         raise MiniStreamError(f"vllm is not installed in {sys.prefix}: run `make install` first") from None
     name = name or served_name(model)
-    env = engine.engine_env(tp)
+    if cluster:
+        env = engine.node_env(local, nodes.local_address(cluster.master_addr))
+    else:
+        env = engine.engine_env(local)
     if api_key:
         env[API_KEY] = api_key
-    if warning := exposure_warning(host, env):
+    headless = cluster is not None and cluster.rank > 0
+    if not headless and (warning := exposure_warning(host, env)):
         print(warning, file=sys.stderr, flush=True)
     cmd = engine.server_command(model, host, port, name, dtype, tp, max_model_len, list(extra), enforce_eager)
+    if cluster:
+        cmd = engine.node_command(cmd, pp, nnodes, cluster.rank, cluster.master_addr, cluster.master_port)
+    elif pp > 1:
+        cmd += ["--pipeline-parallel-size", str(pp)]
     url = local_url(host, port)
-    shown = " ".join(f"{k}={env[k]}" for k in SHOWN if k in env)
+    shown = " ".join(f"{k}={env[k]}" for k in (*SHOWN, "VLLM_HOST_IP") if k in env)
     print(f"ministream serve: {shown} {' '.join(cmd)}", flush=True)
-    print(
-        f"ministream serve: will listen on {url} once loaded (model {name!r}); Ctrl-C or SIGTERM stops it", flush=True
-    )
+    peers: dict = {}
+    if cluster:
+        installed = installed_vllm()
+        mine = nodes.card(model, dtype, tp, pp, nnodes, installed[0] if installed else None)
+        peers = nodes.gather(cluster, mine) if cluster.rank == 0 else {0: nodes.join(cluster, mine)}
+    if headless and cluster:
+        print(f"ministream serve: node {cluster.rank} of {nnodes}, headless: node 0 serves the API", flush=True)
+    else:
+        print(
+            f"ministream serve: will listen on {url} once loaded (model {name!r}); Ctrl-C or SIGTERM stops it",
+            flush=True,
+        )
     proc = subprocess.Popen(cmd, env=env, preexec_fn=die_with_parent)
-    threading.Thread(target=_announce_when_ready, args=(url, name, proc), daemon=True).start()
+    lost: list[int] = []
+    if peers:
+        nodes.watch(peers, lambda rank: _node_lost(rank, proc, lost))
+    if not headless:
+        threading.Thread(target=_announce_when_ready, args=(url, name, proc), daemon=True).start()
     stopping: list[float] = []  # when the first stop signal came
     rc = _wait_forwarding_signals(proc, stopping, stop_timeout)
+    if lost and not stopping:
+        print(
+            f"ministream serve: node {lost[0]} was lost (its process ended or its machine is gone); this node "
+            f"stopped its server: restart every node",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 3
     if stopping and rc in (0, -signal.SIGTERM, -signal.SIGINT, 128 + signal.SIGTERM):
         print("ministream serve: stopped", flush=True)
         return 0
@@ -106,6 +147,12 @@ def serve(
             flush=True,
         )
     return 1 if rc == 0 else rc if rc > 0 else 128 - rc
+
+
+def _node_lost(rank: int, proc: subprocess.Popen, lost: list[int]) -> None:
+    """A watcher found node `rank` gone: vLLM would hang on its collective, so stop it now."""
+    lost.append(rank)
+    kill_group(proc.pid)
 
 
 def _wait_forwarding_signals(proc: subprocess.Popen, stopping: list, stop_timeout: float) -> int:

@@ -1,0 +1,150 @@
+"""`ministream serve --nnodes 2`: one model served across two nodes by vLLM's multiprocessing executor (issue 22).
+
+Each node is its own process tree in its own mount namespace with a private /dev/shm and its own core, so
+the two share nothing but TCP on 127.0.0.1: what two machines share. The greedy token ids of TP=2 over two
+nodes must be the reference model's (and so TP=1's, which test_vllm.py holds to the same reference). Then
+the faults a cluster meets, each within a bound: a node that never comes, a node with another folder or
+dtype, a node killed while serving. Real servers, real namespaces (root: skipped elsewhere), real SIGKILL.
+"""
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from ministream.run import nodes
+from ministream.run.generate import DEFAULT_PROMPTS, reference_generate, tokenize
+from ministream.run.server import complete, free_port, log_tail, start, stop, wait_ready
+
+EXE = Path(sys.executable).parent / "ministream"
+MAX_TOKENS = 12
+PROMPTS = DEFAULT_PROMPTS[:4]
+START_TIMEOUT = 600
+
+
+def namespaces_work() -> bool:
+    if os.geteuid() != 0 or not shutil.which("unshare"):
+        return False
+    probe = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c", "mount -t tmpfs tmpfs /dev/shm"],
+        capture_output=True,
+    )
+    return probe.returncode == 0
+
+
+pytestmark = pytest.mark.skipif(not namespaces_work(), reason="needs root and mount namespaces (unshare)")
+
+
+def node(model: Path, rank: int, master_port: int, log: Path, *args, port: int = 0, cpu: int | None = None):
+    """`ministream serve` as node `rank` of 2, in a mount namespace of its own with a private /dev/shm, on one
+    core; its process group is the returned process's pid."""
+    cpu = rank % len(os.sched_getaffinity(0)) if cpu is None else cpu
+    serve = [str(EXE), "serve", str(model), "--nnodes", "2", "--node-rank", str(rank)]
+    serve += ["--master-addr", "127.0.0.1", "--master-port", str(master_port), "--port", str(port or 8000)]
+    serve += [str(a) for a in args]
+    inner = f'mount -t tmpfs tmpfs /dev/shm && exec taskset -c {cpu} "$@"'
+    cmd = ["unshare", "--mount", "--propagation", "private", "sh", "-c", inner, "node", *serve]
+    return start(cmd, log, {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
+
+
+def group_left(pgid: int) -> list[str]:
+    return [p.name() for p in psutil.process_iter() if _pgid(p.pid) == pgid]
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except ProcessLookupError:
+        return None
+
+
+@pytest.fixture(scope="module", params=["tiny_hf", "tiny_gqa_hf"])
+def cluster(request, tmp_path_factory):
+    """TP=2 over two nodes, fp32 (eager: the route is the subject; test_vllm.py proves the compiled path)."""
+    model = request.getfixturevalue(request.param)
+    logs = tmp_path_factory.mktemp("nodes")
+    master, http = free_port(), free_port()
+    args = ["--tp", 2, "--dtype", "float32", "--enforce-eager", "--max-model-len", 256, "--node-timeout", 300]
+    n0 = node(model, 0, master, logs / "node0.log", *args, port=http)
+    n1 = node(model, 1, master, logs / "node1.log", *args)
+    url = f"http://127.0.0.1:{http}"
+    try:
+        wait_ready(url, n0, logs / "node0.log", START_TIMEOUT)
+    except Exception:
+        for n in (n0, n1):
+            stop(n)
+        raise AssertionError(f"node 1's log:\n{log_tail(logs / 'node1.log')}") from None
+    yield {"model": model, "url": url, "nodes": (n0, n1), "logs": logs, "name": model.name}
+    stop(n0)
+    stop(n1)
+
+
+def test_tp2_over_two_nodes_gives_the_reference_models_token_ids(cluster):
+    ids = tokenize(cluster["model"], PROMPTS)
+    want = [r["ids"] for r in reference_generate(cluster["model"], ids, MAX_TOKENS)]
+    got = []
+    for p in ids:
+        status, body = complete(cluster["url"], cluster["name"], p, MAX_TOKENS, return_token_ids=True)
+        assert status == 200, body
+        got.append(body["choices"][0]["token_ids"])
+    assert got == want
+    node1 = (cluster["logs"] / "node1.log").read_text()
+    assert "headless multiproc executor" in node1
+    assert "node 1 joined from 127.0.0.1" in (cluster["logs"] / "node0.log").read_text()
+
+
+def test_a_node_killed_while_serving_ends_rank_0_promptly_naming_it(cluster):
+    """Last test of each cluster: node 1's whole process tree gets SIGKILL, as when its machine dies."""
+    n0, n1 = cluster["nodes"]
+    os.killpg(n1.pid, signal.SIGKILL)
+    n1.wait(timeout=30)  # reaped: our child, gone
+    start_t = time.monotonic()
+    rc = n0.wait(timeout=60)
+    took = time.monotonic() - start_t
+    assert rc != 0 and took < 30, (rc, took)
+    log = (cluster["logs"] / "node0.log").read_text()
+    assert "node 1 was lost" in log
+    deadline = time.monotonic() + 30
+    while (group_left(n0.pid) or group_left(n1.pid)) and time.monotonic() < deadline:
+        time.sleep(1)
+    assert group_left(n0.pid) == [] and group_left(n1.pid) == []
+
+
+# --- faults before vLLM starts ------------------------------------------------------------------------
+
+
+def test_rank_0_alone_says_it_waits_and_gives_up_after_its_timeout(tiny_hf, tmp_path):
+    master = free_port()
+    t = time.monotonic()
+    proc = node(tiny_hf, 0, master, tmp_path / "node0.log", "--tp", 2, "--node-timeout", 8)
+    rc = proc.wait(timeout=120)
+    took = time.monotonic() - t
+    log = (tmp_path / "node0.log").read_text()
+    assert rc == 2 and took < 60, (rc, took, log)
+    assert f"waiting for node(s) 1 at 127.0.0.1:{master + 1}" in log
+    assert f"node(s) 1 of 2 did not join at 127.0.0.1:{master + 1} within 8 s" in log and "Traceback" not in log
+
+
+@pytest.mark.parametrize("differ", ["model", "dtype"])
+def test_a_node_with_another_folder_or_dtype_is_refused_by_name_on_both(tiny_hf, tiny_gqa_hf, tmp_path, differ):
+    master = free_port()
+    n0 = node(tiny_hf, 0, master, tmp_path / "node0.log", "--tp", 2, "--dtype", "float32", "--node-timeout", 60)
+    other = (tiny_gqa_hf, "float32") if differ == "model" else (tiny_hf, "bfloat16")
+    n1 = node(other[0], 1, master, tmp_path / "node1.log", "--tp", 2, "--dtype", other[1], "--node-timeout", 60)
+    rcs = [n0.wait(timeout=120), n1.wait(timeout=120)]
+    logs = [(tmp_path / f"node{r}.log").read_text() for r in (0, 1)]
+    assert rcs == [2, 2], (rcs, logs)
+    for log in logs:
+        assert f"node 1 at 127.0.0.1 differs from node 0: {differ}" in log and "Traceback" not in log
+    assert "does not start" in logs[1]
+
+
+def test_cards_differ_by_the_vllm_version_by_name():
+    mine = {"model": "a", "dtype": "float32", "vllm": "0.32.0+ministream.0.1.0"}
+    assert nodes.differences(mine, {**mine, "vllm": "0.31.0"}) == ["vllm '0.31.0' (node 0: '0.32.0+ministream.0.1.0')"]
