@@ -74,7 +74,8 @@ help:
 	@echo "make image VLLM_VERSION=x DEVICE=d container image ministream-vllm:x-d (docker, else podman)"
 	@echo "                                   [ROUTE=plugin DEVICE=cuda: vLLM's own image + our plugin -> :x-cuda-plugin]"
 	@echo "make test-image                    build the CPU image and check it serves like make serve (slow, not in test)"
-	@echo "make bench [BENCH_QUICK=1]         patched vLLM vs LLaMA names, reference model, core binding; tooling costs"
+	@echo "make bench [BENCH_QUICK=1]         patched vLLM vs LLaMA names, reference model, core binding; tooling costs;"
+	@echo "                                   TP=1 vs TP=2 on one node vs over two nodes (-> $(BENCH_OUT)/nodes.json)"
 	@echo "                                   -> $(BENCH_OUT)/bench.json, bench.png (~30 min on 2 cores; not part of test)"
 	@echo "make bench-serve [BENCH_QUICK=1]   serving load with vLLM's client: make serve vs LLaMA names vs the reference"
 	@echo "                                   model one request at a time -> $(BENCH_OUT)/serve.json, serve.png (not in test)"
@@ -149,6 +150,7 @@ demo: setup
 bench: setup
 	$(MAKE) --no-print-directory install
 	$(MS) bench --out '$(BENCH_OUT)' $(if $(BENCH_QUICK),--quick) $(BENCH_ARGS)
+	$(MS) bench-nodes --out '$(BENCH_OUT)' $(if $(BENCH_QUICK),--quick)
 
 # BENCH_ARGS: any `ministream bench-serve` option (--rates, --systems, --num-prompts, ...)
 bench-serve: setup

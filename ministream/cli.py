@@ -645,6 +645,21 @@ def _exit_on_sigterm(signum, frame):
     sys.exit(128 + signum)
 
 
+def add_bench_nodes(sub) -> None:
+    from .run import benchnodes
+
+    p = sub.add_parser(
+        "bench-nodes",
+        help="TP=1 vs TP=2 on one node vs TP=2 over two nodes: throughput and TTFT at concurrency 1 and 32",
+        description=benchnodes.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--out", type=Path, default=Path("build/bench"), help="output folder (default: %(default)s)")
+    p.add_argument("--quick", action="store_true", help="smoke run: the tiny model, a few short requests")
+    p.add_argument("--systems", type=lambda s: s.split(","), help="some of: " + ", ".join(benchnodes.SYSTEMS))
+    p.set_defaults(func=lambda a: benchnodes.bench_nodes(a.out, a.quick, a.systems))
+
+
 def add_clean(sub) -> None:
     from .fork import clean
 
@@ -681,6 +696,7 @@ def main(argv=None):
         add_serve_bench,
         add_bench,
         add_bench_serve,
+        add_bench_nodes,
     ):  # using an engine
         add(sub)
     args = parser.parse_args(argv)

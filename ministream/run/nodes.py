@@ -204,3 +204,25 @@ def watch(peers: dict[int, socket.socket], lost: Callable[[int], None]) -> None:
             time.sleep(HEARTBEAT)
 
     threading.Thread(target=run, daemon=True).start()
+
+
+# --- two nodes on one machine: what the tests and `make bench` run -------------------------------------
+
+
+def isolated(cmd: list[str], cpus: str) -> list[str]:
+    """`cmd` as a node of its own on this machine: a mount namespace with a private /dev/shm (so vLLM's
+    shared-memory channels cannot reach the other node) on the cores `cpus`; root only (`can_isolate`)."""
+    inner = f'mount -t tmpfs tmpfs /dev/shm && exec taskset -c {cpus} "$@"'
+    return ["unshare", "--mount", "--propagation", "private", "sh", "-c", inner, "node", *cmd]
+
+
+def can_isolate() -> bool:
+    """Whether `isolated` works here: root, unshare, and a tmpfs mount inside a new mount namespace."""
+    import os
+    import shutil
+    import subprocess
+
+    if os.geteuid() != 0 or not shutil.which("unshare") or not shutil.which("taskset"):
+        return False
+    probe = subprocess.run(isolated(["true"], "0"), capture_output=True)
+    return probe.returncode == 0
