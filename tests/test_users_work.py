@@ -287,34 +287,33 @@ def test_two_patches_into_a_fresh_build_folder_both_end_with_one_good_tree(tmp_p
     assert sorted(p.name for p in build.iterdir()) == [f"vllm-{VERSION}"]  # no partial, no lock file left
 
 
+def holding(target: Path, what: str, seconds: float) -> subprocess.Popen:
+    """A process that holds `lock(target, what)` for `seconds`, returned once it holds it."""
+    code = (
+        "import pathlib, time; from ministream.atomic import lock\n"
+        f"with lock(pathlib.Path({str(target)!r}), {what!r}):\n"
+        f"    print('held', flush=True); time.sleep({seconds})\n"
+    )
+    holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+    return holder
+
+
 def test_a_second_writer_waits_for_the_lock_and_says_for_whom(tmp_path):
     target = tmp_path / "out"
-    code = (
-        "import sys, time; from ministream.atomic import lock\n"
-        f"with lock(__import__('pathlib').Path({str(target)!r}), 'the other run'):\n"
-        "    print('held', flush=True); time.sleep(3)\n"
-    )
-    holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-    assert holder.stdout.readline().strip() == "held"
+    holder = holding(target, "the other run", 3)
     start = time.monotonic()
-    proc = subprocess.run(
-        [sys.executable, "-c", code.replace("the other run", "second")], capture_output=True, text=True, timeout=60
-    )
+    second = holding(target, "second", 0)  # returns once it holds the lock: after the holder let go
+    _, said = second.communicate(timeout=60)
     holder.wait()
-    assert proc.returncode == 0 and time.monotonic() - start >= 1
-    assert f"waiting for pid {holder.pid}@{HOST} (the other run) to finish with {target}" in proc.stderr
+    assert second.returncode == 0 and time.monotonic() - start >= 1
+    assert f"waiting for pid {holder.pid}@{HOST} (the other run) to finish with {target}" in said
     assert not (tmp_path / ".out.lock").exists()
 
 
 def test_a_lock_of_a_killed_holder_is_free_at_once(tmp_path):
     target = tmp_path / "out"
-    code = (
-        "import time, pathlib; from ministream.atomic import lock\n"
-        f"with lock(pathlib.Path({str(target)!r}), 'killed'):\n"
-        "    print('held', flush=True); time.sleep(600)\n"
-    )
-    holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-    assert holder.stdout.readline().strip() == "held"
+    holder = holding(target, "killed", 600)
     holder.send_signal(signal.SIGKILL)
     holder.wait()
     assert (tmp_path / ".out.lock").exists()  # the file stays, the lock does not
