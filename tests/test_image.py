@@ -3,8 +3,10 @@ built without vLLM's image and a GPU); the CPU one built and run for real by `ma
 
 import os
 import re
+import shutil
 import signal
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -81,6 +83,46 @@ def test_both_images_serve_through_the_same_entrypoint():
         assert instructions(text, "ENV")[-1] == "GIT_PYTHON_REFRESH=quiet"  # no git in the image
 
 
+def health_command(device: str) -> str:
+    """The Python the HEALTHCHECK of `device`'s Dockerfile runs (its exec form is JSON)."""
+    import json
+
+    line = instructions(dockerfile(device).read_text(), "HEALTHCHECK")
+    assert len(line) == 1, line
+    cmd = json.loads(line[0].split(" CMD ", 1)[1])
+    assert cmd[:2] == ["python3", "-c"]
+    return cmd[2]
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_both_images_have_a_health_check_on_vllms_health_where_the_server_listens(device, tmp_path):
+    """Run against a real /health on loopback: 0 when it answers 200, non-zero when nothing listens."""
+    import http.server
+    import sys
+    import threading
+
+    code = health_command(device)
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200 if self.path == "/health" else 404)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    port = free_port()
+    server = http.server.HTTPServer(("127.0.0.1", port), Health)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        env = {**os.environ, "PORT": str(port), "HOST": "0.0.0.0"}
+        assert subprocess.run([sys.executable, "-c", code], env=env, timeout=30).returncode == 0
+    finally:
+        server.shutdown()
+    env = {**os.environ, "PORT": str(port), "HOST": "127.0.0.1"}
+    assert subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, timeout=30).returncode != 0
+
+
 def test_both_images_serve_as_an_unprivileged_user_with_no_usage_reporting():
     for device, user in (("cpu", "ministream"), ("cuda", "vllm")):  # the CUDA one: vLLM's image made it
         text = dockerfile(device).read_text()
@@ -116,10 +158,19 @@ def test_run_command_mounts_the_model_read_only_on_the_host_network():
     os.environ.get("MINISTREAM_TEST_IMAGE") != "1", reason="builds and runs the CPU image (minutes): `make test-image`"
 )
 def test_cpu_image_serves_the_same_completion_as_make_serve(tiny_hf, cli, start_serve, tmp_path):
+    """As users run it: a folder converted on the host by another uid than the image's (1000), mounted
+    read-only; the health check turns healthy; SIGTERM (`stop`) ends it with status 0."""
     start = time.monotonic()
     r = cli("image", VERSION, "--device", "cpu", timeout=3600)
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     print(f"image build: {time.monotonic() - start:.0f}s; {r.stdout.strip().splitlines()[-2]}")
+    shared = Path(tempfile.mkdtemp(prefix="ministream-image-", dir="/tmp"))  # /tmp: open to the container's uid
+    shared.chmod(0o755)
+    model = shared / tiny_hf.name
+    shutil.copytree(tiny_hf, model)  # under the umask, as `ministream convert` writes (atomic.new_folder)
+    for p in [model, *model.iterdir()]:
+        p.chmod(0o755 if p.is_dir() else 0o644)
+        os.chown(p, 65534, 65534)  # converted by another user than the image's
 
     tool = container_tool()
     name = f"ministream-test-{os.getpid()}"
@@ -131,7 +182,7 @@ def test_cpu_image_serves_the_same_completion_as_make_serve(tiny_hf, cli, start_
             cmd = run_command(
                 tool,
                 tag(VERSION, "cpu"),
-                str(tiny_hf.resolve()),
+                str(model),
                 port,
                 "127.0.0.1",
                 ("--dtype", "float32", "--max-model-len", "256"),
@@ -141,6 +192,17 @@ def test_cpu_image_serves_the_same_completion_as_make_serve(tiny_hf, cli, start_
         else:  # what `make serve MODEL=... DTYPE=float32` runs
             servers[where] = (*start_serve(tiny_hf, log, "--dtype", "float32", "--max-model-len", 256), log)
     try:
+        t0 = time.monotonic()
+        healthy = None
+        while healthy is None and time.monotonic() - t0 < 900:
+            if health(tool, name):
+                healthy = time.monotonic() - t0
+            elif servers["image"][0].poll() is not None:
+                break
+            else:
+                time.sleep(1)
+        assert healthy is not None, servers["image"][2].read_text()[-3000:]
+        print(f"the image's health check: healthy {healthy:.0f}s after start")
         for proc, url, log in servers.values():
             wait_ready(url, proc, log, 900)
         answers = {}
@@ -171,9 +233,20 @@ def test_cpu_image_serves_the_same_completion_as_make_serve(tiny_hf, cli, start_
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(30)
+        shutil.rmtree(shared, ignore_errors=True)
     print(f"both answered {answers['image']['text']!r}")
     for proc, _, log in servers.values():
         assert proc.returncode == 0 and "ministream serve: stopped" in log.read_text(), log.read_text()[-3000:]
+
+
+def health(tool: list[str], name: str) -> bool:
+    """Whether the container's HEALTHCHECK passes now: podman runs it on demand, docker reports its state."""
+    if tool[0] == "podman":
+        cmd = [*tool, "healthcheck", "run", name]
+        return subprocess.run(cmd, env=container_env(), capture_output=True, timeout=60).returncode == 0
+    cmd = [*tool, "inspect", "--format", "{{.State.Health.Status}}", name]
+    said = subprocess.run(cmd, env=container_env(), capture_output=True, text=True, timeout=60)
+    return said.stdout.strip() == "healthy"
 
 
 def test_plugin_image_is_vllms_own_image_with_our_plugin_wheel(monkeypatch, tmp_path):

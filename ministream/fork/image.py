@@ -197,6 +197,7 @@ def build(version: str, device: str, name: str | None = None, route: str = "whee
         cmd += ["--build-arg", f"{k}={v}"]
     if tool[0] == "podman":
         cmd += ["--network", "host"]  # the RUN steps need no network, but podman's default one fails here
+        cmd += ["--format", "docker"]  # OCI images drop HEALTHCHECK; Docker's format keeps it
     _run([*cmd, ctx])
     size = subprocess.run(
         [*tool, "image", "inspect", "--format", "{{.Size}}", name], capture_output=True, text=True, env=container_env()
