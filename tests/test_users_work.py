@@ -23,7 +23,7 @@ import pytest
 from test_patch import CONFIG_CLASS, MINISTREAM, PATCH_SET, VERSION, commit_all, make_checkout, pristine, state
 
 from ministream import MiniStreamError
-from ministream.atomic import lock, new_folder, sweep
+from ministream.atomic import lock, mark_made, new_folder, sweep
 from ministream.fork.patch import IDENTITY as OURS, TREE_TRAILER, applied_hash, patch_tree
 from ministream.fork.patchset import patch_set_hash
 from ministream.paths import PATCH_SETS
@@ -179,6 +179,10 @@ def checkout_root(tmp_path) -> Path:
     (root / "dist" / "vllm_cpu-0.32.0+ministream.0.1.0-cp38-abi3-manylinux_2_28_x86_64.whl").write_bytes(b"w")
     with new_folder(root / "out" / "demo" / "hf") as tmp:
         (tmp / "config.json").write_text("{}")
+    verified = root / "out" / "verify" / "hf"  # what `make verify` leaves, rewritten run after run
+    (verified / "dump").mkdir(parents=True)
+    (verified / "golden-float32.json").write_text("{}")
+    mark_made(verified)
     return root
 
 

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from .. import MiniStreamError, __version__
-from ..atomic import check_output
+from ..atomic import check_output, mark_made
 from ..spec import FORMAT_VERSION, QKV, hf_names
 from .folder import EMBED, FINAL_NORM, HEAD, Folder, check_servable, name_differences, natural, open_folder
 
@@ -535,6 +535,10 @@ def run_verify(
     # verify rewrites its files in `out` run after run (so a full one is fine) and empties out/dump:
     # never where an input lies, nor around one
     check_output(out, force=True, inputs=[model, *([raw] if raw else [])])
-    ok = verify(model, raw, dtype, prompts, out, max_tokens, top_k, golden_path, threshold)
+    try:
+        ok = verify(model, raw, dtype, prompts, out, max_tokens, top_k, golden_path, threshold)
+    finally:
+        if Path(out).is_dir():
+            mark_made(out)  # verify's results: `make clean` may remove them (fork/clean.py)
     sys.stdout.flush()
     return 0 if ok else 1
