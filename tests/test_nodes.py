@@ -8,6 +8,7 @@ dtype, a node killed while serving. Real servers, real namespaces (root: skipped
 """
 
 import os
+import re
 import signal
 import sys
 import time
@@ -16,6 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from ministream import MiniStreamError
 from ministream.run import nodes
 from ministream.run.generate import DEFAULT_PROMPTS, reference_generate, tokenize
 from ministream.run.server import complete, free_port, log_tail, start, stop, wait_ready
@@ -173,3 +175,14 @@ def test_pp2_over_two_nodes_gives_the_reference_models_token_ids(tiny_gqa_hf, tm
     finally:
         stop(n0)
         stop(n1)
+
+
+@pytest.mark.parametrize(
+    "version, refused", [("0.8.5.post2+ministream.0.1.0", True), ("0.11.1", False), ("0.32.0", False)]
+)
+def test_a_vllm_older_than_the_multinode_executor_is_refused_by_name(version, refused):
+    if refused:
+        with pytest.raises(MiniStreamError, match=rf"vLLM {re.escape(version)} has no multi-node .* from 0.11.1"):
+            nodes.check_release((version, "cpu"))
+    else:
+        nodes.check_release((version, "cpu"))

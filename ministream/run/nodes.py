@@ -25,6 +25,7 @@ from pathlib import Path
 
 from .. import MiniStreamError, __version__
 
+FIRST_RELEASE = "0.11.1"  # vLLM's first with --nnodes for its multiprocessing executor (PR #23691)
 DEFAULT_TIMEOUT = 600.0  # seconds rank 0 waits for the others, and they for rank 0
 HEARTBEAT = 2.0  # seconds between the watchers' keep-alive bytes
 
@@ -41,6 +42,17 @@ class Plan:
     @property
     def where(self) -> str:
         return f"{self.master_addr}:{self.rendezvous_port}"
+
+
+def check_release(installed: tuple[str, str] | None) -> None:
+    """Refuse a vLLM older than the multi-node multiprocessing executor, before anything starts."""
+    from packaging.version import Version
+
+    if installed and Version(Version(installed[0]).base_version) < Version(FIRST_RELEASE):
+        raise MiniStreamError(
+            f"vLLM {installed[0]} has no multi-node multiprocessing executor (--nnodes, from {FIRST_RELEASE}, vLLM "
+            f"PR #23691): install a patched vLLM {FIRST_RELEASE} or later, or use Ray (README, multi-node)"
+        )
 
 
 def model_digest(model: Path) -> str:

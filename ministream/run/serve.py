@@ -92,6 +92,7 @@ def serve(
         raise MiniStreamError(f"vllm is not installed in {sys.prefix}: run `make install` first") from None
     name = name or served_name(model)
     if cluster:
+        nodes.check_release(installed_vllm())
         env = engine.node_env(local, nodes.local_address(cluster.master_addr))
     else:
         env = engine.engine_env(local)
