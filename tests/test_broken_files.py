@@ -110,8 +110,11 @@ def one_line_error(run: subprocess.CompletedProcess, rc: int = 2) -> str:
     return lines[0]
 
 
-@pytest.mark.parametrize("damage", BROKEN, ids=lambda f: f.__name__)
-@pytest.mark.parametrize("command", ["doctor", "verify"])
+@pytest.mark.parametrize(
+    "damage, command",
+    [(d, "doctor") for d in BROKEN] + [(truncated, "verify"), (dtype_changed, "verify"), (header_garbage, "verify")],
+    ids=lambda x: getattr(x, "__name__", x),
+)
 def test_a_broken_safetensors_file_is_one_line_naming_it(folder, cli, damage, command):
     damage(folder / WEIGHTS)
     line = one_line_error(cli(command, folder))

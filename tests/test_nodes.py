@@ -83,7 +83,8 @@ def _pgid(pid: int) -> int | None:
         return None
 
 
-@pytest.fixture(scope="module", params=["tiny_hf", "tiny_gqa_hf"])
+# make test: the GQA model (its kv heads split over the nodes); test-full: the MHA one too
+@pytest.fixture(scope="module", params=["tiny_gqa_hf", pytest.param("tiny_hf", marks=pytest.mark.full)])
 def cluster(request, tmp_path_factory):
     """TP=2 over two nodes, fp32 (eager: the route is the subject; test_vllm.py proves the compiled path)."""
     model = request.getfixturevalue(request.param)
