@@ -107,18 +107,9 @@ def _replace(out: Path, tmp: Path) -> None:
 def write_bytes(path: Path, data: bytes) -> Path:
     """`path` whole or not at all: a temporary file beside it, then a rename (a reader, or a run stopped
     half-way, never sees half a file). The file gets the mode a plain write would (the umask decides)."""
-    path = Path(path)
-    sweep(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.part-{maker()}-")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.chmod(tmp, 0o666 & ~umask())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    with new_file(Path(path)) as tmp:
+        tmp.write_bytes(data)
+    return Path(path)
 
 
 def write_text(path: Path, text: str) -> Path:
@@ -322,9 +313,10 @@ MADE = ".ministream-made.json"  # in each folder the tool writes whole: its file
 
 def _files(folder: Path) -> dict[str, list[int]]:
     return {
-        p.relative_to(folder).as_posix(): [p.stat().st_size, p.stat().st_mtime_ns]
+        p.relative_to(folder).as_posix(): [st.st_size, st.st_mtime_ns]
         for p in sorted(folder.rglob("*"))
         if (p.is_file() or p.is_symlink()) and p.name != MADE
+        for st in [p.stat()]
     }
 
 

@@ -205,7 +205,7 @@ def node_command(server: list[str], pp: int, nnodes: int, rank: int, master_addr
     #23691, from 0.11.1): `vllm serve` (its --headless for the nodes that serve no API), through vllm_cli for
     the CPU build whose own `vllm` command cannot start."""
     module = server.index("vllm.entrypoints.openai.api_server")
-    args = [a for a in server[module + 1 :]]
+    args = list(server[module + 1 :])
     args[args.index("--model") : args.index("--model") + 2] = [args[args.index("--model") + 1]]  # positional
     cmd = [*server[: module - 1], "-m", "ministream.run.vllm_cli", "serve", *args]
     cmd += ["--pipeline-parallel-size", str(pp), "--distributed-executor-backend", "mp"]

@@ -15,7 +15,10 @@ The ports accept anyone who reaches them (vLLM's too): keep the nodes on a priva
 
 import hashlib
 import json
+import os
+import shutil
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -230,10 +233,6 @@ def isolated(cmd: list[str], cpus: str) -> list[str]:
 
 def can_isolate() -> bool:
     """Whether `isolated` works here: root, unshare, and a tmpfs mount inside a new mount namespace."""
-    import os
-    import shutil
-    import subprocess
-
     if os.geteuid() != 0 or not shutil.which("unshare") or not shutil.which("taskset"):
         return False
     probe = subprocess.run(isolated(["true"], "0"), capture_output=True)
