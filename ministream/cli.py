@@ -115,6 +115,22 @@ def add_convert(sub) -> None:
     p.set_defaults(func=run)
 
 
+def add_gguf(sub) -> None:
+    from .checkpoint import gguf
+
+    p = sub.add_parser(
+        "gguf",
+        help="converted folder or training checkpoint -> one GGUF file for llama.cpp",
+        description=gguf.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("src", type=Path, help="converted HF-style folder, or training checkpoint folder (model.pt)")
+    p.add_argument("out", type=Path, help="the .gguf file to write (whole, or not at all)")
+    p.add_argument("--dtype", default="f32", choices=list(gguf.DTYPES), help="the matrices' type (norms stay f32)")
+    p.add_argument("--force", action="store_true", help="replace an existing file")
+    p.set_defaults(func=lambda a: gguf.export(a.src, a.out, a.dtype, a.force) and 0)
+
+
 # --- the vLLM side: patch, port, matrix, wheel, install, image ------------------------------
 
 
@@ -679,7 +695,8 @@ def main(argv=None):
     sub = parser.add_subparsers(dest="command", required=True)
     for add in (
         add_checkpoint,
-        add_convert,  # the training side
+        add_convert,
+        add_gguf,  # the training side
         add_patch,
         add_port,
         add_matrix,

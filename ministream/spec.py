@@ -242,6 +242,25 @@ GLOBAL_TABLE = [
         lambda c: (c.vocab_size, c.d_model),
     ),
 ]
+# HF name -> llama.cpp's name for it (its LLaMA architecture, llama-arch.cpp), for the GGUF export
+GGUF_NAMES = {
+    "model.layers.{i}.input_layernorm.weight": "blk.{i}.attn_norm.weight",
+    "model.layers.{i}.self_attn.q_proj.weight": "blk.{i}.attn_q.weight",
+    "model.layers.{i}.self_attn.k_proj.weight": "blk.{i}.attn_k.weight",
+    "model.layers.{i}.self_attn.v_proj.weight": "blk.{i}.attn_v.weight",
+    "model.layers.{i}.self_attn.o_proj.weight": "blk.{i}.attn_output.weight",
+    "model.layers.{i}.post_attention_layernorm.weight": "blk.{i}.ffn_norm.weight",
+    "model.layers.{i}.mlp.gate_proj.weight": "blk.{i}.ffn_gate.weight",
+    "model.layers.{i}.mlp.up_proj.weight": "blk.{i}.ffn_up.weight",
+    "model.layers.{i}.mlp.down_proj.weight": "blk.{i}.ffn_down.weight",
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+# llama.cpp's LLaMA rotates adjacent pairs (x[2j], x[2j+1]); the format rotates halves (x[j], x[j+D/2]).
+# Reordering each head's rows of q and k from halves to pairs makes the two the same math (what
+# llama.cpp's convert_hf_to_gguf.py does for LLaMA); the value is the config field with the head count.
+GGUF_ROPE_ROWS = {"blk.{i}.attn_q.weight": "n_heads", "blk.{i}.attn_k.weight": "n_kv_heads"}
 # what each shape is made of, for errors that explain a mismatch
 _SHAPE_WORDS = {
     QKV: "(n_heads + 2*n_kv_heads)*head_dim = ({n_heads} + 2*{n_kv_heads})*{head_dim} rows, d_model={d_model} columns",
@@ -304,6 +323,21 @@ def hf_to_raw(cfg: TrainConfig, hf_state: dict) -> dict:
         row.raw: torch.cat([hf_state[h] for h in row.hf], dim=0) if row.split else hf_state[row.hf[0]]
         for row in table(cfg)
     }
+
+
+def gguf_tensors(cfg: TrainConfig, hf_state):
+    """Yield (llama.cpp name, tensor) in file order from HF-named tensors (a dict or a lazy mapping), one at a
+    time: q and k rows reordered for llama.cpp's RoPE."""
+    templates = {raw: hf for raw, hf, _, _ in LAYER_TABLE + GLOBAL_TABLE}
+    for row in table(cfg):
+        layer = block_index(row.raw)
+        for hf, template in zip(row.hf, templates[row.template]):
+            name = GGUF_NAMES[template]
+            t = hf_state[hf]
+            if name in GGUF_ROPE_ROWS:  # each head's rows: [halves 2, D/2, H] -> [D/2, pairs 2, H]
+                heads = getattr(cfg, GGUF_ROPE_ROWS[name])
+                t = t.reshape(heads, 2, cfg.head_dim // 2, -1).transpose(1, 2).reshape(t.shape)
+            yield name.format(i=layer), t
 
 
 def raw_shapes(cfg: TrainConfig) -> dict[str, tuple[int, ...]]:

@@ -178,6 +178,7 @@ def test_a_bad_request_gets_4xx_with_a_message_and_the_server_keeps_serving(ref,
 # ---------------------------------------------------------------- vLLM's client against it, as bench-serve runs it
 
 
+@pytest.mark.full  # a benchmark's client, not a user's path: make test-full
 def test_vllms_client_completes_every_request_with_each_rows_output_length(tiny_hf, tmp_path):
     """run_system as `ministream bench-serve` runs a system: the reference server as a subprocess, warmed, vLLM's
     client at two rates; an impossible TTFT target makes both miss, so the third rate is skipped; the server's

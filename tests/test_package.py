@@ -208,8 +208,10 @@ def test_spec_imports_nothing_of_the_package():
 
 
 def test_tensor_names_are_written_in_spec_only():
-    """The tensor table's names (training and HF) appear as strings in ministream/spec.py and nowhere else."""
-    names = {n for raw, hf, _, _ in spec.LAYER_TABLE + spec.GLOBAL_TABLE for n in [raw, *hf]}
+    """The tensor table's names (training, HF, llama.cpp's) appear as strings in ministream/spec.py and nowhere else."""
+    names = {n for raw, hf, _, _ in spec.LAYER_TABLE + spec.GLOBAL_TABLE for n in [raw, *hf]} | {
+        *spec.GGUF_NAMES.values()
+    }
     # each name's distinctive part: "self_attn.q_proj.weight", "attn.Wqkv.weight", "model.embed_tokens.weight", ...
     parts = {n.split("{i}.")[-1] for n in names}
     offenders = []

@@ -84,7 +84,8 @@ def test_vllm_matches_the_reference_model(folder, dtype, request, runs):
     assert max(r.max_logprob_diff for r in rows) < (1e-3 if dtype == "float32" else 0.5), report
 
 
-@pytest.mark.parametrize("folder", ["tiny_hf", "tiny_gqa_hf"])
+# the MHA model's eager engine in make test-full: the GQA model has every variant, and each start costs 30 s
+@pytest.mark.parametrize("folder", [pytest.param("tiny_hf", marks=pytest.mark.full), "tiny_gqa_hf"])
 def test_the_compiled_default_gives_the_eager_tokens_in_fp32(folder, request, runs):
     hf = request.getfixturevalue(folder)
     (compiled, compiled_log), (eager, eager_log) = runs(folder, "float32", "compiled"), runs(folder, "float32", "eager")
@@ -93,6 +94,7 @@ def test_the_compiled_default_gives_the_eager_tokens_in_fp32(folder, request, ru
     assert [r["ids"] for r in compiled] == [r["ids"] for r in reference_run(hf, "float32")]
 
 
+@pytest.mark.full  # make test holds TP=2 to TP=1 across two nodes (test_nodes.py), the same ranks over TCP
 def test_tensor_parallel_2_equals_tp_1(tiny_gqa_hf, cli, tmp_path):
     tp1 = reference_run(tiny_gqa_hf, "float32")
     tp2 = vllm_run(cli, tiny_gqa_hf, tmp_path / "tp2.json", "float32", 2, "--enforce-eager")

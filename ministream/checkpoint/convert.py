@@ -44,13 +44,9 @@ def read_folder(folder: str | Path) -> tuple[TrainConfig, dict]:
 
     folder = Path(folder)
     cfg = train_config_from_hf(read_json(folder / "config.json"), f"{folder / 'config.json'}")
-    index = folder / "model.safetensors.index.json"
-    files = sorted(set(read_json(index)["weight_map"].values())) if index.exists() else ["model.safetensors"]
     hf_state = {}
-    for name in files:
-        if not (folder / name).exists():
-            raise MiniStreamError(f"{folder / name}: no such file; the folder is incomplete, convert it again")
-        hf_state.update(load_file(folder / name))
+    for file in safetensors_files(folder):
+        hf_state.update(load_file(file))
     expected = {h for row in table(cfg) for h in row.hf}
     if set(hf_state) != expected:
         missing, extra = sorted(expected - set(hf_state)), sorted(set(hf_state) - expected)
@@ -58,6 +54,16 @@ def read_folder(folder: str | Path) -> tuple[TrainConfig, dict]:
     state = hf_to_raw(cfg, hf_state)
     check_state(state, cfg, str(folder))
     return cfg, state
+
+
+def safetensors_files(folder: Path) -> list[Path]:
+    """The folder's weight files: those its index names, or model.safetensors; each must exist."""
+    index = folder / "model.safetensors.index.json"
+    names = sorted(set(read_json(index)["weight_map"].values())) if index.exists() else ["model.safetensors"]
+    for name in names:
+        if not (folder / name).exists():
+            raise MiniStreamError(f"{folder / name}: no such file; the folder is incomplete, convert it again")
+    return [folder / name for name in names]
 
 
 def _finite(name: str, t: torch.Tensor, out: torch.Tensor, allow_nonfinite: bool) -> None:

@@ -180,31 +180,33 @@ class NoSdist(MiniStreamError):
     """PyPI publishes no sdist for the release (vllm 0.15.1 has wheels only)."""
 
 
-def release_sdist(version: str, cache: Path = SDISTS) -> Path:
-    """The vllm `version` source distribution (setup.py, csrc/, tests/, docs/, vllm/), verified.
+def release_sdist(version: str, cache: Path = SDISTS, dist: str = "vllm") -> Path:
+    """The `dist` `version` source distribution (vLLM's: setup.py, csrc/, tests/, docs/, vllm/), verified.
 
     Fetched straight from the URL PyPI's index gives: `pip download --no-binary` would build the
-    sdist's metadata, which needs vLLM's build dependencies."""
-    name = f"vllm-{version}.tar.gz"
-    path = cache / name
-    if path.is_file():
-        return verified(path, "vllm", version)
-    found = [f for f in _index("vllm", f"{name} in {cache}/") if f["filename"] == name]
+    sdist's metadata, which needs the project's build dependencies."""
+    names = [f"{dist}-{version}.tar.gz", f"{dist.replace('-', '_')}-{version}.tar.gz"]  # PyPI has both spellings
+    for name in names:
+        if (cache / name).is_file():
+            return verified(cache / name, dist, version)
+    found = [f for f in _index(dist, f"{names[-1]} in {cache}/") if f["filename"] in names]
     if not found:
         raise NoSdist(
-            f"PyPI has no sdist {name}: check the version "
-            f"(https://pypi.org/project/vllm/{version}/#files), or put {name} in {cache}/"
+            f"PyPI has no sdist {names[0]}: check the version "
+            f"(https://pypi.org/project/{dist}/{version}/#files), or put {names[0]} in {cache}/"
         )
+    name = found[0]["filename"]
+    path = cache / name
     cache.mkdir(parents=True, exist_ok=True)
     try:
         with lock(path, f"downloading {name}"):
             if path.is_file():  # a run we waited for fetched it
-                return verified(path, "vllm", version)
+                return verified(path, dist, version)
             with new_file(path) as partial:
                 with urllib.request.urlopen(found[0]["url"], timeout=TIMEOUT) as r, open(partial, "wb") as f:
                     while block := r.read(1 << 20):
                         f.write(block)
-                verified(partial, "vllm", version, name)
+                verified(partial, dist, version, name)
         return path
     except OSError as e:
         raise MiniStreamError(

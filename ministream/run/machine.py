@@ -26,14 +26,25 @@ def instruction_sets() -> dict:
     return {**{f: f in flags for f in ISA_FLAGS}, "torch_capability": torch.backends.cpu.get_cpu_capability()}
 
 
+def _cpuinfo() -> dict:
+    lines = Path("/proc/cpuinfo").read_text().splitlines()[:30] if Path("/proc/cpuinfo").is_file() else []
+    return {k.strip(): v.strip() for k, v in (line.split(":", 1) for line in lines if ":" in line)}
+
+
+def cpu_model() -> str:
+    """The CPU's model name and the instruction sets that decide its kernels (what -march=native builds for)."""
+    info = _cpuinfo()
+    flags = set(info.get("flags", "").split())
+    return " ".join([info.get("model name") or platform.processor(), *(f for f in ISA_FLAGS if f in flags)])
+
+
 def machine() -> dict:
     import importlib.metadata as md
 
     import psutil
     import torch
 
-    info = dict(line.split(":", 1) for line in Path("/proc/cpuinfo").read_text().splitlines()[:30] if ":" in line)
-    info = {k.strip(): v.strip() for k, v in info.items()}
+    info = _cpuinfo()
     cpu = info.get("model name") or platform.processor()
     # "AMD EPYC" alone names several machines: two runs a day apart differed 2-20x (README, "Compiled or eager")
     detail = {
@@ -98,6 +109,39 @@ def machine_line(machine: dict) -> str:
         f"machine: {machine.get('cpu', '?')}, {machine.get('logical_cpus', '?')} logical CPUs, "
         f"{machine.get('memory_gib', 0):.0f} GiB; {' '.join(has)}; torch kernels {isa.get('torch_capability', '?')}"
     )
+
+
+def read_bandwidth(mib: int = 2048, repeats: int = 10, rounds: int = 3, threads: int | None = None) -> dict:
+    """What bounds decoding: the rate the cores read memory at, at the engine's thread count. A read-only
+    pass (a sum) over a `mib` MiB buffer, far larger than any cache; `rounds` rounds of `repeats`, a pause
+    between rounds, the median and the spread of all. A copy reads and writes, so it says less."""
+    import torch
+
+    if threads:
+        torch.set_num_threads(threads)
+    buf = torch.ones(mib * 2**20 // 4, dtype=torch.float32)
+    buf.sum()  # fault the pages in
+    rates, per_round = [], []
+    for r in range(rounds):
+        if r:
+            time.sleep(2)
+        got = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            buf.sum()
+            got.append(buf.numel() * 4 / (time.perf_counter() - t) / 1e9)
+        per_round.append(statistics.median(got))
+        rates += got
+    rates.sort()
+    return {
+        "read_mib": mib,
+        "threads": torch.get_num_threads(),
+        "gb_per_s": statistics.median(rates),
+        "gb_per_s_min": rates[0],
+        "gb_per_s_max": rates[-1],
+        "round_medians": per_round,
+        "samples": len(rates),
+    }
 
 
 def copy_bandwidth(mib: int, repeats: int = 15, rounds: int = 3, threads: int | None = None) -> dict:

@@ -1,0 +1,205 @@
+"""llama.cpp, the peer a CPU user picks first: built from the registry's llama-cpp-python sdist (which carries
+llama.cpp's whole source) into build/llamacpp/<version>/, then run as its own `llama-server` (parallel
+slots, continuous batching) and `llama-bench`, on GGUF files from `ministream gguf`.
+
+The build is recorded beside the binaries (build.json: the version, llama.cpp's commit, the CMake flags,
+the compiler, the seconds it took, the CPU it was built for) and reused while that record matches.
+"""
+
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import tarfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from .. import MiniStreamError
+from ..atomic import lock, sweep, temp_folder, write_json
+from ..fork.release import release_sdist
+from ..paths import BUILD
+from .machine import cpu_model
+
+VERSION = "0.3.36"  # llama-cpp-python, pinned in releases.json; its vendor/llama.cpp is what is built
+HOME = BUILD / "llamacpp"
+TARGETS = ["llama-server", "llama-bench", "llama-tokenize"]
+# Release, tuned for this CPU (-march=native: what a user building llama.cpp here gets), static binaries,
+# nothing that reaches the network
+CMAKE_FLAGS = [
+    "-DCMAKE_BUILD_TYPE=Release",
+    "-DGGML_NATIVE=ON",
+    "-DBUILD_SHARED_LIBS=OFF",
+    "-DLLAMA_CURL=OFF",
+    "-DLLAMA_BUILD_TESTS=OFF",
+    "-DLLAMA_BUILD_EXAMPLES=OFF",
+    "-DGGML_CCACHE=OFF",
+]
+
+
+def build(version: str = VERSION, log=print) -> Path:
+    """The folder whose bin/ holds llama.cpp's server and tools for `version`, built once and recorded."""
+    home = HOME / version
+    record = home / "build.json"
+    with lock(home, f"building llama.cpp {version}"):
+        if _current(record):
+            return home
+        for tool in ("cmake", "c++"):
+            if not shutil.which(tool):
+                raise MiniStreamError(f"building llama.cpp needs {tool}: install it (Debian: apt install cmake g++)")
+        sdist = release_sdist(version, dist="llama-cpp-python")
+        sweep(home)
+        tmp = temp_folder(home, "tmp")
+        try:
+            log(f"llama.cpp: building {sdist.name} (vendor/llama.cpp) with {' '.join(CMAKE_FLAGS)}")
+            started = time.monotonic()
+            with tarfile.open(sdist) as tar:
+                tar.extractall(tmp / "sdist", filter="data")
+            src = next((tmp / "sdist").glob("*/vendor/llama.cpp"))
+            _run(["cmake", "-S", src, "-B", tmp / "cmake", *CMAKE_FLAGS], "configure", tmp / "configure.log")
+            _run(
+                ["cmake", "--build", tmp / "cmake", "-j", str(os.cpu_count() or 1), "--target", *TARGETS],
+                "build",
+                tmp / "build.log",
+            )
+            (tmp / "bin").mkdir()
+            for tool in TARGETS:
+                shutil.copy2(tmp / "cmake" / "bin" / tool, tmp / "bin" / tool)
+            commit = re.search(r"ggml commit:\s+(\S+)", (tmp / "configure.log").read_text())
+            write_json(
+                tmp / "build.json",
+                {
+                    "llama-cpp-python": version,
+                    "sdist": sdist.name,
+                    "llama.cpp commit": commit.group(1) if commit else None,
+                    "cmake flags": CMAKE_FLAGS,
+                    "compiler": subprocess.run(["c++", "--version"], capture_output=True, text=True).stdout.split("\n")[
+                        0
+                    ],
+                    "seconds": round(time.monotonic() - started),
+                    "cpu": cpu_model(),
+                    "machine": platform.machine(),
+                    "targets": TARGETS,
+                },
+            )
+            shutil.rmtree(tmp / "sdist")
+            shutil.rmtree(tmp / "cmake")
+            if home.exists():
+                shutil.rmtree(home)
+            tmp.rename(home)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        log(f"llama.cpp: built in {json.loads(record.read_text())['seconds']} s -> {home}/bin")
+        return home
+
+
+def _current(record: Path) -> bool:
+    """A finished build of these flags for this CPU (-march=native binaries are the CPU's)."""
+    try:
+        got = json.loads(record.read_text())
+    except (OSError, ValueError):
+        return False
+    bins = record.parent / "bin"
+    return (
+        got.get("cmake flags") == CMAKE_FLAGS
+        and got.get("cpu") == cpu_model()
+        and all((bins / t).is_file() for t in TARGETS)
+    )
+
+
+def _run(cmd: list, stage: str, log: Path) -> None:
+    done = subprocess.run([str(c) for c in cmd], capture_output=True, text=True)
+    log.write_text(done.stdout + done.stderr)
+    if done.returncode != 0:
+        tail = " | ".join((done.stderr or done.stdout).strip().splitlines()[-4:])
+        raise MiniStreamError(f"llama.cpp {stage} failed (exit {done.returncode}): {tail[-800:]}")
+
+
+def info(version: str = VERSION) -> dict:
+    """The build record of `version` (build() first)."""
+    return json.loads((HOME / version / "build.json").read_text())
+
+
+@contextmanager
+def server(
+    gguf: Path,
+    port: int,
+    threads: int,
+    parallel: int = 1,
+    ctx_per_slot: int = 1024,
+    log_file: Path | None = None,
+    home: Path | None = None,
+    extra: tuple = (),
+) -> Iterator[str]:
+    """llama-server on 127.0.0.1:`port` serving `gguf` with `parallel` slots (continuous batching across
+    them) of `ctx_per_slot` tokens each; yields its base URL once /health answers, stops it after."""
+    home = home or build()
+    cmd = [
+        home / "bin" / "llama-server",
+        "-m", gguf,
+        "--host", "127.0.0.1",
+        "--port", str(port),
+        "-t", str(threads),
+        "-tb", str(threads),
+        "-np", str(parallel),
+        "-c", str(ctx_per_slot * parallel),  # the context is shared out among the slots
+        "--no-webui",
+        *extra,
+    ]  # fmt: skip
+    out = open(log_file, "w") if log_file else subprocess.DEVNULL
+    proc = subprocess.Popen([str(c) for c in cmd], stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            if proc.poll() is not None:
+                said = Path(log_file).read_text()[-1500:] if log_file else ""
+                raise MiniStreamError(f"llama-server exited ({proc.returncode}) before it served {gguf}: {said}")
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise MiniStreamError(f"llama-server did not answer on {url}/health within 120 s")
+            time.sleep(0.3)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        if log_file:
+            out.close()  # type: ignore[union-attr]
+
+
+def _post(url: str, body: dict, timeout: float = 600) -> dict:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.load(r)
+
+
+def greedy(url: str, ids: list[int], max_tokens: int) -> list[int]:
+    """`max_tokens` greedy token ids after the prompt `ids` (the prompt given as ids, EOS ignored)."""
+    body = {
+        "prompt": ids,
+        "n_predict": max_tokens,
+        "temperature": 0,
+        "top_k": 1,
+        "ignore_eos": True,
+        "cache_prompt": False,
+        "return_tokens": True,
+    }
+    return _post(f"{url}/completion", body)["tokens"]
+
+
+def tokenize(url: str, text: str) -> list[int]:
+    """llama.cpp's ids of `text`, without the special tokens the model adds."""
+    return _post(f"{url}/tokenize", {"content": text, "add_special": False})["tokens"]

@@ -1,0 +1,84 @@
+"""llama.cpp, built from the registry's llama-cpp-python sdist, runs `ministream gguf` files: its greedy tokens
+are the reference model's in f32 on both test models (a third implementation of the format's math), and its
+tokenizer gives tokenizer.json's ids on the training corpus, for each pre-tokenizer the export names.
+
+make test-full: the first run builds llama.cpp (about 10 minutes on 2 cores), later runs reuse the build."""
+
+import json
+import shutil
+import socket
+
+import pytest
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from ministream.checkpoint.gguf import LLAMA3_SPLIT
+from ministream.paths import CORPUS
+from ministream.run import llamacpp
+from ministream.run.generate import DEFAULT_PROMPTS, reference_generate, tokenize
+
+pytestmark = pytest.mark.full
+MAX_TOKENS = 32
+# what a corpus of prose misses: digits in runs, contractions, runs of spaces and newlines, other scripts
+EDGES = ["I'll pay 1234567 or 3.14159!", "  two  spaces\n\n\nthree newlines\t tab", "naïve café — 東京 😀", "x" * 300]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def home():
+    return llamacpp.build()
+
+
+def texts() -> list[str]:
+    return [p for p in CORPUS.read_text().split("\n\n") if p.strip()] + EDGES
+
+
+@pytest.mark.parametrize("folder", ["tiny_hf", "tiny_gqa_hf"])
+def test_llama_cpp_gives_the_reference_models_greedy_tokens_in_f32(folder, request, home, cli, tmp_path):
+    hf = request.getfixturevalue(folder)
+    assert cli("gguf", hf, tmp_path / "m.gguf").returncode == 0
+    prompts = tokenize(hf, DEFAULT_PROMPTS)
+    want = [r["ids"] for r in reference_generate(hf, prompts, MAX_TOKENS, "float32", logprobs=0)]
+    with llamacpp.server(tmp_path / "m.gguf", free_port(), 2, log_file=tmp_path / "server.log", home=home) as url:
+        got = [llamacpp.greedy(url, ids, MAX_TOKENS) for ids in prompts]
+        tok = Tokenizer.from_file(str(hf / "tokenizer.json"))
+        ids = [(llamacpp.tokenize(url, t), tok.encode(t, add_special_tokens=False).ids) for t in texts()]
+    assert got == want
+    differ = [i for i, (a, b) in enumerate(ids) if a != b]
+    assert not differ, f"{len(differ)} of {len(ids)} texts tokenize differently, first: {ids[differ[0]]}"
+
+
+def test_llama_3s_split_is_exported_as_llama_bpe_and_tokenizes_alike(home, cli, tiny_hf, tmp_path):
+    """A tokenizer trained with LLaMA 3's pre-tokenizer (a regex split, then bytes, merges ignored where a word
+    is whole in the vocabulary): llama.cpp's llama-bpe gives its ids."""
+    tok = Tokenizer(models.BPE(ignore_merges=True))
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=512, special_tokens=["<|bos|>", "<|eos|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(texts(), trainer)
+    hf = tmp_path / "hf"
+    shutil.copytree(tiny_hf, hf)
+    tok.save(str(hf / "tokenizer.json"))
+    r = cli("gguf", hf, tmp_path / "m.gguf")
+    assert r.returncode == 0 and "'llama-bpe'" in r.stdout, r.stderr
+    with llamacpp.server(tmp_path / "m.gguf", free_port(), 2, log_file=tmp_path / "server.log", home=home) as url:
+        ids = [(llamacpp.tokenize(url, t), tok.encode(t, add_special_tokens=False).ids) for t in texts()]
+    differ = [i for i, (a, b) in enumerate(ids) if a != b]
+    assert not differ, f"{len(differ)} of {len(ids)} texts tokenize differently, first: {ids[differ[0]]}"
+
+
+def test_the_build_is_recorded(home):
+    record = json.loads((home / "build.json").read_text())
+    assert record["llama-cpp-python"] == llamacpp.VERSION and record["cmake flags"] == llamacpp.CMAKE_FLAGS
+    assert record["seconds"] > 0 and record["cpu"] and record["llama.cpp commit"]
