@@ -2,7 +2,7 @@
 on it: llama.cpp's LLaMA architecture, the tensor names of spec.GGUF_NAMES, the training tokenizer.
 
 The math needs no new code in llama.cpp: its LLaMA is the format's (RMSNorm, SwiGLU, GQA, the attention
-scale of head_dim, a tied head read from token_embd when output.weight is absent) once q and k rows are
+scale of head_dim, a tied head read from the embedding when the file has no head tensor) once q and k rows are
 reordered for its RoPE (spec.gguf_tensors). The tokenizer is stated, not guessed: llama.cpp splits text
 with one of its own pre-tokenizers, named in tokenizer.ggml.pre, so the export names the one whose
 rules are tokenizer.json's and refuses a tokenizer that none matches (PRE_TOKENIZERS). The weights stream
