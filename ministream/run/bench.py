@@ -9,8 +9,11 @@ new tokens (EOS ignored), each system gets output tokens/s, time to first token 
      at a time as the team's original script served
   3. vLLM's own CPU core binding (VLLM_CPU_OMP_THREADS_BIND unset = "auto") vs ours (engine.py)
   4. tooling: convert (time, peak memory), wheel from the cached release wheel, patch
-  5. single-stream decode tokens/s x weight bytes read per token vs a measured copy bandwidth (the median of
-     rounds of copies, at the engine's thread count), compiled and eager
+  5. single-stream decode tokens/s x weight bytes read per token vs the machine's read bandwidth (the median
+     of rounds of read-only passes, at the engine's thread count; a copy's too, which reads and writes)
+  6. llama.cpp, the peer a CPU user picks first: llama-server (as many slots as the largest batch,
+     continuous batching) on `ministream gguf` files of the same weights and dtype, the same prompts and
+     rules; and llama-bench's own prompt-processing and decode figures at batch 1
 
 Every engine runs in its own process, one per (model, dtype, binding), reused for every batch size;
 peak memory is that process tree's, sampled. The machine is noisy: read ratios, not absolutes.
@@ -35,7 +38,7 @@ from ..atomic import write_json
 from ..paths import BUILD
 from . import engine
 from .folder import open_folder
-from .machine import copy_bandwidth, machine, machine_line
+from .machine import copy_bandwidth, machine, machine_line, read_bandwidth
 from .reporting import pyplot, read_result, save_figure, took
 
 DEFAULT_OUT = BUILD / "bench"
@@ -51,6 +54,7 @@ SYSTEMS = {
     "ministream_vllm_bind": "MiniStream, vLLM's own core binding",
     "reference_batched": "reference model, batched",
     "reference_serial": "reference model, one request at a time",
+    "llamacpp": "llama.cpp (llama-server, GGUF of the same weights)",
 }
 
 # (model preset, dtype) pairs; the GQA variant in bf16 only, to keep the full run near 20 minutes on 2 cores
@@ -157,11 +161,64 @@ def _worker(spec: dict) -> dict:
             result["serial"] = [{**one, "batch": n, "derived_from_batch_1": True} for n in spec["batches"]]
         else:
             result["serial"] = measure(lambda ids, n: [model.generate([p], n)[0] for p in ids], spec, serial=True)
+    elif spec["kind"] == "llamacpp":
+        result.update(_llamacpp_worker(spec))
     elif spec["kind"] == "bandwidth":
         result.update(copy_bandwidth(spec["copy_mib"], threads=spec.get("threads")))
+        result["read"] = read_bandwidth(threads=spec.get("threads"))
     else:
         raise ValueError(spec["kind"])
     return result
+
+
+GGUF_DTYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
+
+
+def _llamacpp_worker(spec: dict) -> dict:
+    """llama-server on a GGUF export of the folder, one slot per request of the largest batch (its continuous
+    batching), requests sent at once; then llama-bench at batch 1 on the same file."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ..checkpoint.gguf import export
+    from . import llamacpp
+
+    home = llamacpp.build()
+    gguf = Path(spec["model_dir"]).parent / f"{Path(spec['model_dir']).name}-{GGUF_DTYPES[spec['dtype']]}.gguf"
+    export(spec["model_dir"], gguf, GGUF_DTYPES[spec["dtype"]], force=True)  # of the folder as converted now
+    threads = len(_cores(engine.core_binding(1)))
+    slots = max(spec["batches"])
+    t = time.perf_counter()
+    with llamacpp.server(gguf, spec["port"], threads, slots, spec["prompt_len"] + spec["new_tokens"] + 8) as url:
+        start = time.perf_counter() - t
+        with ThreadPoolExecutor(slots) as pool:
+
+            def generate(ids: list[list[int]], n: int) -> list[dict]:
+                return [{"ids": got} for got in pool.map(lambda p: llamacpp.greedy(url, p, n), ids)]
+
+            rows = measure(generate, spec)
+    bench = subprocess.run(
+        [
+            str(home / "bin" / "llama-bench"),
+            *("-m", str(gguf), "-t", str(threads), "-p", str(spec["prompt_len"]), "-n", str(spec["new_tokens"])),
+            *("-r", "3", "-o", "json"),
+        ],
+        capture_output=True,
+        text=True,
+    )
+    figures = json.loads(bench.stdout) if bench.returncode == 0 else []
+    return {
+        "start_s": start,
+        "rows": rows,
+        "threads": threads,
+        "slots": slots,
+        "gguf": str(gguf),
+        "build": llamacpp.info(),
+        # llama-bench: prompt processing (n_prompt) and decode (n_gen) tokens/s, its mean and spread of 3
+        "llama_bench": [
+            {k: f.get(k) for k in ("n_prompt", "n_gen", "avg_ts", "stddev_ts", "n_threads", "type_k")} for f in figures
+        ],
+        "llama_bench_error": None if bench.returncode == 0 else bench.stderr[-800:],
+    }
 
 
 # ---------------------------------------------------------------- processes and their memory
@@ -456,8 +513,18 @@ def jobs(model: dict, with_vllm_bind: bool, systems: list[str], kv_cache_gib: in
         # "auto" is vLLM 0.32's own default for the variable: what a user gets without our defaults
         vllm.append(("ministream_vllm_bind", {"kind": "vllm", "model_dir": model["hf"]}, {**kv, engine.BIND: "auto"}))
     yield from (job for job in vllm if job[0] in systems)
+    if "llamacpp" in systems:
+        yield "llamacpp", {"kind": "llamacpp", "model_dir": model["hf"], "port": _free_port()}, {}
     if {"reference_batched", "reference_serial"} & set(systems):
         yield "reference", {"kind": "reference", "model_dir": model["hf"]}, {}
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def save(result: dict, out: Path, partial: bool = False) -> Path:
@@ -520,6 +587,7 @@ def summarize(result: dict) -> dict:
                     "ours_over_vllm_bind": _ratio(tps["ministream"], tps["ministream_vllm_bind"]),
                     "vllm_over_reference_batched": _ratio(tps["ministream"], tps["reference_batched"]),
                     "vllm_over_reference_serial": _ratio(tps["ministream"], tps["reference_serial"]),
+                    "vllm_over_llamacpp": _ratio(tps["ministream"], tps["llamacpp"]),
                 }
             )
     summary: dict[str, Any] = {"rows": rows}
@@ -529,6 +597,7 @@ def summarize(result: dict) -> dict:
         "ours_over_vllm_bind",
         "vllm_over_reference_batched",
         "vllm_over_reference_serial",
+        "vllm_over_llamacpp",
     ):
         summary[f"geomean_{key}"] = _geomean(r[key] for r in rows)
     memory = {}
@@ -538,10 +607,11 @@ def summarize(result: dict) -> dict:
         }
     summary["memory"] = memory
     bw = result.get("bandwidth", {}).get("gb_per_s")
+    read_bw = (result.get("bandwidth", {}).get("read") or {}).get("gb_per_s")
     ceiling = []
     for (model, dtype), systems in s.items():
         weight_bytes = result["models"][model]["parameters"] * (2 if dtype in ("bfloat16", "float16") else 4)
-        for name in ("ministream", "ministream_compiled", "ministream_eager", "reference_batched"):
+        for name in ("ministream", "ministream_compiled", "ministream_eager", "llama", "llamacpp", "reference_batched"):
             one = systems.get(name, {}).get(1)
             if one and bw:
                 decode = decode_rate(one)
@@ -558,6 +628,9 @@ def summarize(result: dict) -> dict:
                         "copy_threads": result["bandwidth"].get("threads"),
                         "fraction_of_copy_bandwidth": read / bw,
                         "ceiling_tokens_per_s": bw * 1e9 / weight_bytes,
+                        "read_gb_per_s": read_bw,
+                        "fraction_of_read_bandwidth": read / read_bw if read_bw else None,
+                        "read_ceiling_tokens_per_s": read_bw * 1e9 / weight_bytes if read_bw else None,
                     }
                 )
     summary["bandwidth_ceiling"] = ceiling
@@ -599,7 +672,7 @@ def table(result: dict) -> str:
         f"{'model':<14}{'dtype':<9}{'batch':>5} {'vLLM MS':>8} {'vLLM LLaMA':>10} {'MS/LLaMA':>8} "
         f"{'MS comp':>8} {'MS eager':>8} {'comp/eager':>10} "
         f"{'vLLM bind':>9} {'ours/bind':>9} {'ref batch':>9} {'x':>6} {'ref 1-by-1':>10} {'x':>6} "
-        f"{'TTFT MS':>8} {'TTFT ref':>8}",
+        f"{'TTFT MS':>8} {'TTFT ref':>8} {'llama.cpp':>9} {'MS/l.cpp':>8} {'TTFT l.cpp':>10}",
     ]
     for r in sm["rows"]:
         t, ttft = r["tokens_per_s"], r["ttft_s"]
@@ -612,16 +685,19 @@ def table(result: dict) -> str:
             f"{_f(r['vllm_over_reference_batched'], '{:.1f}'):>6} {_f(t['reference_serial']):>10} "
             f"{_f(r['vllm_over_reference_serial'], '{:.1f}'):>6} "
             f"{_f(ttft['ministream'] and ttft['ministream'] * 1e3, '{:.0f}ms'):>8} "
-            f"{_f(ttft['reference_batched'] and ttft['reference_batched'] * 1e3, '{:.0f}ms'):>8}"
+            f"{_f(ttft['reference_batched'] and ttft['reference_batched'] * 1e3, '{:.0f}ms'):>8} "
+            f"{_f(t['llamacpp']):>9} {_f(r.get('vllm_over_llamacpp'), '{:.2f}'):>8} "
+            f"{_f(ttft['llamacpp'] and ttft['llamacpp'] * 1e3, '{:.0f}ms'):>10}"
         )
     lines.append(
         "geometric means: MS/LLaMA {}, compiled/eager {}, ours/vLLM bind {}, vLLM/ref batched {}, "
-        "vLLM/ref one-by-one {}".format(
+        "vLLM/ref one-by-one {}, vLLM/llama.cpp {}".format(
             _f(sm["geomean_ministream_over_llama"], "{:.3f}"),
             _f(sm.get("geomean_compiled_over_eager"), "{:.2f}"),
             _f(sm["geomean_ours_over_vllm_bind"], "{:.2f}"),
             _f(sm["geomean_vllm_over_reference_batched"], "{:.1f}"),
             _f(sm["geomean_vllm_over_reference_serial"], "{:.1f}"),
+            _f(sm.get("geomean_vllm_over_llamacpp"), "{:.2f}"),
         )
     )
     lines.append("peak memory (PSS of the process tree) / start:")
@@ -631,15 +707,30 @@ def table(result: dict) -> str:
             + (f"  KV cache {m['kv_cache_tokens']} tokens" if m.get("kv_cache_tokens") else "")
             + (f"  FAILED {m['error']}" if m.get("error") else "")
         )
+    read = result.get("bandwidth", {}).get("read") or {}
+    if read:
+        lines.append(
+            f"read bandwidth: {read['gb_per_s']:.1f} GB/s, median of {read.get('samples', '?')} read-only passes over "
+            f"{read.get('read_mib', '?')} MiB at {read.get('threads', '?')} threads (spread "
+            f"{_f(read.get('gb_per_s_min'), '{:.1f}')}-{_f(read.get('gb_per_s_max'), '{:.1f}')}); copy "
+            f"{_f(result['bandwidth'].get('gb_per_s'), '{:.1f}')} GB/s"
+        )
     for c in sm["bandwidth_ceiling"]:
+        basis, of = (
+            ("read", c["read_gb_per_s"]) if c.get("read_gb_per_s") else ("copy", c["copy_gb_per_s"])
+        )  # runs before the read pass have the copy only
         lines.append(
             f"decode ceiling {c['model']} {c['dtype']} {c['system']}: {c['decode_tokens_per_s']:.0f} tok/s x "
-            f"{c['weight_bytes'] / 1e6:.0f} MB = {c['weights_gb_per_s']:.1f} GB/s of {c['copy_gb_per_s']:.1f} "
-            f"GB/s copy ({result['bandwidth'].get('threads', '?')} threads), median of "
-            f"{result['bandwidth'].get('samples', 1)} "
-            f"({100 * c['fraction_of_copy_bandwidth']:.0f}%; ceiling "
-            f"{c['ceiling_tokens_per_s']:.0f} tok/s)"
+            f"{c['weight_bytes'] / 1e6:.0f} MB = {c['weights_gb_per_s']:.1f} GB/s of {of:.1f} GB/s {basis} "
+            f"({100 * c['weights_gb_per_s'] / of:.0f}%; ceiling {of * 1e9 / c['weight_bytes']:.0f} tok/s)"
         )
+    for run in result["runs"]:
+        for f in run.get("llama_bench") or []:
+            what = f"prompt processing {f['n_prompt']}" if f["n_prompt"] else f"decode {f['n_gen']}"
+            lines.append(
+                f"llama-bench {run['model']} {run['dtype']} {what} tokens: {f['avg_ts']:.1f} tok/s "
+                f"(sd {f['stddev_ts']:.1f}, {f['n_threads']} threads)"
+            )
     for name, t in result.get("tooling", {}).items():
         lines.append(
             f"tooling {name:<18} {t['seconds']:6.1f}s  peak RSS {t['peak_rss_mib']:.0f} MiB"

@@ -6,6 +6,8 @@ Three servers on the same converted folder, one after another, each alone on the
   llama       the same safetensors under LLaMA's names (bench.prepare_model's twin folder), same vLLM server
   reference   the reference model behind a minimal OpenAI server that generates for one request at a time
               (refserver.py), the "before" system: the team's single-request script
+  llamacpp    llama.cpp's own llama-server (llamacpp.py) on a `ministream gguf` export of the folder in the
+              same dtype: LLAMACPP_SLOTS parallel slots with continuous batching, the engine's threads
 
 Each server is started and warmed (one short request), then, for each offered request rate, vLLM's benchmark
 client (`vllm bench serve`, from the installed release) sends N streaming completions with Poisson
@@ -46,7 +48,11 @@ SYSTEMS = {
     "ministream": "MiniStream, patched vLLM (ministream serve)",
     "llama": "same weights as LLaMA, same vLLM server",
     "reference": "reference model, one request at a time",
+    "llamacpp": "llama.cpp's llama-server, GGUF of the same weights",
 }
+# llama-server's parallel slots: requests it decodes together (continuous batching); each holds the model's
+# whole context, so 16 of the reference shape's 2048 tokens are 16 x 2048 tokens of KV cache
+LLAMACPP_SLOTS = 16
 
 # N per rate: about `seconds_per_rate` of arrivals, within [min_prompts, max_prompts]. A run far shorter than
 # a minute would count the last requests' own latency against the throughput (duration = arrivals + the
@@ -114,9 +120,25 @@ def server_command(system: str, model: dict, dtype: str, port: int) -> tuple[lis
             served_name(folder),
             folder,
         )
+    if system == "llamacpp":
+        return _llamacpp_command(model, dtype, port)
     folder = model["hf" if system == "ministream" else "llama"]
     name = served_name(folder)
     return engine.server_command(Path(folder), HOST, port, name, dtype, 1, None, []), name, folder
+
+
+def _llamacpp_command(model: dict, dtype: str, port: int) -> tuple[list[str], str, str]:
+    from ..checkpoint.gguf import export
+    from . import llamacpp
+
+    folder = model["hf"]
+    gguf = Path(folder).parent / f"{Path(folder).name}-{bench.GGUF_DTYPES[dtype]}.gguf"
+    export(folder, gguf, bench.GGUF_DTYPES[dtype], force=True)
+    name = served_name(folder)
+    context = json.loads((Path(folder) / "config.json").read_text())["max_position_embeddings"]
+    threads = len(bench._cores(engine.core_binding(1)))
+    cmd = llamacpp.server_command(llamacpp.build(), gguf, port, threads, LLAMACPP_SLOTS, context, ("--alias", name))
+    return cmd, name, folder
 
 
 def server_env(kv_cache_gib: int) -> dict:

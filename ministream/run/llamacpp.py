@@ -124,6 +124,23 @@ def info(version: str = VERSION) -> dict:
     return json.loads((HOME / version / "build.json").read_text())
 
 
+def server_command(
+    home: Path, gguf: Path, port: int, threads: int, parallel: int, ctx_per_slot: int, extra: tuple = ()
+) -> list[str]:
+    """llama-server on 127.0.0.1:`port` with `parallel` slots of `ctx_per_slot` tokens each."""
+    return [
+        str(c)
+        for c in [
+            home / "bin" / "llama-server",
+            *("-m", gguf, "--host", "127.0.0.1", "--port", port),
+            *("-t", threads, "-tb", threads, "-np", parallel),
+            *("-c", ctx_per_slot * parallel),  # the context is shared out among the slots
+            "--no-webui",
+            *extra,
+        ]
+    ]
+
+
 @contextmanager
 def server(
     gguf: Path,
@@ -137,21 +154,9 @@ def server(
 ) -> Iterator[str]:
     """llama-server on 127.0.0.1:`port` serving `gguf` with `parallel` slots (continuous batching across
     them) of `ctx_per_slot` tokens each; yields its base URL once /health answers, stops it after."""
-    home = home or build()
-    cmd = [
-        home / "bin" / "llama-server",
-        "-m", gguf,
-        "--host", "127.0.0.1",
-        "--port", str(port),
-        "-t", str(threads),
-        "-tb", str(threads),
-        "-np", str(parallel),
-        "-c", str(ctx_per_slot * parallel),  # the context is shared out among the slots
-        "--no-webui",
-        *extra,
-    ]  # fmt: skip
+    cmd = server_command(home or build(), gguf, port, threads, parallel, ctx_per_slot, extra)
     out = open(log_file, "w") if log_file else subprocess.DEVNULL
-    proc = subprocess.Popen([str(c) for c in cmd], stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120
