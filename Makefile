@@ -22,6 +22,8 @@ CHECKPOINT_ARGS ?=
 # gguf: the file llama.cpp reads, from MODEL (a converted folder or a training checkpoint)
 GGUF ?= $(MODEL).gguf
 GGUF_DTYPE ?= f32
+# install: ZENTORCH=0 leaves out zentorch (AMD CPUs with AVX-512: vLLM's ZenCpuPlatform, fork/zentorch.py)
+ZENTORCH ?=
 # patch / wheel
 VLLM_SRC ?=
 # port / matrix
@@ -66,7 +68,8 @@ help:
 	@echo "make patch VLLM_VERSION=x          vLLM x's source tree (its sdist) + the MiniStream patch set in build/vllm-x/"
 	@echo "                                   [VLLM_SRC=checkout: patch that git checkout instead] [VLLM_GIT_URL=repo]"
 	@echo "make wheel VLLM_VERSION=x DEVICE=d patched release wheel into dist/ (d: cuda|cpu, now $(DEVICE))"
-	@echo "make install VLLM_VERSION=x        install the patched wheel into $(VENV)/"
+	@echo "make install VLLM_VERSION=x        install the patched wheel into $(VENV)/ (+ zentorch on AMD AVX-512 CPUs;"
+	@echo "                                   ZENTORCH=0: without it)"
 	@echo "make plugin VLLM_VERSION=x         the model as a vLLM plugin wheel for a fixed (stock) vLLM x -> dist/"
 	@echo "make vllm-tests VLLM_VERSION=x     vLLM's own tests of MiniStream (test_registry, test_initialization, our"
 	@echo "                                   generation test) from the patched tree, offline [VLLM_SRC=] [COMPARE=1]"
@@ -132,7 +135,7 @@ matrix: setup
 	$(MS) matrix $(if $(VERSIONS),--versions $(VERSIONS)) $(if $(filter 1,$(RUN)),--run --docs docs) $(if $(filter 1,$(CLEAN)),--clean)
 
 install: wheel
-	$(MS) install $(VLLM_VERSION) --device $(DEVICE)
+	$(MS) install $(VLLM_VERSION) --device $(DEVICE) $(if $(filter 0,$(ZENTORCH)),--no-zentorch)
 
 plugin: setup
 	$(MS) plugin $(VLLM_VERSION)

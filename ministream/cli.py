@@ -297,7 +297,13 @@ def add_install(sub) -> None:
     )
     p.add_argument("--device", required=True, choices=list(DISTRIBUTIONS), help="which of our wheels: cuda or cpu")
     p.add_argument("--dist", type=Path, help="folder holding the wheel (default: dist/)")
-    p.set_defaults(func=lambda a: install.install(a.version, a.device, a.dist) and 0)
+    p.add_argument(
+        "--no-zentorch",
+        dest="zentorch",
+        action="store_false",
+        help="CPU: leave out (remove) zentorch, which vLLM runs every linear layer through on AMD CPUs with AVX-512",
+    )
+    p.set_defaults(func=lambda a: install.install(a.version, a.device, a.dist, with_zentorch=a.zentorch) and 0)
 
 
 def add_vllm_tests(sub) -> None:
@@ -528,6 +534,12 @@ def add_bench_serve(sub) -> None:
         help=f"median time per output token a sustained rate keeps (default: {benchserve.FULL['tpot_target_s']:g})",
     )
     p.add_argument("--seed", type=int, help="the prompt set's and the arrivals' seed (default: 0)")
+    p.add_argument(
+        "--bisect-steps",
+        type=int,
+        help="rates tried after the grid, between the highest sustained and the lowest failing, until they are "
+        f"within 10% (default: {benchserve.FULL['bisect_steps']}; 0 with --quick)",
+    )
     _note_and_report(p, "serve.json")
     p.set_defaults(
         func=lambda a: benchserve.bench_serve(a.out, a.quick, a.report, a.systems, a.note, **_given(a, benchserve.FULL))
@@ -676,6 +688,25 @@ def add_bench_nodes(sub) -> None:
     p.set_defaults(func=lambda a: benchnodes.bench_nodes(a.out, a.quick, a.systems))
 
 
+def add_bench_step(sub) -> None:
+    from .run import benchstep
+
+    p = sub.add_parser(
+        "bench-step",
+        help="one decode step at batch 1 taken apart: forward, logits, inputs, sampling, the rest (vLLM, llama.cpp)",
+        description=benchstep.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--out", type=Path, default=Path("build/bench/step"), help="output folder (default: %(default)s)")
+    p.add_argument("--presets", type=lambda s: s.split(","), default=["reference"], help="default: reference")
+    p.add_argument("--dtypes", type=lambda s: s.split(","), default=["float32", "bfloat16"])
+    p.add_argument(
+        "--variants", type=lambda s: s.split(","), default=list(benchstep.VARIANTS), help=", ".join(benchstep.VARIANTS)
+    )
+    p.add_argument("--note", default="")
+    p.set_defaults(func=lambda a: benchstep.bench_step(a.out, a.presets, a.dtypes, a.variants, a.note))
+
+
 def add_clean(sub) -> None:
     from .fork import clean
 
@@ -714,6 +745,7 @@ def main(argv=None):
         add_bench,
         add_bench_serve,
         add_bench_nodes,
+        add_bench_step,
     ):  # using an engine
         add(sub)
     args = parser.parse_args(argv)

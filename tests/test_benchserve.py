@@ -343,7 +343,8 @@ def test_summary_is_the_highest_rate_sustained_and_the_table_says_why_not():
     assert sum(" yes" in line for line in lines) == 2 and "no: fell behind: 2.5 req/s < 0.9 x 4" in text
     assert "9.00s" in text and "40.0s" in text and "skipped: missed ..." in text
     assert "llama      server FAILED: the server exited (1)" in text
-    assert lines[-1] == "highest sustained rate: ministream 2 req/s, reference -, llama -"
+    assert lines[-1] == "highest sustained rate: ministream 2 req/s (fails at 4), reference - (fails at 1), llama -"
+    assert s["ministream"]["lowest_failing_rate"] == 4
 
 
 def test_report_redraws_the_table_and_chart_from_serve_json(cli, tmp_path):
@@ -363,3 +364,21 @@ def test_bench_serve_refuses_unknown_systems_and_rates_and_a_missing_result(cli,
     assert r.returncode == 2 and "--rates" in r.stderr
     r = cli("bench-serve", "--out", tmp_path, "--report", timeout=300)
     assert r.returncode == 2 and "serve.json: no such file" in r.stderr
+
+
+def test_the_ceiling_search_halves_the_bracket_until_within_ten_percent():
+    from ministream.run.servereport import bracket, next_rate
+
+    def runs(ok: dict) -> list[dict]:
+        return [{"rate": r, "sustained": s} for r, s in ok.items()]
+
+    grid = runs({0.25: True, 1: True, 4: False, 8: False})
+    assert bracket(grid) == (1, 4) and next_rate(grid, 1.1) == 2.0
+    # a machine whose true ceiling is 2.7 req/s: each step keeps the half that holds it
+    seen = list(grid)
+    while (rate := next_rate(seen, 1.1)) is not None:
+        seen.append({"rate": rate, "sustained": rate <= 2.7})
+    high, low = bracket(seen)
+    assert high <= 2.7 < low <= high * 1.1 and len(seen) - len(grid) <= 5
+    assert next_rate(runs({1: True}), 1.1) is None and next_rate(runs({1: False}), 1.1) is None  # no bracket
+    assert bracket(runs({1: True, 0.5: False, 2: False})) == (1, 2)  # a failure below the ceiling is noise

@@ -167,3 +167,32 @@ def test_weights_bigger_than_memory_is_an_error(tiny_hf):
 def test_missing_or_inconsistent_rope_and_eps_are_errors(change, words, tiny_hf, tmp_path):
     found = errors(doctor(broken(tiny_hf, tmp_path / "f", **change)))
     assert len(found) == 1 and words in found[0], found
+
+
+@pytest.mark.parametrize(
+    "cpu, platform",
+    [
+        ("GenuineIntel avx512f amx_tile", "CpuPlatform"),
+        ("AuthenticAMD avx2", "CpuPlatform"),
+        ("AuthenticAMD avx512f", "zen"),
+    ],
+)
+def test_the_platform_vllm_will_pick_is_named_by_its_own_rule(cpu, platform, tmp_path):
+    import importlib.util
+
+    from ministream.run.doctor import check_platform
+
+    vllm = tmp_path / "vllm"
+    (vllm / "platforms").mkdir(parents=True)
+    (vllm / "platforms" / "cpu.py").write_text("")
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(f"vendor_id : {cpu.split()[0]}\nflags : {' '.join(cpu.split()[1:])}\n")
+    assert "no platform for a CPU library" in check_platform(vllm, cpuinfo).text  # a release before zen_cpu.py
+    (vllm / "platforms" / "zen_cpu.py").write_text("")
+    found = check_platform(vllm, cpuinfo)
+    if platform == "CpuPlatform":
+        assert found.level == "ok" and found.text.startswith("CpuPlatform")
+    elif importlib.util.find_spec("zentorch"):  # make install put it there: this machine is such a CPU
+        assert found.level == "ok" and found.text.startswith("ZenCpuPlatform")
+    else:
+        assert found.level == "warn" and "zentorch is not installed" in found.text and "make install" in found.fix

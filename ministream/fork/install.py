@@ -19,6 +19,7 @@ from pathlib import Path
 from .. import MiniStreamError
 from ..atomic import lock
 from ..spec import MODEL_FILE_IN_TREE
+from . import zentorch
 from .release import DISTRIBUTIONS
 from .wheel import built_wheel, record_hash
 
@@ -118,14 +119,35 @@ def _pip(python, *args):
         raise MiniStreamError(f"`{' '.join(str(c) for c in cmd)}` failed (its output is above)")
 
 
-def install(version: str, device: str, dist_dir: Path | None = None, python: str | None = None) -> dict:
-    """Install our wheel into `python`'s environment (this one by default); quick when it is already there."""
+def install(
+    version: str, device: str, dist_dir: Path | None = None, python: str | None = None, with_zentorch: bool = True
+) -> dict:
+    """Install our wheel into `python`'s environment (this one by default); quick when it is already there.
+    with_zentorch: also the library vLLM has a platform for on this CPU, where it applies (zentorch.py);
+    False removes it."""
     python = python or sys.executable
     wheel = built_wheel(version, device, dist_dir)
     name, new_version, rows = _wheel_records(wheel)
     env = Path(python).parent.parent  # bin/python's environment: one pip at a time in it
     with lock(env, f"installing {wheel.name}", env / ".ministream-install.lock"):
-        return _install(python, wheel, name, new_version, rows, version, device)
+        done = _install(python, wheel, name, new_version, rows, version, device)
+        if device == "cpu":
+            done["zentorch"] = _zentorch(python, with_zentorch)
+        return done
+
+
+def _zentorch(python: str, wanted: bool) -> str | None:
+    """Install (or, not wanted, remove) zentorch where vLLM would use it; the release now installed, or None."""
+    if not wanted:
+        if "zentorch" in _probe(python, ["zentorch"]):
+            _pip(python, "uninstall", "-y", "zentorch")
+        print("zentorch: not installed (asked not to); vLLM runs its plain CPU platform")
+        return None
+    release, why = zentorch.plan(python)
+    if release:
+        _pip(python, "install", f"zentorch=={release}", *zentorch.EXTRA)
+    print(f"zentorch: {'installed ' + release + ': ' if release else ''}{why}")
+    return release or (_probe(python, ["zentorch"]).get("zentorch") or {}).get("version")
 
 
 def _install(python: str, wheel: Path, name: str, new_version: str, rows: list, version: str, device: str) -> dict:

@@ -55,6 +55,7 @@ SYSTEMS = {
     "reference_batched": "reference model, batched",
     "reference_serial": "reference model, one request at a time",
     "llamacpp": "llama.cpp (llama-server, GGUF of the same weights)",
+    "ministream_no_zentorch": "MiniStream, patched vLLM, zentorch hidden (vLLM's plain CPU platform)",
 }
 
 # (model preset, dtype) pairs; the GQA variant in bf16 only, to keep the full run near 20 minutes on 2 cores
@@ -151,6 +152,9 @@ def _worker(spec: dict) -> dict:
         )
         result["start_s"] = time.perf_counter() - t
         result["env"] = {k: os.environ.get(k) for k in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE")}
+        from vllm.platforms import current_platform
+
+        result["vllm_platform"] = type(current_platform).__name__  # ZenCpuPlatform where zentorch is used
         result["rows"] = measure(lambda ids, n: vllm_generate(llm, ids, n), spec)
     elif spec["kind"] == "reference":
         model = load_reference(Path(spec["model_dir"]), spec["dtype"])
@@ -509,6 +513,9 @@ def jobs(model: dict, with_vllm_bind: bool, systems: list[str], kv_cache_gib: in
     ]
     if reverse:  # alternate the order, so drift on a shared machine does not always favour one
         vllm.reverse()
+    if _has_zentorch():  # the same engine on vLLM's plain CPU platform: `import zentorch` made to fail
+        hide = {"PYTHONPATH": os.pathsep.join(filter(None, [str(_no_zentorch()), os.environ.get("PYTHONPATH")]))}
+        vllm.append(("ministream_no_zentorch", {"kind": "vllm", "model_dir": model["hf"]}, {**kv, **hide}))
     if with_vllm_bind:
         # "auto" is vLLM 0.32's own default for the variable: what a user gets without our defaults
         vllm.append(("ministream_vllm_bind", {"kind": "vllm", "model_dir": model["hf"]}, {**kv, engine.BIND: "auto"}))
@@ -517,6 +524,21 @@ def jobs(model: dict, with_vllm_bind: bool, systems: list[str], kv_cache_gib: in
         yield "llamacpp", {"kind": "llamacpp", "model_dir": model["hf"], "port": _free_port()}, {}
     if {"reference_batched", "reference_serial"} & set(systems):
         yield "reference", {"kind": "reference", "model_dir": model["hf"]}, {}
+
+
+def _has_zentorch() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("zentorch") is not None
+
+
+def _no_zentorch() -> Path:
+    """A folder whose zentorch package raises ImportError, first on PYTHONPATH: vLLM then falls back to its
+    plain CPU platform (vllm/platforms/__init__.py catches the ImportError), all else the same."""
+    folder = BUILD / "bench-no-zentorch"
+    (folder / "zentorch").mkdir(parents=True, exist_ok=True)
+    (folder / "zentorch" / "__init__.py").write_text('raise ImportError("zentorch hidden by ministream bench")\n')
+    return folder.resolve()
 
 
 def _free_port() -> int:
@@ -588,6 +610,7 @@ def summarize(result: dict) -> dict:
                     "vllm_over_reference_batched": _ratio(tps["ministream"], tps["reference_batched"]),
                     "vllm_over_reference_serial": _ratio(tps["ministream"], tps["reference_serial"]),
                     "vllm_over_llamacpp": _ratio(tps["ministream"], tps["llamacpp"]),
+                    "zentorch_over_plain": _ratio(tps["ministream"], tps["ministream_no_zentorch"]),
                 }
             )
     summary: dict[str, Any] = {"rows": rows}
@@ -598,6 +621,7 @@ def summarize(result: dict) -> dict:
         "vllm_over_reference_batched",
         "vllm_over_reference_serial",
         "vllm_over_llamacpp",
+        "zentorch_over_plain",
     ):
         summary[f"geomean_{key}"] = _geomean(r[key] for r in rows)
     memory = {}
@@ -672,7 +696,8 @@ def table(result: dict) -> str:
         f"{'model':<14}{'dtype':<9}{'batch':>5} {'vLLM MS':>8} {'vLLM LLaMA':>10} {'MS/LLaMA':>8} "
         f"{'MS comp':>8} {'MS eager':>8} {'comp/eager':>10} "
         f"{'vLLM bind':>9} {'ours/bind':>9} {'ref batch':>9} {'x':>6} {'ref 1-by-1':>10} {'x':>6} "
-        f"{'TTFT MS':>8} {'TTFT ref':>8} {'llama.cpp':>9} {'MS/l.cpp':>8} {'TTFT l.cpp':>10}",
+        f"{'TTFT MS':>8} {'TTFT ref':>8} {'llama.cpp':>9} {'MS/l.cpp':>8} {'TTFT l.cpp':>10} "
+        f"{'no zentorch':>11} {'zen/plain':>9}",
     ]
     for r in sm["rows"]:
         t, ttft = r["tokens_per_s"], r["ttft_s"]
@@ -687,17 +712,19 @@ def table(result: dict) -> str:
             f"{_f(ttft['ministream'] and ttft['ministream'] * 1e3, '{:.0f}ms'):>8} "
             f"{_f(ttft['reference_batched'] and ttft['reference_batched'] * 1e3, '{:.0f}ms'):>8} "
             f"{_f(t['llamacpp']):>9} {_f(r.get('vllm_over_llamacpp'), '{:.2f}'):>8} "
-            f"{_f(ttft['llamacpp'] and ttft['llamacpp'] * 1e3, '{:.0f}ms'):>10}"
+            f"{_f(ttft['llamacpp'] and ttft['llamacpp'] * 1e3, '{:.0f}ms'):>10} "
+            f"{_f(t['ministream_no_zentorch']):>11} {_f(r.get('zentorch_over_plain'), '{:.2f}'):>9}"
         )
     lines.append(
         "geometric means: MS/LLaMA {}, compiled/eager {}, ours/vLLM bind {}, vLLM/ref batched {}, "
-        "vLLM/ref one-by-one {}, vLLM/llama.cpp {}".format(
+        "vLLM/ref one-by-one {}, vLLM/llama.cpp {}, zentorch/plain {}".format(
             _f(sm["geomean_ministream_over_llama"], "{:.3f}"),
             _f(sm.get("geomean_compiled_over_eager"), "{:.2f}"),
             _f(sm["geomean_ours_over_vllm_bind"], "{:.2f}"),
             _f(sm["geomean_vllm_over_reference_batched"], "{:.1f}"),
             _f(sm["geomean_vllm_over_reference_serial"], "{:.1f}"),
             _f(sm.get("geomean_vllm_over_llamacpp"), "{:.2f}"),
+            _f(sm.get("geomean_zentorch_over_plain"), "{:.2f}"),
         )
     )
     lines.append("peak memory (PSS of the process tree) / start:")
@@ -724,6 +751,11 @@ def table(result: dict) -> str:
             f"{c['weight_bytes'] / 1e6:.0f} MB = {c['weights_gb_per_s']:.1f} GB/s of {of:.1f} GB/s {basis} "
             f"({100 * c['weights_gb_per_s'] / of:.0f}%; ceiling {of * 1e9 / c['weight_bytes']:.0f} tok/s)"
         )
+    platforms = {
+        f"{r['model']} {r['dtype']} {r['system']}": r["vllm_platform"] for r in result["runs"] if r.get("vllm_platform")
+    }
+    if platforms:
+        lines.append("vLLM's platform: " + ", ".join(f"{k} {v}" for k, v in platforms.items()))
     for run in result["runs"]:
         for f in run.get("llama_bench") or []:
             what = f"prompt processing {f['n_prompt']}" if f["n_prompt"] else f"decode {f['n_gen']}"

@@ -18,7 +18,9 @@ unlike any other, so vLLM's prefix cache can serve the shared passages and nothi
 
 A system sustains a rate when it completed every request, kept up (request throughput >= 0.9 x the offered
 rate), p99 time to first token <= the TTFT target (5 s) and median time per output token <= the TPOT target
-(0.5 s). A system that missed the latency targets at two rates in a row is not run at higher ones.
+(0.5 s). A system that missed the latency targets at two rates in a row is not run at higher ones. After the grid,
+the ceiling is searched: the geometric middle of the highest sustained and the lowest failing rate is
+run, and again, until the two are within 10% of each other (BISECT_WITHIN), at most BISECT_STEPS times.
 Writes OUT/serve.json (the client's figures for every system and rate, the machine, the prompt set's
 lengths), OUT/serve.png, and prints a table; the client's own result files go to OUT/serve-runs/.
 """
@@ -39,7 +41,7 @@ from .prompts import PREFIX_TOKENS, PROMPT_TOKENS, build_prompts, dataset_stats,
 from .reporting import read_result
 from .serve import served_name
 from .server import HOST, START_TIMEOUT, ServerFailed, call, free_port, greedy, running, wait_ready
-from .servereport import KEEP_UP, judge, report, run_line, summarize
+from .servereport import KEEP_UP, judge, next_rate, report, run_line, summarize
 
 DEFAULT_OUT = bench.DEFAULT_OUT
 SCHEMA = 1
@@ -73,8 +75,10 @@ FULL = dict(
     prefix_tokens=list(PREFIX_TOKENS),
     shared_fraction=0.5,
     seed=0,
+    bisect_steps=6,  # the ceiling searched after the grid: from a 2.5x step, 4 geometric halvings reach 1.1x
 )
-QUICK = dict(FULL, rates=[0.5, 2], num_prompts=4, output_tokens=[8, 24], prefix_groups=2)
+QUICK = dict(FULL, rates=[0.5, 2], num_prompts=4, output_tokens=[8, 24], prefix_groups=2, bisect_steps=0)
+BISECT_WITHIN = 1.1  # the searched ceiling: highest sustained and lowest failing rate within 10%
 WARM_PROMPT = "Warm-up: the river runs through"
 # the vLLM client's figures kept in serve.json (its whole result stays in OUT/serve-runs/)
 FIGURES = (
@@ -175,9 +179,11 @@ def figures(raw: dict, rows: list[dict]) -> dict:
     return kept
 
 
-def run_system(system: str, result: dict, out: Path, files: dict, sets: dict, env: dict) -> None:
+def run_system(system: str, result: dict, out: Path, files: dict, sets: dict, env: dict, make_set=None) -> None:
     """Start one system's server, warm it, run the client at every rate (the ones after two latency misses
-    in a row skipped), stop it; everything into result["systems"][system], saved after every rate."""
+    in a row skipped), then search its ceiling between the grid's rates (make_set(rate) -> (file, rows): the
+    prompt set of a rate off the grid), stop it; everything into result["systems"][system], saved after
+    every rate."""
     s, model = result["settings"], result["model"]
     port = free_port()
     cmd, name, folder = server_command(system, model, s["dtype"], port)
@@ -212,6 +218,16 @@ def run_system(system: str, result: dict, out: Path, files: dict, sets: dict, en
                 misses_in_row = misses_in_row + [rate] if run["missed_latency"] else []
                 entry["runs"].append(run)
                 print(f"{run['wall_s']:.0f}s: " + run_line(run), flush=True)
+                save(result, out, partial=True)
+            for _ in range(s.get("bisect_steps", 0) if make_set else 0):
+                rate = next_rate(entry["runs"], BISECT_WITHIN)
+                if rate is None or "error" in entry["server"]:
+                    break
+                dataset, rows = make_set(rate)
+                run = {"rate": rate, "num_prompts": len(rows), "bisect": True}
+                run_rate(run, system, entry, proc, (url, name, folder), dataset, rows, s, out)
+                entry["runs"].append(run)
+                print(f"{run['wall_s']:.0f}s: (ceiling search) " + run_line(run), flush=True)
                 save(result, out, partial=True)
     except ServerFailed as e:
         entry["server"]["error"] = str(e)
@@ -291,6 +307,22 @@ def run_bench_serve(out: Path, systems: list[str], note: str = "", **settings) -
     )
     sets = dict(zip(s["rates"], built["sets"]))
     files = {rate: write_jsonl(rows, out / "serve-prompts" / f"rate-{rate:g}.jsonl") for rate, rows in sets.items()}
+
+    def make_set(rate: float) -> tuple[Path, list[dict]]:
+        """A rate off the grid: its own set of the same kind, by the same seed."""
+        rows = build_prompts(
+            tok,
+            [prompts_for(rate, s)],
+            s["seed"],
+            s["prompt_tokens"],
+            s["output_tokens"],
+            s["prefix_groups"],
+            s["prefix_tokens"],
+            s["shared_fraction"],
+            max_len,
+        )["sets"][0]
+        return write_jsonl(rows, out / "serve-prompts" / f"rate-{rate:g}.jsonl"), rows
+
     every = [r for rows in built["sets"] for r in rows]
     result["dataset"] = {
         "corpus": str(CORPUS),
@@ -308,7 +340,7 @@ def run_bench_serve(out: Path, systems: list[str], note: str = "", **settings) -
         flush=True,
     )
     for system in systems:
-        run_system(system, result, out, files, sets, env)
+        run_system(system, result, out, files, sets, env, make_set)
         save(result, out, partial=True)
     result["load_average_end"] = os.getloadavg()
     result["seconds"] = time.time() - started

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from .. import MiniStreamError
 from ..checkpoint.tokenizer import check_chat_template as check_chat_template_text
-from ..fork import plugin as vllm_plugin
+from ..fork import plugin as vllm_plugin, zentorch
 from ..fork.registry import CONFIGS_INIT_PY, Registries, read_package
 from ..fork.release import DISTRIBUTIONS
 from ..paths import PATCH_SETS
@@ -228,6 +228,27 @@ def check_patch(vllm_dir: Path | None, dist: str | None) -> Finding:
         )
     label = "" if "+ministream" in dist else " (its version has no +ministream label: not our wheel?)"
     return Finding("ok", "vllm", f"installed vLLM {dist} carries MiniStream patch {ours}{label}")
+
+
+def check_platform(vllm_dir: Path | None, cpuinfo: Path = Path("/proc/cpuinfo")) -> Finding | None:
+    """Which platform the installed CPU vLLM will pick, by its own rule (vllm/platforms/__init__.py,
+    cpu_platform_plugin): ZenCpuPlatform on an AMD CPU with AVX-512 where zentorch imports, else CpuPlatform."""
+    if vllm_dir is None or not (vllm_dir / "platforms" / "cpu.py").is_file():
+        return None
+    if not (vllm_dir / "platforms" / "zen_cpu.py").is_file():
+        return Finding("ok", "platform", "CpuPlatform (this vLLM has no platform for a CPU library)")
+    if not zentorch.zen_cpu(cpuinfo):
+        return Finding("ok", "platform", "CpuPlatform (not an AMD CPU with AVX-512: no ZenCpuPlatform here)")
+    if importlib.util.find_spec("zentorch") is None:
+        return Finding(
+            "warn",
+            "platform",
+            "CpuPlatform: this AMD CPU with AVX-512 could use vLLM's ZenCpuPlatform, but zentorch is not installed",
+            "make install (it installs zentorch where vLLM would use it; ZENTORCH=0 leaves it out)",
+        )
+    return Finding(
+        "ok", "platform", f"ZenCpuPlatform: zentorch {importlib.metadata.version('zentorch')} runs the linear layers"
+    )
 
 
 def check_plugin(plugin: dict, dist: str | None) -> Finding:
@@ -579,7 +600,15 @@ def installed_vllm_findings(config: dict, vllm_dir: Path | None) -> list[Finding
                 )
             )
     found.append(check_plugin(plugin, dist) if plugin is not None else check_patch(vllm_dir, dist))
-    return found
+    platform = check_platform(vllm_dir) if _cpu_build() else None  # the CPU build's platform choice
+    return found + ([platform] if platform else [])
+
+
+def _cpu_build() -> bool:
+    try:
+        return bool(importlib.metadata.version(DISTRIBUTIONS["cpu"]))
+    except importlib.metadata.PackageNotFoundError:
+        return False
 
 
 def run_doctor(

@@ -48,13 +48,32 @@ def run_line(run: dict) -> str:
     )
 
 
+def bracket(runs: list[dict]) -> tuple[float | None, float | None]:
+    """(the highest rate sustained, the lowest rate above it not sustained): the ceiling lies between."""
+    sustained = [r["rate"] for r in runs if r.get("sustained")]
+    high = max(sustained) if sustained else None
+    failing = [r["rate"] for r in runs if r.get("sustained") is False and (high is None or r["rate"] > high)]
+    return high, min(failing) if failing else None
+
+
+def next_rate(runs: list[dict], within: float) -> float | None:
+    """The rate to try next when searching the ceiling: the geometric middle of the bracket, until its ends
+    are within `within` (1.1: 10%) of each other; None when there is no bracket or it is narrow enough."""
+    high, low_fail = bracket(runs)
+    if high is None or low_fail is None or low_fail <= high * within:
+        return None
+    return float(f"{(high * low_fail) ** 0.5:.3g}")
+
+
 def summarize(result: dict) -> dict:
-    """Per system: the highest rate it sustained (None: none), and whether it failed to start."""
+    """Per system: the highest rate it sustained (None: none), the lowest failing one above it, and whether it
+    failed to start."""
     summary = {}
     for system, entry in result["systems"].items():
         sustained = [r["rate"] for r in entry["runs"] if r.get("sustained")]
         summary[system] = {
             "sustained_rate": max(sustained) if sustained else None,
+            "lowest_failing_rate": bracket(entry["runs"])[1],
             "runs": sum(1 for r in entry["runs"] if "skipped" not in r),
             "skipped": [r["rate"] for r in entry["runs"] if "skipped" in r],
             "error": entry["server"].get("error"),
@@ -103,9 +122,16 @@ def table(result: dict) -> str:
         "highest sustained rate: "
         + ", ".join(
             f"{system} {'-' if b['sustained_rate'] is None else format(b['sustained_rate'], 'g') + ' req/s'}"
+            + (f" (fails at {b['lowest_failing_rate']:g})" if b.get("lowest_failing_rate") else "")
             for system, b in best.items()
         )
     )
+    rated = {k: b["sustained_rate"] for k, b in best.items() if b["sustained_rate"]}
+    if "ministream" in rated and len(rated) > 1:
+        lines.append(
+            "ministream's ceiling over: "
+            + ", ".join(f"{k} {rated['ministream'] / v:.2f}x" for k, v in rated.items() if k != "ministream")
+        )
     return "\n".join(lines)
 
 

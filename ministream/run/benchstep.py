@@ -1,0 +1,241 @@
+"""bench-step: one decode step at batch 1 taken apart, for the patched vLLM, its LLaMA twin and llama.cpp.
+
+vLLM: timers wrapped around the worker's model runner (collective_rpc, in the engine's own process), then
+one request of PROMPT tokens + NEW tokens and one of PROMPT + 1, the difference over NEW tokens: per decode
+step, the time in
+  forward        the model's forward (the compiled graph), model_runner._model_forward
+  logits         the head's matmul, model.compute_logits
+  inputs         preparing the step's inputs, model_runner._prepare_inputs
+  sample         sampling (greedy), model_runner._sample
+  runner, other  the rest of execute_model and sample_tokens (bookkeeping around the parts above)
+  engine, other  the step's wall time less all of the runner: the scheduler, the output processing, the
+                 hop between the engine core and this process
+and beside them the time the weights take to read at the machine's read bandwidth. llama.cpp: llama-bench's
+decode (the graph alone) against llama-server's time per predicted token (with sampling and the server).
+Variants (VARIANTS) run the same request with one vLLM setting changed, each its own engine in the same run.
+"""
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from ..atomic import write_json
+from . import bench, engine
+from .machine import machine, machine_line, read_bandwidth
+
+PROMPT, NEW, REPEATS = 32, 128, 3
+PARTS = ["forward", "logits", "inputs", "sample"]
+# name -> (what it changes, the engine's environment, LLM() overrides): what vLLM offers a CPU against the
+# non-forward part of a step
+VARIANTS: dict[str, tuple[str, dict, dict]] = {
+    "default": ("the engine default (engine.py)", {}, {}),
+    "in_process": (
+        "engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)",
+        {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+        {},
+    ),
+    "async_scheduling": (
+        "async scheduling asked for (the CPU platform turns it off by default)",
+        {},
+        {"async_scheduling": True},
+    ),
+}
+
+
+def _install_timers(worker) -> None:
+    import collections
+    import time as t
+
+    runner = worker.model_runner
+    spent: dict = collections.defaultdict(float)
+    calls: dict = collections.defaultdict(int)
+
+    def wrap(obj, name, key):
+        inner = getattr(obj, name)
+
+        def timed(*args, **kwargs):
+            start = t.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                spent[key] += t.perf_counter() - start
+                calls[key] += 1
+
+        setattr(obj, name, timed)
+
+    for name, key in [
+        ("execute_model", "execute_model"),
+        ("sample_tokens", "sample_tokens"),
+        ("_prepare_inputs", "inputs"),
+        ("_model_forward", "forward"),
+        ("_sample", "sample"),
+    ]:
+        wrap(runner, name, key)
+    wrap(runner.model, "compute_logits", "logits")
+    runner._ministream_timers = (spent, calls)
+
+
+def _read_timers(worker) -> dict:
+    spent, calls = worker.model_runner._ministream_timers
+    got = {k: [spent[k], calls[k]] for k in spent}
+    spent.clear()
+    calls.clear()
+    return got
+
+
+def _vllm_worker(spec: dict) -> dict:
+    """In its own process: the engine, the timers, then REPEATS pairs of (PROMPT + NEW, PROMPT + 1) requests."""
+    from .generate import vllm_engine, vllm_generate
+
+    llm = vllm_engine(Path(spec["model_dir"]), spec["dtype"], max_model_len=PROMPT + NEW + 8, **spec["overrides"])
+    from vllm.platforms import current_platform
+
+    llm.collective_rpc(_install_timers)
+    ids = bench.prompts(1, PROMPT, spec["vocab"], seed=11)
+    vllm_generate(llm, ids, 8)  # warm-up
+    llm.collective_rpc(_read_timers)
+    samples = []
+    for _ in range(REPEATS):
+        sample: dict[int, Any] = {}
+        for n in (NEW + 1, 1):
+            t = time.perf_counter()
+            vllm_generate(llm, ids, n)
+            sample[n] = {"wall": time.perf_counter() - t, "timers": llm.collective_rpc(_read_timers)[0]}
+        samples.append(_per_step(sample[NEW + 1], sample[1], NEW))
+    return {"platform": type(current_platform).__name__, "samples": samples, "per_step_ms": _median(samples)}
+
+
+def _per_step(long: dict, short: dict, steps: int) -> dict:
+    """ms per decode step of each part: the long request less the prefill-only one, over the decode steps."""
+
+    def spent(key):
+        return (long["timers"].get(key, [0, 0])[0] - short["timers"].get(key, [0, 0])[0]) / steps * 1e3
+
+    step = (long["wall"] - short["wall"]) / steps * 1e3
+    parts = {k: spent(k) for k in PARTS}
+    runner = spent("execute_model") + spent("sample_tokens")
+    return {**parts, "runner_other": runner - sum(parts.values()), "engine_other": step - runner, "step": step}
+
+
+def _median(samples: list[dict]) -> dict:
+    return {k: statistics.median(s[k] for s in samples) for k in samples[0]}
+
+
+def _llamacpp(model: dict, dtype: str, threads: int, out: Path) -> dict:
+    from ..checkpoint.gguf import export
+    from . import llamacpp
+
+    home = llamacpp.build()
+    gguf = Path(model["hf"]).parent / f"hf-{bench.GGUF_DTYPES[dtype]}.gguf"
+    export(model["hf"], gguf, bench.GGUF_DTYPES[dtype], force=True)
+    run = subprocess.run(
+        [str(home / "bin" / "llama-bench"), "-m", str(gguf), "-t", str(threads), "-p", "0", "-n", str(NEW)]
+        + ["-r", str(REPEATS), "-o", "json"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    graph = 1e3 / json.loads(run.stdout)[0]["avg_ts"]
+    ids = bench.prompts(1, PROMPT, model["vocab"], seed=11)[0]
+    served = []
+    with llamacpp.server(gguf, bench._free_port(), threads, 1, PROMPT + NEW + 8, out / "llama-server.log") as url:
+        for _ in range(REPEATS + 1):
+            body = {"prompt": ids, "n_predict": NEW, "temperature": 0, "top_k": 1, "ignore_eos": True}
+            served.append(llamacpp._post(f"{url}/completion", {**body, "cache_prompt": False})["timings"])
+    per_token = statistics.median(t["predicted_per_token_ms"] for t in served[1:])
+    return {"per_step_ms": {"forward": graph, "server_other": per_token - graph, "step": per_token}}
+
+
+def bench_step(out: Path, presets: list[str], dtypes: list[str], variants: list[str], note: str = "") -> int:
+    """`ministream bench-step`: every (preset, dtype) x (MiniStream under each variant, the LLaMA twin, llama.cpp)."""
+    out.mkdir(parents=True, exist_ok=True)
+    threads = len(bench._cores(engine.core_binding(1)))
+    result: dict[str, Any] = {
+        "command": " ".join(sys.argv),
+        "note": note,
+        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": machine(),
+        "read_bandwidth": read_bandwidth(threads=threads),
+        "settings": {"prompt": PROMPT, "new": NEW, "repeats": REPEATS, "threads": threads},
+        "rows": [],
+    }
+    # the timers go to the engine core's process as a function: vLLM sends those with pickle only when told
+    kv = {engine.KV_CACHE: os.environ.get(engine.KV_CACHE, "2"), "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
+    for preset in presets:
+        model = bench.prepare_model(preset, out / "models")
+        for dtype in dtypes:
+            weights = model["parameters"] * (2 if dtype == "bfloat16" else 4)
+            read_ms = weights / (result["read_bandwidth"]["gb_per_s"] * 1e9) * 1e3
+            systems = [(f"ministream {v}", model["hf"], v) for v in variants] + [
+                ("llama default", model["llama"], "default")
+            ]
+            for name, folder, variant in systems:
+                what, env, overrides = VARIANTS[variant]
+                spec = {"model_dir": folder, "dtype": dtype, "vocab": model["vocab"], "overrides": overrides}
+                print(f"bench-step: {preset} {dtype} {name} ({what}) ...", flush=True)
+                got = _run(spec, {**kv, **env}, out / f"{preset}-{dtype}-{name.replace(' ', '-')}")
+                result["rows"].append(
+                    {
+                        "model": preset,
+                        "dtype": dtype,
+                        "system": name,
+                        "variant": what,
+                        "weights_read_ms": read_ms,
+                        **got,
+                    }
+                )
+                write_json(out / "step.json", result)
+            got = _llamacpp(model, dtype, threads, out)
+            result["rows"].append(
+                {"model": preset, "dtype": dtype, "system": "llama.cpp", "weights_read_ms": read_ms, **got}
+            )
+            write_json(out / "step.json", result)
+    print(table(result))
+    return 0
+
+
+def _run(spec: dict, env: dict, stem: Path) -> dict:
+    spec_file, result_file = stem.with_suffix(".spec.json"), stem.with_suffix(".result.json")
+    write_json(spec_file, spec)
+    run = subprocess.run(
+        [sys.executable, "-m", "ministream.run.benchstep", str(spec_file), str(result_file)],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+    )
+    if run.returncode != 0:
+        return {"error": (run.stderr or run.stdout).strip().splitlines()[-1][:400]}
+    return json.loads(result_file.read_text())
+
+
+def table(result: dict) -> str:
+    cols = ["forward", "logits", "inputs", "sample", "runner_other", "engine_other", "server_other", "step"]
+    lines = [
+        machine_line(result.get("machine", {})),
+        "ms per decode step at batch 1 ({prompt}-token prompt, {new} new tokens, median of {repeats}); ".format(
+            **result["settings"]
+        )
+        + f"weights at {result['read_bandwidth']['gb_per_s']:.1f} GB/s read",
+        f"{'model':<10}{'dtype':<9}{'system':<28}" + "".join(f"{c:>13}" for c in cols) + f"{'weights':>9}{'tok/s':>7}",
+    ]
+    for r in result["rows"]:
+        if "error" in r:
+            lines.append(f"{r['model']:<10}{r['dtype']:<9}{r['system']:<28} FAILED {r['error']}")
+            continue
+        p = r["per_step_ms"]
+        lines.append(
+            f"{r['model']:<10}{r['dtype']:<9}{r['system']:<28}"
+            + "".join(f"{p[c]:>13.2f}" if c in p else f"{'-':>13}" for c in cols)
+            + f"{r['weights_read_ms']:>9.2f}{1e3 / p['step']:>7.0f}"
+        )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    spec = json.loads(Path(sys.argv[1]).read_text())
+    write_json(Path(sys.argv[2]), _vllm_worker(spec))
