@@ -293,26 +293,11 @@ def run_bench_serve(out: Path, systems: list[str], note: str = "", **settings) -
 
     tok = folder_tokenizer(Path(model["hf"]).resolve() / "tokenizer.json")
     max_len = json.loads((Path(model["hf"]) / "config.json").read_text())["max_position_embeddings"]
-    counts = [prompts_for(rate, s) for rate in s["rates"]]
-    built = build_prompts(
-        tok,
-        counts,
-        s["seed"],
-        s["prompt_tokens"],
-        s["output_tokens"],
-        s["prefix_groups"],
-        s["prefix_tokens"],
-        s["shared_fraction"],
-        max_len,
-    )
-    sets = dict(zip(s["rates"], built["sets"]))
-    files = {rate: write_jsonl(rows, out / "serve-prompts" / f"rate-{rate:g}.jsonl") for rate, rows in sets.items()}
 
-    def make_set(rate: float) -> tuple[Path, list[dict]]:
-        """A rate off the grid: its own set of the same kind, by the same seed."""
-        rows = build_prompts(
+    def build(counts: list[int]) -> dict:
+        return build_prompts(
             tok,
-            [prompts_for(rate, s)],
+            counts,
             s["seed"],
             s["prompt_tokens"],
             s["output_tokens"],
@@ -320,7 +305,15 @@ def run_bench_serve(out: Path, systems: list[str], note: str = "", **settings) -
             s["prefix_tokens"],
             s["shared_fraction"],
             max_len,
-        )["sets"][0]
+        )
+
+    built = build([prompts_for(rate, s) for rate in s["rates"]])
+    sets = dict(zip(s["rates"], built["sets"]))
+    files = {rate: write_jsonl(rows, out / "serve-prompts" / f"rate-{rate:g}.jsonl") for rate, rows in sets.items()}
+
+    def make_set(rate: float) -> tuple[Path, list[dict]]:
+        """A rate off the grid: its own set of the same kind, by the same seed."""
+        rows = build([prompts_for(rate, s)])["sets"][0]
         return write_jsonl(rows, out / "serve-prompts" / f"rate-{rate:g}.jsonl"), rows
 
     every = [r for rows in built["sets"] for r in rows]

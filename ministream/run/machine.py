@@ -120,28 +120,7 @@ def read_bandwidth(mib: int = 2048, repeats: int = 10, rounds: int = 3, threads:
     if threads:
         torch.set_num_threads(threads)
     buf = torch.ones(mib * 2**20 // 4, dtype=torch.float32)
-    buf.sum()  # fault the pages in
-    rates, per_round = [], []
-    for r in range(rounds):
-        if r:
-            time.sleep(2)
-        got = []
-        for _ in range(repeats):
-            t = time.perf_counter()
-            buf.sum()
-            got.append(buf.numel() * 4 / (time.perf_counter() - t) / 1e9)
-        per_round.append(statistics.median(got))
-        rates += got
-    rates.sort()
-    return {
-        "read_mib": mib,
-        "threads": torch.get_num_threads(),
-        "gb_per_s": statistics.median(rates),
-        "gb_per_s_min": rates[0],
-        "gb_per_s_max": rates[-1],
-        "round_medians": per_round,
-        "samples": len(rates),
-    }
+    return {"read_mib": mib, **_rounds(buf.sum, buf.numel() * 4, repeats, rounds)}
 
 
 def copy_bandwidth(mib: int, repeats: int = 15, rounds: int = 3, threads: int | None = None) -> dict:
@@ -154,23 +133,30 @@ def copy_bandwidth(mib: int, repeats: int = 15, rounds: int = 3, threads: int | 
         torch.set_num_threads(threads)
     src = torch.ones(mib * 2**20 // 4, dtype=torch.float32)
     dst = torch.empty_like(src)
-    dst.copy_(src)  # fault the pages in
-    moved, rates, per_round = 2 * src.numel() * 4, [], []
+    moved = 2 * src.numel() * 4
+    return {"copy_mib": mib, "bytes_moved": moved, **_rounds(lambda: dst.copy_(src), moved, repeats, rounds)}
+
+
+def _rounds(op, nbytes: int, repeats: int, rounds: int) -> dict:
+    """GB/s of `op` (which moves `nbytes`): once to fault the pages in, then `rounds` rounds of `repeats`, a
+    pause between rounds (another process's burst should not land in every round); median and spread."""
+    import torch
+
+    op()
+    rates, per_round = [], []
     for r in range(rounds):
         if r:
-            time.sleep(2)  # another process's burst should not land in every round
+            time.sleep(2)
         got = []
         for _ in range(repeats):
             t = time.perf_counter()
-            dst.copy_(src)
-            got.append(moved / (time.perf_counter() - t) / 1e9)
+            op()
+            got.append(nbytes / (time.perf_counter() - t) / 1e9)
         per_round.append(statistics.median(got))
         rates += got
     rates.sort()
     return {
-        "copy_mib": mib,
         "threads": torch.get_num_threads(),
-        "bytes_moved": moved,
         "gb_per_s": statistics.median(rates),
         "gb_per_s_min": rates[0],
         "gb_per_s_max": rates[-1],
