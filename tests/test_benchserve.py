@@ -380,5 +380,6 @@ def test_the_ceiling_search_halves_the_bracket_until_within_ten_percent():
         seen.append({"rate": rate, "sustained": rate <= 2.7})
     high, low = bracket(seen)
     assert high <= 2.7 < low <= high * 1.1 and len(seen) - len(grid) <= 5
-    assert next_rate(runs({1: True}), 1.1) is None and next_rate(runs({1: False}), 1.1) is None  # no bracket
+    assert next_rate(runs({1: True}), 1.1) == 2.5  # all sustained: the ceiling lies above the grid, look higher
+    assert next_rate(runs({1: False}), 1.1) is None  # nothing sustained: no ceiling to search
     assert bracket(runs({1: True, 0.5: False, 2: False})) == (1, 2)  # a failure below the ceiling is noise

@@ -19,8 +19,9 @@ unlike any other, so vLLM's prefix cache can serve the shared passages and nothi
 A system sustains a rate when it completed every request, kept up (request throughput >= 0.9 x the offered
 rate), p99 time to first token <= the TTFT target (5 s) and median time per output token <= the TPOT target
 (0.5 s). A system that missed the latency targets at two rates in a row is not run at higher ones. After the grid,
-the ceiling is searched: the geometric middle of the highest sustained and the lowest failing rate is
-run, and again, until the two are within 10% of each other (BISECT_WITHIN), at most BISECT_STEPS times.
+the ceiling is searched: 2.5x the highest rate while everything was sustained, then the geometric middle of
+the highest sustained and the lowest failing rate, again and again, until the two are within 10% of each
+other (BISECT_WITHIN), at most `bisect_steps` runs.
 Writes OUT/serve.json (the client's figures for every system and rate, the machine, the prompt set's
 lengths), OUT/serve.png, and prints a table; the client's own result files go to OUT/serve-runs/.
 """

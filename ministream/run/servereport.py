@@ -56,11 +56,16 @@ def bracket(runs: list[dict]) -> tuple[float | None, float | None]:
     return high, min(failing) if failing else None
 
 
-def next_rate(runs: list[dict], within: float) -> float | None:
-    """The rate to try next when searching the ceiling: the geometric middle of the bracket, until its ends
-    are within `within` (1.1: 10%) of each other; None when there is no bracket or it is narrow enough."""
+def next_rate(runs: list[dict], within: float, step_up: float = 2.5) -> float | None:
+    """The rate to try next when searching the ceiling: `step_up` times the highest sustained while nothing
+    above it failed (the ceiling lies above the grid), then the geometric middle of the bracket until its ends
+    are within `within` (1.1: 10%) of each other; None when nothing was sustained or the bracket is narrow."""
     high, low_fail = bracket(runs)
-    if high is None or low_fail is None or low_fail <= high * within:
+    if high is None:
+        return None
+    if low_fail is None:
+        return float(f"{high * step_up:.3g}")
+    if low_fail <= high * within:
         return None
     return float(f"{(high * low_fail) ** 0.5:.3g}")
 
