@@ -6,7 +6,6 @@ make test-full: the first run builds llama.cpp (about 10 minutes on 2 cores), la
 
 import json
 import shutil
-import socket
 
 import pytest
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -15,17 +14,12 @@ from ministream.checkpoint.gguf import LLAMA3_SPLIT
 from ministream.paths import CORPUS
 from ministream.run import llamacpp
 from ministream.run.generate import DEFAULT_PROMPTS, reference_generate, tokenize
+from ministream.run.server import free_port
 
 pytestmark = pytest.mark.full
 MAX_TOKENS = 32
 # what a corpus of prose misses: digits in runs, contractions, runs of spaces and newlines, other scripts
 EDGES = ["I'll pay 1234567 or 3.14159!", "  two  spaces\n\n\nthree newlines\t tab", "naïve café — 東京 😀", "x" * 300]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -40,6 +40,7 @@ from . import engine
 from .folder import open_folder
 from .machine import copy_bandwidth, machine, machine_line, read_bandwidth
 from .reporting import pyplot, read_result, save_figure, took
+from .server import free_port
 
 DEFAULT_OUT = BUILD / "bench"
 VLLM_VERSION = "0.32.0"
@@ -178,18 +179,30 @@ def _worker(spec: dict) -> dict:
 GGUF_DTYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
 
 
+def gguf_of(folder: str | Path, dtype: str) -> Path:
+    """llama.cpp's file of a converted folder in `dtype`, beside it, exported anew (of the folder as now)."""
+    from ..checkpoint.gguf import export
+
+    gguf = Path(folder).parent / f"{Path(folder).name}-{GGUF_DTYPES[dtype]}.gguf"
+    export(folder, gguf, GGUF_DTYPES[dtype], force=True)
+    return gguf
+
+
+def engine_threads() -> int:
+    """The threads a batch-1 engine runs, one per core it binds (engine.py): llama.cpp and the bandwidth get as many."""
+    return len(_cores(engine.core_binding(1)))
+
+
 def _llamacpp_worker(spec: dict) -> dict:
     """llama-server on a GGUF export of the folder, one slot per request of the largest batch (its continuous
     batching), requests sent at once; then llama-bench at batch 1 on the same file."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from ..checkpoint.gguf import export
     from . import llamacpp
 
     home = llamacpp.build()
-    gguf = Path(spec["model_dir"]).parent / f"{Path(spec['model_dir']).name}-{GGUF_DTYPES[spec['dtype']]}.gguf"
-    export(spec["model_dir"], gguf, GGUF_DTYPES[spec["dtype"]], force=True)  # of the folder as converted now
-    threads = len(_cores(engine.core_binding(1)))
+    gguf = gguf_of(spec["model_dir"], spec["dtype"])
+    threads = engine_threads()
     slots = max(spec["batches"])
     t = time.perf_counter()
     with llamacpp.server(gguf, spec["port"], threads, slots, spec["prompt_len"] + spec["new_tokens"] + 8) as url:
@@ -483,8 +496,7 @@ def prepare(result: dict, presets: list[str], out: Path, copy_mib: int, tooling_
     for preset in presets:
         print(f"bench: preparing {preset}", flush=True)
         result["models"][preset] = prepare_model(preset, out / "models")
-    # at the engine's thread count: one per core it binds (engine.py), what a batch-1 decode can use
-    threads = len(_cores(engine.core_binding(1)))
+    threads = engine_threads()  # what a batch-1 decode can use
     result["bandwidth"] = run_worker("bandwidth", {"kind": "bandwidth", "copy_mib": copy_mib, "threads": threads}, out)
     if tooling_on:
         print("bench: tooling (convert, patch, wheel)", flush=True)
@@ -521,7 +533,7 @@ def jobs(model: dict, with_vllm_bind: bool, systems: list[str], kv_cache_gib: in
         vllm.append(("ministream_vllm_bind", {"kind": "vllm", "model_dir": model["hf"]}, {**kv, engine.BIND: "auto"}))
     yield from (job for job in vllm if job[0] in systems)
     if "llamacpp" in systems:
-        yield "llamacpp", {"kind": "llamacpp", "model_dir": model["hf"], "port": _free_port()}, {}
+        yield "llamacpp", {"kind": "llamacpp", "model_dir": model["hf"], "port": free_port()}, {}
     if {"reference_batched", "reference_serial"} & set(systems):
         yield "reference", {"kind": "reference", "model_dir": model["hf"]}, {}
 
@@ -539,14 +551,6 @@ def _no_zentorch() -> Path:
     (folder / "zentorch").mkdir(parents=True, exist_ok=True)
     (folder / "zentorch" / "__init__.py").write_text('raise ImportError("zentorch hidden by ministream bench")\n')
     return folder.resolve()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def save(result: dict, out: Path, partial: bool = False) -> Path:

@@ -133,15 +133,13 @@ def server_command(system: str, model: dict, dtype: str, port: int) -> tuple[lis
 
 
 def _llamacpp_command(model: dict, dtype: str, port: int) -> tuple[list[str], str, str]:
-    from ..checkpoint.gguf import export
     from . import llamacpp
 
     folder = model["hf"]
-    gguf = Path(folder).parent / f"{Path(folder).name}-{bench.GGUF_DTYPES[dtype]}.gguf"
-    export(folder, gguf, bench.GGUF_DTYPES[dtype], force=True)
+    gguf = bench.gguf_of(folder, dtype)
     name = served_name(folder)
     context = json.loads((Path(folder) / "config.json").read_text())["max_position_embeddings"]
-    threads = len(bench._cores(engine.core_binding(1)))
+    threads = bench.engine_threads()
     cmd = llamacpp.server_command(llamacpp.build(), gguf, port, threads, LLAMACPP_SLOTS, context, ("--alias", name))
     return cmd, name, folder
 

@@ -27,6 +27,7 @@ from typing import Any
 from ..atomic import write_json
 from . import bench, engine
 from .machine import machine, machine_line, read_bandwidth
+from .server import free_port
 
 PROMPT, NEW, REPEATS = 32, 128, 3
 PARTS = ["forward", "logits", "inputs", "sample"]
@@ -127,12 +128,10 @@ def _median(samples: list[dict]) -> dict:
 
 
 def _llamacpp(model: dict, dtype: str, threads: int, out: Path) -> dict:
-    from ..checkpoint.gguf import export
     from . import llamacpp
 
     home = llamacpp.build()
-    gguf = Path(model["hf"]).parent / f"hf-{bench.GGUF_DTYPES[dtype]}.gguf"
-    export(model["hf"], gguf, bench.GGUF_DTYPES[dtype], force=True)
+    gguf = bench.gguf_of(model["hf"], dtype)
     run = subprocess.run(
         [str(home / "bin" / "llama-bench"), "-m", str(gguf), "-t", str(threads), "-p", "0", "-n", str(NEW)]
         + ["-r", str(REPEATS), "-o", "json"],
@@ -143,7 +142,7 @@ def _llamacpp(model: dict, dtype: str, threads: int, out: Path) -> dict:
     graph = 1e3 / json.loads(run.stdout)[0]["avg_ts"]
     ids = bench.prompts(1, PROMPT, model["vocab"], seed=11)[0]
     served = []
-    with llamacpp.server(gguf, bench._free_port(), threads, 1, PROMPT + NEW + 8, out / "llama-server.log") as url:
+    with llamacpp.server(gguf, free_port(), threads, 1, PROMPT + NEW + 8, out / "llama-server.log") as url:
         for _ in range(REPEATS + 1):
             body = {"prompt": ids, "n_predict": NEW, "temperature": 0, "top_k": 1, "ignore_eos": True}
             served.append(llamacpp._post(f"{url}/completion", {**body, "cache_prompt": False})["timings"])
@@ -154,7 +153,7 @@ def _llamacpp(model: dict, dtype: str, threads: int, out: Path) -> dict:
 def bench_step(out: Path, presets: list[str], dtypes: list[str], variants: list[str], note: str = "") -> int:
     """`ministream bench-step`: every (preset, dtype) x (MiniStream under each variant, the LLaMA twin, llama.cpp)."""
     out.mkdir(parents=True, exist_ok=True)
-    threads = len(bench._cores(engine.core_binding(1)))
+    threads = bench.engine_threads()
     result: dict[str, Any] = {
         "command": " ".join(sys.argv),
         "note": note,
