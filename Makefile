@@ -51,6 +51,9 @@ MASTER_PORT ?= 29501
 BENCH_OUT ?= build/bench
 BENCH_QUICK ?=
 BENCH_ARGS ?=
+# make test's pytest workers (pytest-xdist): the tests that start vLLM engines run one after another on one,
+# the rest beside them; 0 runs everything in one process
+TEST_WORKERS ?= 2
 
 .PHONY: help setup lint format demo test test-full checkpoint convert gguf generate patch wheel install vllm-tests plugin bench bench-serve clean port matrix serve image image-prereqs test-image verify doctor
 
@@ -171,7 +174,7 @@ bench-serve: setup
 test: setup
 	$(MAKE) --no-print-directory lint
 	$(MAKE) --no-print-directory install DEVICE=cpu
-	$(PY) -m pytest -ra -m "not full" $(PYTEST_ARGS)
+	$(PY) -m pytest -ra -m "not full" -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 	$(MAKE) --no-print-directory vllm-tests DEVICE=cpu
 
 # the slow tier: older lines for real, the plugin's TP and server cases, Ray, the CPU image, vLLM's tests --compare

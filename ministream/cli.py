@@ -538,7 +538,7 @@ def add_bench_serve(sub) -> None:
         "--bisect-steps",
         type=int,
         help="rates tried after the grid, between the highest sustained and the lowest failing, until they are "
-        f"within 10% (default: {benchserve.FULL['bisect_steps']}; 0 with --quick)",
+        f"within 10%% (default: {benchserve.FULL['bisect_steps']}; 0 with --quick)",
     )
     _note_and_report(p, "serve.json")
     p.set_defaults(

@@ -1,12 +1,15 @@
 """Shared fixtures: real format-1 checkpoints made by `ministream checkpoint`, once per test session."""
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
+from ministream.atomic import lock
 from ministream.checkpoint.convert import convert
 from ministream.checkpoint.demo import make_checkpoint
 from ministream.run import server
@@ -14,40 +17,65 @@ from ministream.run import server
 # Engines started by tests stay lean (a user's setting, which wins over engine.py's quarter of the memory):
 # the tiny models need little KV cache, and the suite shares the machine with whatever else runs.
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # make test's workers share the cores: each one's own torch work (training the test models, the reference
+    # model) gets its share, or two workers' threads contend and each runs at a third of its speed
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
 
 
 def quiet(*args, **kwargs):
     pass
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
+def pytest_collection_modifyitems(items):
+    """`make test` runs on two workers (pytest-xdist, --dist loadgroup). The modules that start vLLM engines
+    (those with a test marked vllm) are one group, so one engine runs at a time, beside the tests that start
+    none; every other module is a group of its own, so its module fixtures are made once."""
+    engines = {item.module.__name__ for item in items if item.get_closest_marker("vllm")}
+    for item in items:
+        name = item.module.__name__
+        item.add_marker(pytest.mark.xdist_group("engines" if name in engines else name))
+
+
+def made_once(tmp_path_factory, kind: str, name: str, make) -> Path:
+    """KIND/NAME under the run's temp root, made by make(path) in the first pytest-xdist worker that asks
+    and reused by the others, which wait on its lock: the trained test models are the suite's costliest
+    fixtures, and each worker would otherwise train its own."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # popen-gwN's parent: the run's root, shared by its workers
+    out = root / "made-once" / kind / name
+    done = out.with_name(f".{name}.done")  # beside it: the folder holds only what `make` wrote
+    # a lock of its own: `make` takes the folder's (atomic.new_folder), which flock would refuse a second time
+    with lock(out, f"making the test fixture {kind}/{name}", path=out.with_name(f".{name}.fixture.lock")):
+        if not done.is_file():
+            shutil.rmtree(out, ignore_errors=True)
+            make(out)
+            done.touch()
+    return out
+
+
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory) -> Path:
     """Trained MHA model, tied embeddings, head_dim = d_model / n_heads."""
-    out = tmp_path_factory.mktemp("ckpt") / "tiny"
-    make_checkpoint(out, "tiny", log=quiet)
-    return out
+    return made_once(tmp_path_factory, "ckpt", "tiny", lambda out: make_checkpoint(out, "tiny", log=quiet))
 
 
 @pytest.fixture(scope="session")
 def tiny_gqa(tmp_path_factory) -> Path:
     """Trained GQA model (4 query heads, 2 kv heads), untied head, head_dim 64 != d_model / n_heads = 32."""
-    out = tmp_path_factory.mktemp("ckpt") / "tiny-gqa"
-    make_checkpoint(out, "tiny-gqa", log=quiet)
-    return out
+    return made_once(tmp_path_factory, "ckpt", "tiny-gqa", lambda out: make_checkpoint(out, "tiny-gqa", log=quiet))
 
 
 @pytest.fixture(scope="session")
 def tiny_hf(tiny, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("hf") / "tiny"
-    convert(tiny, out, log=quiet)
-    return out
+    return made_once(tmp_path_factory, "hf", "tiny", lambda out: convert(tiny, out, log=quiet))
 
 
 @pytest.fixture(scope="session")
 def tiny_gqa_hf(tiny_gqa, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("hf") / "tiny-gqa"
-    convert(tiny_gqa, out, log=quiet)
-    return out
+    return made_once(tmp_path_factory, "hf", "tiny-gqa", lambda out: convert(tiny_gqa, out, log=quiet))
 
 
 @pytest.fixture(scope="session")

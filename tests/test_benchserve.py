@@ -211,6 +211,20 @@ def test_vllms_client_completes_every_request_with_each_rows_output_length(tiny_
         socket.create_connection((url.hostname, url.port), timeout=5).close()
 
 
+def test_a_usage_beside_the_last_token_is_split_into_a_usage_only_chunk():
+    """llama-server's last chunk carries the token and the usage; vLLM's client reads usage only from a chunk
+    without choices, so benchclient splits it; vLLM's own stream (usage alone) and [DONE] pass unchanged."""
+    from ministream.run.benchclient import usage_apart
+
+    usage = {"completion_tokens": 6, "prompt_tokens": 10}
+    last = {"choices": [{"text": "", "finish_reason": "length"}], "usage": usage, "timings": {"predicted_n": 6}}
+    token, alone = usage_apart([f"data: {json.dumps(last)}"])
+    assert json.loads(token.removeprefix("data: ")) == {k: v for k, v in last.items() if k != "usage"}
+    assert json.loads(alone.removeprefix("data: ")) == {"choices": [], "usage": usage}
+    vllms = [f"data: {json.dumps(chunk)}" for chunk in ({"choices": [{"text": "a"}]}, {"choices": [], "usage": usage})]
+    assert usage_apart([*vllms, "data: [DONE]", ": ping"]) == [*vllms, "data: [DONE]", ": ping"]
+
+
 # ---------------------------------------------------------------- the prompt set
 
 
@@ -381,5 +395,10 @@ def test_the_ceiling_search_halves_the_bracket_until_within_ten_percent():
     high, low = bracket(seen)
     assert high <= 2.7 < low <= high * 1.1 and len(seen) - len(grid) <= 5
     assert next_rate(runs({1: True}), 1.1) == 2.5  # all sustained: the ceiling lies above the grid, look higher
-    assert next_rate(runs({1: False}), 1.1) is None  # nothing sustained: no ceiling to search
+    # nothing sustained, not even the grid's lowest: the ceiling lies below it, look lower, then bisect
+    low = runs({0.5: False, 1: False})
+    while (rate := next_rate(low, 1.1)) is not None:
+        low.append({"rate": rate, "sustained": rate <= 0.13})
+    assert [r["rate"] for r in low[2:4]] == [0.2, 0.08] and bracket(low)[0] <= 0.13 < bracket(low)[1]
+    assert next_rate(runs({0.02: False}), 1.1) is None  # nothing sustained above the floor (MIN_RATE)
     assert bracket(runs({1: True, 0.5: False, 2: False})) == (1, 2)  # a failure below the ceiling is noise

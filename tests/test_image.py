@@ -1,11 +1,13 @@
 """The serving images (docker/): what the CUDA one installs and runs, checked statically (it cannot be
 built without vLLM's image and a GPU); the CPU one built and run for real by `make test-image`."""
 
+import importlib.util
 import os
 import re
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -24,6 +26,7 @@ from ministream.fork.image import (
     tag,
 )
 from ministream.fork.wheel import built_wheel, wheel_name
+from ministream.fork.zentorch import zen_cpu
 from ministream.run.engine import NO_USAGE_STATS
 from ministream.run.server import call, free_port, start as start_process, wait_ready
 
@@ -223,6 +226,14 @@ def test_cpu_image_serves_the_same_completion_as_make_serve(tiny_hf, cli, start_
             answers[where] = body["choices"][0]
         assert answers["image"]["token_ids"] == answers["host"]["token_ids"]
         assert answers["image"]["text"] == answers["host"]["text"]
+        which = ["-c", "from vllm.platforms import current_platform as p; print(type(p).__name__)"]
+        platforms = {
+            where: subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300).stdout.split()[-1]
+            for where, cmd, env in (
+                ("image", [*tool, "exec", name, "python3", *which], container_env()),
+                ("host", [sys.executable, *which], None),
+            )
+        }
     finally:  # the container gets SIGTERM from `stop`, the host server from us: both must exit cleanly
         subprocess.run([*tool, "stop", "-t", "60", name], env=container_env(), capture_output=True, timeout=120)
         if servers["host"][0].poll() is None:
@@ -235,6 +246,10 @@ def test_cpu_image_serves_the_same_completion_as_make_serve(tiny_hf, cli, start_
                 proc.wait(30)
         shutil.rmtree(shared, ignore_errors=True)
     print(f"both answered {answers['image']['text']!r}")
+    # the image carries zentorch as .venv does (machine_library): where this host is an AMD CPU with AVX-512
+    # both pick vLLM's ZenCpuPlatform, elsewhere its CpuPlatform
+    want = "ZenCpuPlatform" if zen_cpu() and importlib.util.find_spec("zentorch") else "CpuPlatform"
+    assert platforms == {"image": want, "host": want}, platforms
     for proc, _, log in servers.values():
         assert proc.returncode == 0 and "ministream serve: stopped" in log.read_text(), log.read_text()[-3000:]
 
@@ -247,6 +262,23 @@ def health(tool: list[str], name: str) -> bool:
     cmd = [*tool, "inspect", "--format", "{{.State.Health.Status}}", name]
     said = subprocess.run(cmd, env=container_env(), capture_output=True, text=True, timeout=60)
     return said.stdout.strip() == "healthy"
+
+
+def test_the_cpu_image_adds_the_zentorch_paired_with_its_torch_and_nothing_unpaired(tmp_path):
+    """machine_library reads the wheelhouse's torch: 2.13.0 gets zentorch 2.13.0.2 (its wheel already in
+    the house: no pip), a torch with no pairing gets nothing."""
+    from ministream.fork import zentorch
+    from ministream.fork.image import machine_library
+
+    (tmp_path / "torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl").touch()
+    (tmp_path / "torch-2.14.1-cp311-cp311-manylinux_2_28_x86_64.whl").touch()  # a newer one beside it: not vLLM's
+    (tmp_path / "zentorch-2.13.0.2-cp311-cp311-manylinux_2_28_x86_64.whl").touch()
+    assert machine_library(tmp_path) == ["zentorch==2.13.0.2", *zentorch.EXTRA]
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "torch-2.9.1+cpu-cp311-cp311-manylinux_2_28_x86_64.whl").touch()
+    assert machine_library(other) == []
+    assert 'EXTRA="${EXTRA}"' in dockerfile("cpu").read_text()
 
 
 def test_plugin_image_is_vllms_own_image_with_our_plugin_wheel(monkeypatch, tmp_path):

@@ -76,3 +76,31 @@ def test_the_build_is_recorded(home):
     record = json.loads((home / "build.json").read_text())
     assert record["llama-cpp-python"] == llamacpp.VERSION and record["cmake flags"] == llamacpp.CMAKE_FLAGS
     assert record["seconds"] > 0 and record["cpu"] and record["llama.cpp commit"]
+
+
+def test_vllms_client_counts_llama_servers_tokens_as_asked(home, tiny_hf, tmp_path):
+    """bench-serve's llamacpp system as it runs: llama-server on a bf16 export, warmed, vLLM's client at one
+    rate; every request gets the output length its row asked, counted from llama-server's usage (which it
+    sends beside the last token: benchclient.usage_apart), and the server is gone afterwards."""
+    import os
+
+    from ministream.run import benchserve
+    from ministream.run.benchserve import FULL
+    from ministream.run.generate import folder_tokenizer
+    from ministream.run.prompts import build_prompts, write_jsonl
+
+    hf = tmp_path / "model" / "hf"
+    shutil.copytree(tiny_hf, hf)
+    tok = folder_tokenizer(hf / "tokenizer.json")
+    rows = build_prompts(tok, [6], 0, (16, 64), (4, 40), 2, (24, 40), max_model_len=512)["sets"][0]
+    settings = {**FULL, "dtype": "bfloat16", "rates": [8.0], "num_prompts": 6, "bisect_steps": 0}
+    result = {"settings": settings, "model": {"hf": str(hf)}, "systems": {}}
+    files = {8.0: write_jsonl(rows, tmp_path / "rate-8.jsonl")}
+    benchserve.run_system("llamacpp", result, tmp_path, files, {8.0: rows}, dict(os.environ))
+
+    entry = result["systems"]["llamacpp"]
+    assert "error" not in entry["server"], entry["server"]
+    (run,) = entry["runs"]
+    assert run["completed"] == 6 and run["failed"] == 0, run
+    raw = json.loads(open(run["client_result"]).read())
+    assert raw["output_lens"] == [r["output_tokens"] for r in rows] and run["output_tokens_as_asked"] is True

@@ -29,7 +29,10 @@ START_TIMEOUT = 600
 
 
 namespaces_work = nodes.can_isolate
-pytestmark = pytest.mark.skipif(not namespaces_work(), reason="needs root and mount namespaces (unshare)")
+pytestmark = [
+    pytest.mark.skipif(not namespaces_work(), reason="needs root and mount namespaces (unshare)"),
+    pytest.mark.vllm,
+]
 
 
 def node(model: Path, rank: int, master_port: int, log: Path, *args, port: int = 0, python=None, env=None):

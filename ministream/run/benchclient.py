@@ -84,12 +84,51 @@ def client_main(argv: list[str]) -> int:
     from vllm.benchmarks.serve import add_cli_args, main
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
+    _count_usage_beside_text()
     parser = FlexibleArgumentParser(
         prog="python -m ministream.run.benchclient", description="vLLM's `vllm bench serve`, from the installed release"
     )
     add_cli_args(parser)
     main(parser.parse_args(argv))
     return 0
+
+
+def usage_apart(messages: list[str]) -> list[str]:
+    """SSE messages with a chunk that carries both a token and the usage split into the token's chunk and a
+    usage-only chunk. llama-server puts the usage on the last token's chunk; OpenAI (and vLLM) send it alone,
+    with no choices, and vLLM's client reads it only there (endpoint_request_func.py,
+    async_request_openai_completions): without this it re-tokenizes the streamed text instead, which counts
+    0 for tokens that decode to nothing and misjudges "every request got the length it asked"."""
+    out = []
+    for m in messages:
+        body = m.removeprefix("data: ")
+        if m.startswith("data: ") and '"usage"' in body and body != "[DONE]":
+            try:
+                data = json.loads(body)
+            except ValueError:
+                out.append(m)
+                continue
+            if data.get("choices") and data.get("usage"):
+                usage = data.pop("usage")
+                out += [f"data: {json.dumps(data)}", f"data: {json.dumps({'choices': [], 'usage': usage})}"]
+                continue
+        out.append(m)
+    return out
+
+
+def _count_usage_beside_text() -> None:
+    """vLLM's client, in this process, reading a usage that comes beside the last token (usage_apart)."""
+    from vllm.benchmarks.lib import endpoint_request_func as funcs
+
+    handler = getattr(funcs, "StreamedResponseHandler", None)
+    if handler is None:  # an older client, which parses the stream itself
+        return
+
+    class UsageApart(handler):  # type: ignore[misc, valid-type]
+        def add_chunk(self, chunk_bytes: bytes) -> list[str]:
+            return usage_apart(super().add_chunk(chunk_bytes))
+
+    funcs.StreamedResponseHandler = UsageApart  # type: ignore[misc]
 
 
 def first_served_model(url: str) -> dict:

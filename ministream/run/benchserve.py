@@ -1,6 +1,6 @@
 """bench-serve: how much serving load each system sustains, measured with vLLM's own benchmark client.
 
-Three servers on the same converted folder, one after another, each alone on the machine:
+Four servers on the same converted folder, one after another, each alone on the machine:
 
   ministream  `ministream serve` on the patched vLLM: the server `make serve` starts, its engine settings
   llama       the same safetensors under LLaMA's names (bench.prepare_model's twin folder), same vLLM server
@@ -19,7 +19,8 @@ unlike any other, so vLLM's prefix cache can serve the shared passages and nothi
 A system sustains a rate when it completed every request, kept up (request throughput >= 0.9 x the offered
 rate), p99 time to first token <= the TTFT target (5 s) and median time per output token <= the TPOT target
 (0.5 s). A system that missed the latency targets at two rates in a row is not run at higher ones. After the grid,
-the ceiling is searched: 2.5x the highest rate while everything was sustained, then the geometric middle of
+the ceiling is searched: 2.5x the highest rate while everything was sustained (the lowest over 2.5 while
+nothing was, down to servereport.MIN_RATE), then the geometric middle of
 the highest sustained and the lowest failing rate, again and again, until the two are within 10% of each
 other (BISECT_WITHIN), at most `bisect_steps` runs.
 Writes OUT/serve.json (the client's figures for every system and rate, the machine, the prompt set's

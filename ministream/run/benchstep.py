@@ -144,8 +144,7 @@ def _llamacpp(model: dict, dtype: str, threads: int, out: Path) -> dict:
     served = []
     with llamacpp.server(gguf, free_port(), threads, 1, PROMPT + NEW + 8, out / "llama-server.log") as url:
         for _ in range(REPEATS + 1):
-            body = {"prompt": ids, "n_predict": NEW, "temperature": 0, "top_k": 1, "ignore_eos": True}
-            served.append(llamacpp._post(f"{url}/completion", {**body, "cache_prompt": False})["timings"])
+            served.append(llamacpp.complete(url, ids, NEW)["timings"])
     per_token = statistics.median(t["predicted_per_token_ms"] for t in served[1:])
     return {"per_step_ms": {"forward": graph, "server_other": per_token - graph, "step": per_token}}
 

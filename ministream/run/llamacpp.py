@@ -191,8 +191,9 @@ def _post(url: str, body: dict, timeout: float = 600) -> dict:
         return json.load(r)
 
 
-def greedy(url: str, ids: list[int], max_tokens: int) -> list[int]:
-    """`max_tokens` greedy token ids after the prompt `ids` (the prompt given as ids, EOS ignored)."""
+def complete(url: str, ids: list[int], max_tokens: int) -> dict:
+    """llama-server's whole answer (its "tokens" and "timings") for `max_tokens` greedy tokens after the
+    prompt `ids` (given as ids, EOS ignored, its prompt cache not used)."""
     body = {
         "prompt": ids,
         "n_predict": max_tokens,
@@ -202,7 +203,12 @@ def greedy(url: str, ids: list[int], max_tokens: int) -> list[int]:
         "cache_prompt": False,
         "return_tokens": True,
     }
-    return _post(f"{url}/completion", body)["tokens"]
+    return _post(f"{url}/completion", body)
+
+
+def greedy(url: str, ids: list[int], max_tokens: int) -> list[int]:
+    """`max_tokens` greedy token ids after the prompt `ids`."""
+    return complete(url, ids, max_tokens)["tokens"]
 
 
 def tokenize(url: str, text: str) -> list[int]:

@@ -48,6 +48,9 @@ def run_line(run: dict) -> str:
     )
 
 
+MIN_RATE = 0.01  # req/s: the search looks no lower (a request every 100 s)
+
+
 def bracket(runs: list[dict]) -> tuple[float | None, float | None]:
     """(the highest rate sustained, the lowest rate above it not sustained): the ceiling lies between."""
     sustained = [r["rate"] for r in runs if r.get("sustained")]
@@ -56,13 +59,15 @@ def bracket(runs: list[dict]) -> tuple[float | None, float | None]:
     return high, min(failing) if failing else None
 
 
-def next_rate(runs: list[dict], within: float, step_up: float = 2.5) -> float | None:
+def next_rate(runs: list[dict], within: float, step_up: float = 2.5, floor: float = MIN_RATE) -> float | None:
     """The rate to try next when searching the ceiling: `step_up` times the highest sustained while nothing
-    above it failed (the ceiling lies above the grid), then the geometric middle of the bracket until its ends
-    are within `within` (1.1: 10%) of each other; None when nothing was sustained or the bracket is narrow."""
+    above it failed (the ceiling lies above the grid), the lowest failing over `step_up` while nothing was
+    sustained (it lies below), down to `floor`; then the geometric middle of the bracket until its ends are
+    within `within` (1.1: 10%) of each other; None when the bracket is that narrow or nothing ran."""
     high, low_fail = bracket(runs)
     if high is None:
-        return None
+        below = float(f"{low_fail / step_up:.3g}") if low_fail else None
+        return below if below and below >= floor else None
     if low_fail is None:
         return float(f"{high * step_up:.3g}")
     if low_fail <= high * within:
@@ -149,7 +154,8 @@ def chart(result: dict, path: Path) -> Path | None:
 
     fig, (tps, ttft) = plt.subplots(1, 2, figsize=(12, 4.5))
     for i, (system, entry) in enumerate(result["systems"].items()):
-        runs = [r for r in entry["runs"] if r.get("completed")]  # log axes: no zeros
+        # by rate, the searched ones among the grid's; log axes: no zeros
+        runs = sorted((r for r in entry["runs"] if r.get("completed")), key=lambda r: r["rate"])
         if not runs:
             continue
         rates = [r["rate"] for r in runs]
@@ -165,7 +171,8 @@ def chart(result: dict, path: Path) -> Path | None:
                 )
     ttft.axhline(result["settings"]["ttft_target_s"], color="gray", linestyle="--", linewidth=1, label="TTFT target")
     plain = ticker.FuncFormatter(lambda v, _: f"{v:g}")  # 0.5, not 5 x 10^-1
-    rates = result["settings"]["rates"]
+    ran = [r["rate"] for e in result["systems"].values() for r in e["runs"] if r.get("completed")]
+    rates = sorted({*result["settings"]["rates"], *([min(ran), max(ran)] if ran else [])})
     for ax, label in ((tps, "output tokens/s"), (ttft, "p99 time to first token (s)")):
         ax.set_xscale("log")
         ax.set_yscale("log")

