@@ -255,9 +255,9 @@ def environment(version: str, wheel: Path) -> Path:
             timeout=5400,
         )
         # the library the line's vLLM has a platform for on this CPU, as `make install` adds it to .venv
-        release, _ = zentorch.plan(str(venv / "bin" / "python"))
+        python = venv / "bin" / "python"
+        release, _ = zentorch.plan(str(python))
         if release:
-            python = venv / "bin" / "python"
             reqs = [f"zentorch=={release}", *zentorch.EXTRA]
             _run("environment", [uv, "pip", "install", "-q", "--python", python, "--override", f.name, *reqs], env=env)
     finally:
