@@ -6,6 +6,7 @@ make test-full: the first run builds llama.cpp (about 10 minutes on 2 cores), la
 
 import json
 import shutil
+import socket
 
 import pytest
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -104,3 +105,6 @@ def test_vllms_client_counts_llama_servers_tokens_as_asked(home, tiny_hf, tmp_pa
     assert run["completed"] == 6 and run["failed"] == 0, run
     raw = json.loads(open(run["client_result"]).read())
     assert raw["output_lens"] == [r["output_tokens"] for r in rows] and run["output_tokens_as_asked"] is True
+    port = int(entry["server"]["url"].rsplit(":", 1)[1])
+    with pytest.raises(OSError):  # stopped: nothing listens on its port any more
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()

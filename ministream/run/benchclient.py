@@ -102,7 +102,7 @@ def usage_apart(messages: list[str]) -> list[str]:
     out = []
     for m in messages:
         body = m.removeprefix("data: ")
-        if m.startswith("data: ") and '"usage"' in body and body != "[DONE]":
+        if m.startswith("data: ") and '"usage"' in body:
             try:
                 data = json.loads(body)
             except ValueError:
