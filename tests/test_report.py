@@ -42,3 +42,34 @@ def test_a_failed_line_shows_its_stage_and_error_in_the_table():
     }
     row = report.versions_table(data).splitlines()[2]
     assert row.startswith("| 0.19.1 | ✓ | ✗ install: no wheel |")
+    # a log's tail, lines and bars in it, stays one row of as many cells; so does the plugin's reason
+    run = data["versions"]["0.19.1"]["run"]
+    run.update(stage="run", error="the server exited (1):\nTraceback | x\n  ModuleNotFoundError")
+    run["plugin"] = {"ok": False, "cases": [], "error": "a\nb | c"}
+    table = report.versions_table(data).splitlines()
+    assert len(table) == 4 and table[2].count("|") == table[0].count("|"), table
+    assert "✗ run: the server exited (1): Traceback / x ModuleNotFoundError |" in table[2]
+    assert "| ✗ a b / c |" in table[2]
+
+
+def test_two_runs_recording_at_once_each_keep_the_others_line(tmp_path):
+    """A run that waits for the lock reads the file again when its turn comes: the line the other run wrote
+    meanwhile stays (two `matrix --run` beside each other, each for its own versions)."""
+    import subprocess
+    import sys
+    import time
+
+    from ministream.atomic import lock
+
+    report.write(tmp_path, {"versions": {"0.13.0": {"static": {}, "run": None}}})
+    entry = {"0.32.0": {"static": {}, "run": None}}
+    code = f"from ministream.checks import report; report.record({str(tmp_path)!r}, {entry!r})"
+    with lock(tmp_path / report.DATA, "the other run"):
+        waiting = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True)
+        time.sleep(3)  # it is waiting for the lock by now (it says so), its own copy not yet read
+        data = report.load(tmp_path)
+        data["versions"]["0.19.1"] = {"static": {}, "run": None}
+        report.write(tmp_path, data)
+    _, said = waiting.communicate(timeout=60)
+    assert waiting.returncode == 0 and "(the other run) to finish" in said, said
+    assert set(report.load(tmp_path)["versions"]) == {"0.13.0", "0.19.1", "0.32.0"}

@@ -67,6 +67,20 @@ def test_core_binding_gives_the_model_every_core_and_each_rank_its_share():
     assert core_binding(2, {0, 1}) == "0|1" and core_binding(2, {0, 1, 2, 3}) == "0-1|2-3"
 
 
+def test_a_nodes_binding_reaches_its_ranks_by_global_rank_before_0_20_and_by_local_rank_after():
+    """0.11-0.19's CPU worker reads the binding at its global rank (rank 1 of a node with one rank found no
+    entry: IndexError, seen on 0.11.2); 0.20 on wants exactly the node's own ranks. A user's binding stays."""
+    from ministream.run.engine import BIND, node_env
+
+    env = {"PATH": "/bin"}
+    bind = core_binding(1)
+    assert node_env(1, "10.0.0.2", env, nnodes=2, release="0.11.2+ministream.0.1.0")[BIND] == f"{bind}|{bind}"
+    assert node_env(1, "10.0.0.2", env, nnodes=3, release="0.19.1")[BIND] == "|".join([bind] * 3)
+    assert node_env(1, "10.0.0.2", env, nnodes=2, release="0.32.0")[BIND] == bind
+    assert node_env(1, "10.0.0.2", {**env, BIND: "5"}, nnodes=2, release="0.11.2")[BIND] == "5"
+    assert node_env(1, "10.0.0.2", env, nnodes=2, release="0.11.2")["VLLM_HOST_IP"] == "10.0.0.2"
+
+
 def test_offline_engine_and_server_share_seed_and_eager_choice(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 512}))
     kwargs = llm_kwargs(tmp_path, "float32", tp=2)

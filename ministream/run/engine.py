@@ -13,6 +13,8 @@ import os
 import sys
 from pathlib import Path
 
+from packaging.version import Version
+
 from .. import MiniStreamError
 
 GiB = 1 << 30
@@ -21,6 +23,10 @@ SEED = 0  # every engine samples from the same seed, so runs repeat
 # The server keeps the model's own length (or --max-model-len): what doctor judges.
 OFFLINE_MAX_MODEL_LEN = 2048
 BIND, KV_CACHE = "VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE"  # vLLM's CPU settings (GiB for the cache)
+# 0.11-0.19's CPU worker takes its cores from BIND's "|"-list by its global rank (v1/worker/cpu_worker.py,
+# omp_cpuids[self.rank]): over nodes, rank 1 on a node with one rank found no entry (IndexError). 0.20 reads it
+# by local rank and wants exactly the node's ranks (vllm/utils/ompmultiprocessing.py).
+LOCAL_RANK_BIND = Version("0.20")
 # vLLM reports usage to its authors unless told not to: nothing this project starts phones home
 NO_USAGE_STATS = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
 
@@ -214,9 +220,16 @@ def node_command(server: list[str], pp: int, nnodes: int, rank: int, master_addr
     return cmd + (["--headless"] if rank > 0 else [])
 
 
-def node_env(local_ranks: int, host_ip: str, environ: dict | None = None) -> dict:
+def node_env(
+    local_ranks: int, host_ip: str, environ: dict | None = None, nnodes: int = 1, release: str | None = None
+) -> dict:
     """A node's engine environment: `engine_env` for the ranks this node runs, and the address vLLM
-    advertises to the other nodes (VLLM_HOST_IP: rank 0 sends each step's scheduler output there)."""
+    advertises to the other nodes (VLLM_HOST_IP: rank 0 sends each step's scheduler output there).
+    release: the installed vLLM's version, whose CPU worker may read the core binding by global rank."""
     env = engine_env(local_ranks, environ)
     env.setdefault("VLLM_HOST_IP", host_ip)
+    said = BIND in (os.environ if environ is None else environ)
+    if not said and BIND in env and release and Version(release) < LOCAL_RANK_BIND:
+        # each node runs as many ranks: its own binding at every node's place puts its ranks on its cores
+        env[BIND] = "|".join([env[BIND]] * nnodes)
     return env

@@ -27,8 +27,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .. import MiniStreamError, __version__
+from .engine import has_gpu
 
 FIRST_RELEASE = "0.11.1"  # vLLM's first with --nnodes for its multiprocessing executor (PR #23691)
+# ... and on a CPU: 0.11 and 0.12 size a node's shared-memory broadcaster by torch.cuda.device_count(), 0 there
+# (distributed/device_communicators/shm_broadcast.py, create_from_process_group_single_reader): every worker
+# dies with ZeroDivisionError at start (seen on 0.11.2); 0.13 asks current_platform.device_count()
+FIRST_CPU_RELEASE = "0.13"
 DEFAULT_TIMEOUT = 600.0  # seconds rank 0 waits for the others, and they for rank 0
 HEARTBEAT = 2.0  # seconds between the watchers' keep-alive bytes
 
@@ -47,14 +52,24 @@ class Plan:
         return f"{self.master_addr}:{self.rendezvous_port}"
 
 
-def check_release(installed: tuple[str, str] | None) -> None:
-    """Refuse a vLLM older than the multi-node multiprocessing executor, before anything starts."""
+def check_release(installed: tuple[str, str] | None, gpu: bool | None = None) -> None:
+    """Refuse a vLLM older than the multi-node multiprocessing executor (on a CPU: than the first whose
+    executor runs there), before anything starts. gpu: whether this machine has one (default: ask torch)."""
     from packaging.version import Version
 
-    if installed and Version(Version(installed[0]).base_version) < Version(FIRST_RELEASE):
+    if not installed:
+        return
+    release = Version(Version(installed[0]).base_version)
+    if release < Version(FIRST_RELEASE):
         raise MiniStreamError(
             f"vLLM {installed[0]} has no multi-node multiprocessing executor (--nnodes, from {FIRST_RELEASE}, vLLM "
             f"PR #23691): install a patched vLLM {FIRST_RELEASE} or later, or use Ray (README, multi-node)"
+        )
+    if release < Version(FIRST_CPU_RELEASE) and not (has_gpu() if gpu is None else gpu):
+        raise MiniStreamError(
+            f"vLLM {installed[0]}'s multi-node executor cannot run on a CPU: its shared-memory broadcaster sizes a "
+            f"node by torch.cuda.device_count(), 0 here, and every worker dies at start (ZeroDivisionError); "
+            f"install a patched vLLM {FIRST_CPU_RELEASE} or later for CPU nodes"
         )
 
 

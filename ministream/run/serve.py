@@ -91,9 +91,11 @@ def serve(
     if importlib.util.find_spec("vllm") is None:
         raise MiniStreamError(f"vllm is not installed in {sys.prefix}: run `make install` first") from None
     name = name or served_name(model)
+    installed = installed_vllm()
+    release = installed[0] if installed else None
     if cluster:
-        nodes.check_release(installed_vllm())
-        env = engine.node_env(local, nodes.local_address(cluster.master_addr))
+        nodes.check_release(installed)
+        env = engine.node_env(local, nodes.local_address(cluster.master_addr), nnodes=nnodes, release=release)
     else:
         env = engine.engine_env(local)
     if api_key:
@@ -111,8 +113,7 @@ def serve(
     print(f"ministream serve: {shown} {' '.join(cmd)}", flush=True)
     peers: dict = {}
     if cluster:
-        installed = installed_vllm()
-        mine = nodes.card(model, dtype, tp, pp, nnodes, installed[0] if installed else None)
+        mine = nodes.card(model, dtype, tp, pp, nnodes, release)
         peers = nodes.gather(cluster, mine) if cluster.rank == 0 else {0: nodes.join(cluster, mine)}
     if headless and cluster:
         print(f"ministream serve: node {cluster.rank} of {nnodes}, headless: node 0 serves the API", flush=True)

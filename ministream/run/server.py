@@ -11,6 +11,7 @@ The HTTP helpers talk to 127.0.0.1 (or any base URL) with the API key a server a
 (`call`, `complete`) and a streamed completion's server-sent events (`stream`).
 """
 
+import contextlib
 import ctypes
 import json
 import os
@@ -82,22 +83,20 @@ def kill_group(pgid: int) -> None:
         pass
 
 
-def start(cmd: list[str], log: Path | None, env: dict | None = None) -> subprocess.Popen:
+def start(cmd: list[str], log: Path | None, env: dict | None = None, cwd: Path | None = None) -> subprocess.Popen:
     """`cmd` in a session of its own (its process group is its pid; what it starts joins the group), that
     gets SIGTERM when this process dies; its output in `log` (None: this process's stderr)."""
-    if log is None:
+    if log is not None:
+        log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "w") if log is not None else contextlib.nullcontext(sys.stderr) as out:
         return subprocess.Popen(
             cmd,
-            stdout=sys.stderr,
+            stdout=out,
             stderr=subprocess.STDOUT,
             env=env,
+            cwd=cwd,
             start_new_session=True,
             preexec_fn=_parent_death_signal,
-        )
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with open(log, "w") as f:
-        return subprocess.Popen(
-            cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True, preexec_fn=_parent_death_signal
         )
 
 

