@@ -198,3 +198,20 @@ def test_a_vllm_older_than_the_multinode_executor_is_refused_by_name(version, gp
             nodes.check_release((version, "cpu"), gpu=gpu)
     else:
         nodes.check_release((version, "cpu"), gpu=gpu)
+
+
+def test_start_here_starts_every_rank_isolated_on_its_own_core_with_the_cluster_arguments(tmp_path):
+    """The helper bench-nodes and `matrix --run` start their nodes with: each rank gets the cluster's arguments,
+    a core of its own and a /dev/shm of its own (each sees only the file it wrote there)."""
+    shown = 'taskset -pc $$; touch /dev/shm/rank$4; ls /dev/shm; echo "$@"'
+    procs = nodes.start_here(["sh", "-c", shown, "sh"], 2, 29999, tmp_path, dict(os.environ))
+    for p in procs:
+        assert p.wait(timeout=60) == 0
+    cores = sorted(os.sched_getaffinity(0))
+    for rank in (0, 1):
+        said = (tmp_path / f"node{rank}.log").read_text().split("\n")
+        assert said[0].endswith(f"current affinity list: {cores[rank % len(cores)]}"), said
+        assert said[1:3] == [
+            f"rank{rank}",
+            f"--nnodes 2 --node-rank {rank} --master-addr 127.0.0.1 --master-port 29999",
+        ]

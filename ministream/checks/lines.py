@@ -21,8 +21,8 @@ The result of each line (what ran, its environment, how long, on failure the sta
 build/lines/<v>/result.json; `matrix --run` gathers them into DOCS/matrix.json and DOCS/versions.md (report.py).
 """
 
+import functools
 import json
-import os
 import subprocess
 import sys
 import time
@@ -45,7 +45,7 @@ from ..fork.wheel import build_wheel, patched_version
 from ..run import nodes
 from ..run.machine import machine, machine_line
 from ..run.serve import served_name
-from ..run.server import ServerFailed, complete, free_port, log_tail, start, stop, wait_ready
+from ..run.server import ServerFailed, complete, free_port, log_tail, stop, wait_ready
 from ..run.verify import compare, make_golden
 from . import matrix, report
 from .environments import (
@@ -313,17 +313,13 @@ def _nodes_case(venv: Path, line: dict, job: dict, workdir: Path, cache: Path) -
     package_copy()
     env = _run_env(line, venv, cache)
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING")  # as a user's server runs: the engine core in its own process
-    folder, n = Path(job["folder"]), job["nnodes"]
-    master, http = free_port(), free_port()
-    cores = sorted(os.sched_getaffinity(0))
-    started, procs, logs = time.monotonic(), [], [workdir / f"node{r}.log" for r in range(n)]
+    folder, http = Path(job["folder"]), free_port()
+    serve = [*package_python(venv), "ministream.cli", "serve", folder, "--dtype", job["dtype"], "--tp", job["tp"]]
+    serve += ["--port", http, "--node-timeout", NODES_TIMEOUT]
+    started, logs = time.monotonic(), [workdir / f"node{r}.log" for r in range(job["nnodes"])]
+    wrap = functools.partial(_wrap, line["userland"])
+    procs = nodes.start_here(serve, job["nnodes"], free_port(), workdir, env, wrap, cwd=PACKAGE_COPY.resolve())
     try:
-        for rank in range(n):
-            serve = [*package_python(venv), "ministream.cli", "serve", folder, "--dtype", job["dtype"]]
-            serve += ["--tp", job["tp"], "--nnodes", n, "--node-rank", rank, "--master-port", master]
-            serve += ["--port", http, "--node-timeout", NODES_TIMEOUT]
-            argv = nodes.isolated([str(a) for a in _wrap(line["userland"], serve)], str(cores[rank % len(cores)]))
-            procs.append(start(argv, logs[rank], env, cwd=PACKAGE_COPY.resolve()))
         url = f"http://127.0.0.1:{http}"
         try:
             wait_ready(url, procs[0], logs[0], NODES_TIMEOUT)

@@ -48,15 +48,9 @@ def _servers(system: str, model: Path, dtype: str, logs: Path) -> tuple[list, st
         return [start([*_exe(), "serve", *common], logs / "tp1.log", env)], f"http://127.0.0.1:{port}"
     if system == "tp2":
         return [start([*_exe(), "serve", *common, "--tp", "2"], logs / "tp2.log", env)], f"http://127.0.0.1:{port}"
-    master = free_port()
-    procs = []
-    for rank in (0, 1):
-        cmd = [*_exe(), "serve", *common, "--tp", "2", "--nnodes", "2", "--node-rank", str(rank)]
-        cmd += ["--master-addr", "127.0.0.1", "--master-port", str(master)]
-        procs.append(
-            start(nodes.isolated(cmd, str(rank % len(os.sched_getaffinity(0)))), logs / f"node{rank}.log", env)
-        )
-    return procs, f"http://127.0.0.1:{port}"
+    return nodes.start_here(
+        [*_exe(), "serve", *common, "--tp", "2"], 2, free_port(), logs, env
+    ), f"http://127.0.0.1:{port}"
 
 
 def measure(system: str, model: Path, settings: dict, out: Path) -> dict:

@@ -246,6 +246,29 @@ def isolated(cmd: list[str], cpus: str) -> list[str]:
     return ["unshare", "--mount", "--propagation", "private", "sh", "-c", inner, "node", *cmd]
 
 
+def start_here(
+    serve: list, nnodes: int, master_port: int, logs: Path, env: dict, wrap: Callable | None = None, cwd=None
+) -> list:
+    """`serve` (a `ministream serve` command line) as every node of an `nnodes` cluster on this machine, each
+    `isolated` on a core of its own in turn, rank 0 at 127.0.0.1:master_port; wrap: what each node's command
+    runs inside (a line's userland). The node processes, rank 0 first, their output in logs/node<R>.log; if
+    one cannot start, those started are stopped."""
+    from .server import start, stop
+
+    cores = sorted(os.sched_getaffinity(0))
+    procs: list = []
+    try:
+        for rank in range(nnodes):
+            cmd = [*serve, "--nnodes", nnodes, "--node-rank", rank, "--master-addr", "127.0.0.1"]
+            cmd = [str(a) for a in (wrap or list)([*cmd, "--master-port", master_port])]
+            procs.append(start(isolated(cmd, str(cores[rank % len(cores)])), logs / f"node{rank}.log", env, cwd))
+    except BaseException:
+        for proc in procs:
+            stop(proc)
+        raise
+    return procs
+
+
 def can_isolate() -> bool:
     """Whether `isolated` works here: root, unshare, and a tmpfs mount inside a new mount namespace."""
     if os.geteuid() != 0 or not shutil.which("unshare") or not shutil.which("taskset"):
