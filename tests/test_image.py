@@ -4,8 +4,10 @@ built without vLLM's image and a GPU); the CPU one built and run for real by `ma
 import importlib.util
 import os
 import re
+import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -28,7 +30,7 @@ from ministream.fork.image import (
 from ministream.fork.wheel import built_wheel, wheel_name
 from ministream.fork.zentorch import zen_cpu
 from ministream.run.engine import NO_USAGE_STATS
-from ministream.run.server import call, free_port, start as start_process, wait_ready
+from ministream.run.server import call, free_port, json_headers, start as start_process, wait_ready
 
 ROOT = Path(__file__).resolve().parent.parent  # the checkout
 VERSION = re.search(r"^VLLM_VERSION \?= (\S+)", (ROOT / "Makefile").read_text(), re.M).group(1)
@@ -180,7 +182,9 @@ def test_run_command_mounts_the_model_read_only_on_the_host_network():
 )
 def test_cpu_image_serves_the_same_completion_as_make_serve(tiny_hf, cli, start_serve, tmp_path):
     """As users run it: a folder converted on the host by another uid than the image's (1000), mounted
-    read-only; the health check turns healthy; SIGTERM (`stop`) ends it with status 0."""
+    read-only, the API key handed in by `-e VLLM_API_KEY`, the server on loopback only; the health check
+    turns healthy; SIGTERM (`stop`) ends it with status 0."""
+
     start = time.monotonic()
     r = cli("image", VERSION, "--device", "cpu", timeout=3600)
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
@@ -195,6 +199,8 @@ def test_cpu_image_serves_the_same_completion_as_make_serve(tiny_hf, cli, start_
 
     tool = container_tool()
     name = f"ministream-test-{os.getpid()}"
+    key = secrets.token_hex(16)
+    keyed = {**container_env(), "VLLM_API_KEY": key}  # `-e VLLM_API_KEY`: from the caller's environment
     servers = {}
     for where in ("image", "host"):
         log = tmp_path / f"{where}.log"
@@ -208,10 +214,12 @@ def test_cpu_image_serves_the_same_completion_as_make_serve(tiny_hf, cli, start_
                 "127.0.0.1",
                 ("--dtype", "float32", "--max-model-len", "256"),
             )
-            cmd[cmd.index("run") + 1 : cmd.index("run") + 1] = ["--name", name, "-e", "VLLM_CPU_KVCACHE_SPACE=1"]
-            servers[where] = (start_process(cmd, log, container_env()), f"http://127.0.0.1:{port}", log)
-        else:  # what `make serve MODEL=... DTYPE=float32` runs
-            servers[where] = (*start_serve(tiny_hf, log, "--dtype", "float32", "--max-model-len", 256), log)
+            at = cmd.index("run") + 1
+            cmd[at:at] = ["--name", name, "-e", "VLLM_CPU_KVCACHE_SPACE=1", "-e", "VLLM_API_KEY"]
+            servers[where] = (start_process(cmd, log, keyed), f"http://127.0.0.1:{port}", log)
+        else:  # what `VLLM_API_KEY=... make serve MODEL=... DTYPE=float32` runs
+            serve = start_serve(tiny_hf, log, "--dtype", "float32", "--max-model-len", 256, VLLM_API_KEY=key)
+            servers[where] = (*serve, log)
     try:
         t0 = time.monotonic()
         healthy = None
@@ -225,23 +233,29 @@ def test_cpu_image_serves_the_same_completion_as_make_serve(tiny_hf, cli, start_
         assert healthy is not None, servers["image"][2].read_text()[-3000:]
         print(f"the image's health check: healthy {healthy:.0f}s after start")
         for proc, url, log in servers.values():
-            wait_ready(url, proc, log, 900)
+            wait_ready(url, proc, log, 900, key=key)
         answers = {}
+        ask = {
+            "model": tiny_hf.name,
+            "prompt": "Once upon a time",
+            "max_tokens": 16,
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        }
         for where, (_, url, _) in servers.items():
-            assert call(f"{url}/v1/models")[1]["data"][0]["id"] == tiny_hf.name  # the folder's name in both
-            status, body = call(
-                f"{url}/v1/completions",
-                {
-                    "model": tiny_hf.name,
-                    "prompt": "Once upon a time",
-                    "max_tokens": 16,
-                    "temperature": 0,
-                    "ignore_eos": True,
-                    "return_token_ids": True,
-                },
-            )
+            models = call(f"{url}/v1/models", headers=json_headers(key))[1]
+            assert models["data"][0]["id"] == tiny_hf.name  # the folder's name in both
+            status, body = call(f"{url}/v1/completions", ask, headers=json_headers(key))
             assert status == 200, body
             answers[where] = body["choices"][0]
+        image_url = servers["image"][1]
+        assert call(f"{image_url}/v1/completions", ask, headers={"Content-Type": "application/json"})[0] == 401
+        assert call(f"{image_url}/health", headers={})[0] == 200  # what the health check asks, with no key
+        port = int(image_url.rsplit(":", 1)[1])
+        for address in other_addresses():  # HOST=127.0.0.1 on the host's network: nothing else reaches it
+            with pytest.raises(ConnectionRefusedError):
+                socket.create_connection((address, port), timeout=10).close()
         assert answers["image"]["token_ids"] == answers["host"]["token_ids"]
         assert answers["image"]["text"] == answers["host"]["text"]
         which = ["-c", "from vllm.platforms import current_platform as p; print(type(p).__name__)"]
@@ -270,6 +284,14 @@ def test_cpu_image_serves_the_same_completion_as_make_serve(tiny_hf, cli, start_
     assert platforms == {"image": want, "host": want}, platforms
     for proc, _, log in servers.values():
         assert proc.returncode == 0 and "ministream serve: stopped" in log.read_text(), log.read_text()[-3000:]
+
+
+def other_addresses() -> list[str]:
+    """This machine's addresses other than loopback (`hostname -I`); the test needs one to show loopback-only."""
+    said = subprocess.run(["hostname", "-I"], capture_output=True, text=True, timeout=30).stdout.split()
+    others = [a for a in said if not a.startswith("127.") and a != "::1"]
+    assert others, "this machine has no address but loopback: nothing to show the image's server is not on"
+    return others
 
 
 def health(tool: list[str], name: str) -> bool:
