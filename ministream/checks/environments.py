@@ -336,6 +336,9 @@ def package_requirements() -> list[str]:
     return [r for r in metadata.requires("ministream-vllm") or [] if "extra ==" not in r]
 
 
+_NOT_COPIED = ("patches", "docker", "plugin_files")  # the package's data a line's processes never read
+
+
 def package_copy() -> Path:
     """build/lines/pkg/ministream: this package's Python files as they are now, for PYTHONPATH in a line's
     environment (the checkout may not exist after a pip install, and the project's venv must stay out).
@@ -343,8 +346,11 @@ def package_copy() -> Path:
     A link to a copy named by the files' hash, swapped in one rename: two `matrix --run` at once, or a
     process still importing from the last copy, never see a half-written or missing package."""
     source = Path(ministream.__file__).resolve().parent
+    # every file the copy gets (its data too: lines.json), so a changed one makes a new copy
     files = sorted(
-        p for p in source.rglob("*.py") if not {"__pycache__", *_NOT_COPIED} & set(p.relative_to(source).parts)
+        p
+        for p in source.rglob("*")
+        if p.is_file() and not {"__pycache__", *_NOT_COPIED} & set(p.relative_to(source).parts)
     )
     h = hashlib.sha256()
     for f in files:
@@ -369,6 +375,3 @@ def package_copy() -> Path:
         staged.symlink_to(copy.name)
         staged.replace(link)
     return PACKAGE_COPY
-
-
-_NOT_COPIED = ("patches", "docker", "plugin_files")  # the package's data: a line's processes import no more
