@@ -246,7 +246,7 @@ def vllm_command(venv: Path, line: dict) -> dict:
             capture_output=True,
             text=True,
             env=_run_env(line, venv),
-            cwd=PACKAGE_COPY.resolve(),
+            cwd=package_copy().resolve(),  # what PYTHONPATH names must exist (a fresh clone has no copy yet)
             timeout=600,
         )
     except subprocess.TimeoutExpired:
