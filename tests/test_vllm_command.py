@@ -16,9 +16,10 @@ import pytest
 
 from ministream.fork.install import installed_vllm
 from ministream.fork.wheel import LOCAL_LABEL
+from ministream.run.benchclient import client_common
 from ministream.run.engine import NO_USAGE_STATS
 from ministream.run.generate import DEFAULT_PROMPTS, reference_generate, tokenize
-from ministream.run.server import complete, free_port, start, stop, wait_ready
+from ministream.run.server import complete, free_port, running, wait_ready
 
 VLLM = Path(sys.executable).parent / "vllm"
 MAX_TOKENS = 12
@@ -39,37 +40,32 @@ def vllm_serve(tiny_hf, tmp_path_factory):
     port = free_port()
     cmd = [str(VLLM), "serve", str(tiny_hf), "--served-model-name", tiny_hf.name, "--port", str(port)]
     cmd += ["--host", "127.0.0.1", "--dtype", "float32", "--max-model-len", "256", "--enforce-eager", "--seed", "0"]
-    log = tmp_path_factory.mktemp("vllm-serve") / "vllm.log"
-    proc = start(cmd, log, {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
-    try:
-        url = f"http://127.0.0.1:{port}"
+    log, url = tmp_path_factory.mktemp("vllm-serve") / "vllm.log", f"http://127.0.0.1:{port}"
+    with running(cmd, log, {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}) as proc:
         wait_ready(url, proc, log, 600)
         yield url
-    finally:
-        stop(proc)
 
 
 @pytest.mark.vllm
 def test_vllm_serve_answers_what_make_serve_does(vllm_serve, tiny_hf):
     """`make serve`'s greedy ids are the reference model's in fp32 (test_serve.py, test_vllm.py): so are these."""
-    got = []
-    for p in tokenize(tiny_hf, DEFAULT_PROMPTS[:3]):
+    prompts, got = tokenize(tiny_hf, DEFAULT_PROMPTS[:3]), []
+    for p in prompts:
         status, body = complete(vllm_serve, tiny_hf.name, p, MAX_TOKENS, return_token_ids=True)
         assert status == 200, body
         got.append(body["choices"][0]["token_ids"])
-    want = [r["ids"] for r in reference_generate(tiny_hf, tokenize(tiny_hf, DEFAULT_PROMPTS[:3]), MAX_TOKENS)]
+    want = [r["ids"] for r in reference_generate(tiny_hf, prompts, MAX_TOKENS)]
     assert got == want and all(len(ids) == MAX_TOKENS for ids in got)
 
 
 @pytest.mark.vllm
 def test_vllm_bench_serve_runs_against_it(vllm_serve, tiny_hf, tmp_path):
     """`vllm bench serve` from the same console script: every request served, every token counted."""
-    prompts, out_len = 4, 6
-    cmd = [str(VLLM), "bench", "serve", "--backend", "openai", "--base-url", vllm_serve, "--model", tiny_hf.name]
-    cmd += ["--tokenizer", str(tiny_hf), "--dataset-name", "random", "--random-input-len", "16"]
-    cmd += ["--random-output-len", str(out_len), "--num-prompts", str(prompts), "--ignore-eos", "--seed", "0"]
-    cmd += ["--disable-tqdm", "--save-result", "--result-dir", str(tmp_path), "--result-filename", "r.json"]
+    prompts, out_len, saved = 4, 6, tmp_path / "r.json"
+    cmd = [str(VLLM), "bench", "serve", *client_common(vllm_serve, tiny_hf.name, str(tiny_hf), 0, saved)]
+    cmd += ["--dataset-name", "random", "--random-input-len", "16", "--random-output-len", str(out_len)]
+    cmd += ["--num-prompts", str(prompts)]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, **NO_USAGE_STATS})
     assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
-    result = json.loads((tmp_path / "r.json").read_text())
+    result = json.loads(saved.read_text())
     assert result["completed"] == prompts and result["total_output_tokens"] == prompts * out_len, result

@@ -406,9 +406,9 @@ def run_lines(versions: str | None, out: Path, docs: Path) -> int:
         # each line as it ends: an interrupted run keeps the lines it finished, a second run beside it its own
         for path in report.record(docs, {v: entry}):
             print(f"wrote {path}")
-    routes = ("plugin", "vllm_command")  # each line's plugin route, and vLLM's own command from its wheel
-    return (
-        0
-        if matrix.all_passed(static) and all(r["ok"] and all(r.get(k, {}).get("ok") for k in routes) for r in ran)
-        else 1
-    )
+    return 0 if matrix.all_passed(static) and all(map(line_passed, ran)) else 1
+
+
+def line_passed(result: dict) -> bool:
+    """The patched cases, the plugin route and vLLM's own command from the line's wheel."""
+    return result["ok"] and all(result.get(k, {}).get("ok") for k in ("plugin", "vllm_command"))
