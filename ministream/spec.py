@@ -93,7 +93,13 @@ class TrainConfig:
                 f"{source} lacks {', '.join(missing)}: pass them as flags (e.g. --{missing[0].replace('_', '-')} N)"
             )
         known = {f.name for f in dataclasses.fields(cls)}
-        kwargs = {k: _checked_value(k, v, source) for k, v in d.items() if k in known and v is not None}
+        unknown = [k for k in d if k not in known]
+        if unknown:  # never dropped in silence: a key the format lacks may change the math
+            raise MiniStreamError(
+                f"{source}: {', '.join(map(repr, unknown[:3]))} {'is' if len(unknown) == 1 else 'are'} not a key "
+                "of format 1's train config"
+            )
+        kwargs = {k: _checked_value(k, v, source) for k, v in d.items() if v is not None}
         try:
             return cls(**kwargs)
         except MiniStreamError as e:  # a rule between values: say whose values they are
@@ -171,6 +177,15 @@ CONFIG_MAP = {
 }
 
 
+# config.json keys with the one value format 1's math has: vLLM applies any other (another activation, biases)
+HF_FIXED = {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False}
+
+
+def hf_rope_parameters(rope_theta: float) -> dict:
+    """config.json's rope_parameters for plain RoPE; any other rope_type, or a key more, is another RoPE."""
+    return {"rope_type": "default", "rope_theta": rope_theta}
+
+
 def hf_config(cfg: TrainConfig, dtype: str, converter: str = "") -> dict:
     """config.json for a converted folder: every value explicit, under LLaMA's keys."""
     config: dict[str, Any] = {"architectures": [ARCH], "model_type": MODEL_TYPE}
@@ -178,10 +193,8 @@ def hf_config(cfg: TrainConfig, dtype: str, converter: str = "") -> dict:
     config.update(
         {
             # transformers >= 5 reads rope_parameters, older releases rope_theta: write both
-            "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-            "hidden_act": "silu",
-            "attention_bias": False,
-            "mlp_bias": False,
+            "rope_parameters": hf_rope_parameters(cfg.rope_theta),
+            **HF_FIXED,
             "initializer_range": 0.02,
             "dtype": dtype,
             "torch_dtype": dtype,
@@ -379,15 +392,55 @@ def infer_shapes(state: dict) -> dict:
     return got
 
 
+def drop_tied_head(state: dict, cfg: TrainConfig) -> tuple[dict, str | None]:
+    """A tied checkpoint saved the ordinary way (state_dict() of a model whose head shares the embedding's
+    storage) holds lm_head.weight too: when it is the embedding, the same storage or equal bit for bit, it
+    is dropped (the tied model is the same math), with a note saying so. A head that differs stays, for
+    check_state to refuse."""
+    if not cfg.tie_embeddings or HEAD not in state or EMBEDDING not in state:
+        return state, None
+    head, emb = state[HEAD], state[EMBEDDING]
+    if _same_storage(head, emb):
+        how = "the same storage"
+    elif _difference(head, emb) is None:
+        how = "equal bit for bit"
+    else:
+        return state, None
+    note = f"{HEAD} is {EMBEDDING} ({how}), as tie_embeddings=true says: dropped {HEAD}, the head is the embedding"
+    return {k: v for k, v in state.items() if k != HEAD}, note
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    def where(t: torch.Tensor) -> tuple:
+        return t.untyped_storage().data_ptr(), t.storage_offset(), t.stride(), t.shape, t.dtype
+
+    return where(a) == where(b)
+
+
+def _difference(a: torch.Tensor, b: torch.Tensor) -> str | None:
+    """How two tensors differ, None when they are equal bit for bit."""
+    if a.shape != b.shape:
+        return f"shape {list(a.shape)} against {list(b.shape)}"
+    if a.dtype != b.dtype:
+        return f"dtype {a.dtype} against {b.dtype}"
+    if a.numel() == 0 or torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)):
+        return None
+    diff = (a.float() - b.float()).abs().nan_to_num(nan=float("inf")).max()
+    return f"max abs difference {float(diff):.4g}"
+
+
 def check_state(state: dict, cfg: TrainConfig, source: str) -> None:
     """Every tensor the config implies is there with its shape, and nothing else is."""
     want = {row.raw: row for row in table(cfg)}
     missing = [k for k in want if k not in state]
     extra = [k for k in state if k not in want]
-    if HEAD in extra and cfg.tie_embeddings:
+    if HEAD in extra and cfg.tie_embeddings:  # drop_tied_head kept it: it is not the embedding
+        how = _difference(state[HEAD], state[EMBEDDING]) if EMBEDDING in state else f"no {EMBEDDING} to compare"
         raise MiniStreamError(
-            f"{source}: has {HEAD} but the config says tie_embeddings=true; "
-            "set tie_embeddings false (--untied) if the head was trained separately"
+            f"{source}: has {HEAD}, which differs from {EMBEDDING} ({how}), but the config says "
+            "tie_embeddings=true: if the head was trained separately, set tie_embeddings false in the "
+            "checkpoint's config (--untied for a checkpoint without one); if it is tied, save the model "
+            f"whose {HEAD} is its {EMBEDDING}"
         )
     if missing:
         hint = ""

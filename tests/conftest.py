@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import HealthCheck, settings
 from packaging.version import Version
 
 from ministream.atomic import lock
@@ -27,6 +28,27 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
 def quiet(*args, **kwargs):
     pass
+
+
+def fuzz_settings(examples: int):
+    """The settings every property test here runs under: derandomized with no example database (CI runs the
+    same cases each time), `examples` of them unless FUZZ_EXAMPLES=N asks for more or fewer."""
+    return settings(
+        max_examples=int(os.environ.get("FUZZ_EXAMPLES", examples)),
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+    )
+
+
+def one_line_error(run: subprocess.CompletedProcess, rc: int = 2) -> str:
+    """The single `error: ...` line a failed command printed, with no traceback."""
+    assert run.returncode == rc, (run.returncode, run.stdout, run.stderr)
+    assert "Traceback" not in run.stderr + run.stdout
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), run.stderr
+    return lines[0]
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups

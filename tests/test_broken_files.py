@@ -9,7 +9,6 @@ Real `ministream` processes; a real tmpfs for the full disk where this machine l
 
 import hashlib
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -18,13 +17,15 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import given, strategies as st
 
 from ministream import MiniStreamError
 from ministream.run.doctor import doctor
 from ministream.run.folder import check_servable, open_folder, read_headers
 
-EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "60"))
+from conftest import fuzz_settings, one_line_error
+
+EXAMPLES = 60
 WEIGHTS = "model.safetensors"
 
 
@@ -100,14 +101,6 @@ def folder(tiny_hf, tmp_path) -> Path:
     out = tmp_path / "model"
     shutil.copytree(tiny_hf, out)
     return out
-
-
-def one_line_error(run: subprocess.CompletedProcess, rc: int = 2) -> str:
-    assert run.returncode == rc, (run.returncode, run.stdout, run.stderr)
-    assert "Traceback" not in run.stderr + run.stdout
-    lines = run.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), run.stderr
-    return lines[0]
 
 
 @pytest.mark.parametrize(
@@ -306,13 +299,7 @@ def test_the_folder_readers_raise_only_the_projects_own_error(tiny_hf, tmp_path)
     randomly damaged weights: each returns, or raises MiniStreamError; nothing else. Both outcomes are seen."""
     outcomes = {"ok": 0, "refused": 0}
 
-    @settings(
-        max_examples=EXAMPLES,
-        deadline=None,
-        derandomize=True,
-        database=None,
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
-    )
+    @fuzz_settings(EXAMPLES)
     @given(case=damages())
     def fuzz(case):
         root = Path(tempfile.mkdtemp(dir=tmp_path))

@@ -8,7 +8,6 @@ Bounded for `make test` (derandomized, so CI runs the same cases each time); FUZ
 
 import hashlib
 import json
-import os
 import re
 import shutil
 import tempfile
@@ -16,7 +15,7 @@ from collections import Counter
 from pathlib import Path
 
 import torch
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import given, strategies as st
 from tokenizers import Tokenizer, models
 
 from ministream import MiniStreamError
@@ -24,7 +23,9 @@ from ministream.checkpoint.convert import convert, read_folder
 from ministream.checkpoint.format import load_checkpoint
 from ministream.spec import TrainConfig, raw_shapes, renumber_block
 
-EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "120"))
+from conftest import fuzz_settings
+
+EXAMPLES = 200  # cheap (tiny checkpoints); 120 reached only four error kinds
 
 
 @st.composite
@@ -159,13 +160,7 @@ def test_every_checkpoint_round_trips_or_is_refused_cleanly(tmp_path):
     of the project's own error (what they said is printed; run with -s)."""
     seen: Counter = Counter()
 
-    @settings(
-        max_examples=EXAMPLES,
-        deadline=None,
-        derandomize=True,
-        database=None,
-        suppress_health_check=[HealthCheck.too_slow],
-    )
+    @fuzz_settings(EXAMPLES)
     @given(case=cases())
     def fuzz(case):
         root = Path(tempfile.mkdtemp(dir=tmp_path))

@@ -52,7 +52,8 @@ def doomed(tiny_hf, start_serve, tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(doomed, tiny_hf, start_serve, tmp_path_factory):
     log = tmp_path_factory.mktemp("faults") / "server.log"
-    proc, url = start_serve(tiny_hf, log, "--dtype", "float32", "--enforce-eager")  # the faults are the subject
+    # the faults are the subject; request logging tells when a vanished client's request was aborted
+    proc, url = start_serve(tiny_hf, log, "--dtype", "float32", "--enforce-eager", "--vllm-args=--enable-log-requests")
     try:
         wait_ready(url, proc, log, START_TIMEOUT)
         yield {"proc": proc, "url": url, "name": tiny_hf.name, "log": log, "model": tiny_hf}
@@ -130,9 +131,14 @@ def metric(url: str, name: str) -> float:
     return sum(float(v) for v in re.findall(rf"^vllm:{name}(?:{{[^}}]*}})? (\S+)$", text, re.M))
 
 
+ABORTED = re.compile(r"Request \S+ aborted\.")  # vLLM's AsyncLLM, with --enable-log-requests
+
+
 @pytest.mark.vllm
 @pytest.mark.parametrize("how", ["close", "reset"])
 def test_client_that_vanishes_mid_stream_is_dropped_and_the_server_keeps_serving(server, answers, how):
+    """The engine core is held (SIGSTOP) from the first token until the server has aborted the request: a
+    machine fast enough to generate every token before the abort reached the engine made this a race."""
     asked = CONTEXT - 16
     body = json.dumps(
         {
@@ -157,9 +163,19 @@ def test_client_that_vanishes_mid_stream_is_dropped_and_the_server_keeps_serving
         assert chunk, seen
         seen += chunk
     assert seen.startswith(b"HTTP/1.1 200")
-    if how == "reset":  # no goodbye: the kernel answers the server with RST
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-    sock.close()
+    aborted = len(ABORTED.findall(server["log"].read_text()))
+    core = engine_core(server["proc"])
+    core.suspend()
+    try:
+        if how == "reset":  # no goodbye: the kernel answers the server with RST
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        sock.close()
+        deadline = time.monotonic() + 30
+        while len(ABORTED.findall(server["log"].read_text())) == aborted and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert len(ABORTED.findall(server["log"].read_text())) > aborted, "the server never aborted the request"
+    finally:
+        core.resume()
     deadline = time.monotonic() + 30
     while metric(server["url"], "num_requests_running") and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -168,6 +184,13 @@ def test_client_that_vanishes_mid_stream_is_dropped_and_the_server_keeps_serving
     print(f"\nclient gone ({how}) after the first token: {spent:.0f} of {asked} tokens generated")
     assert spent < asked  # aborted, not computed to the end for nobody
     still_serves(server, answers)
+
+
+def engine_core(proc: subprocess.Popen) -> psutil.Process:
+    family = psutil.Process(proc.pid).children(recursive=True)
+    engines = [p for p in family if "EngineCore" in " ".join(p.cmdline())]
+    assert len(engines) == 1, [p.cmdline() for p in family]
+    return engines[0]
 
 
 def stream(server, prompt: str) -> tuple[str, bool]:

@@ -10,6 +10,7 @@ import json
 import shutil
 import struct
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,7 @@ from ..spec import (
     table,
     train_config_from_hf,
 )
-from .format import Checkpoint, load_checkpoint, read_json, resolve_config
+from .format import CONFIG_KEYS, Checkpoint, load_checkpoint, read_json, resolve_config
 from .tokenizer import tokenizer_config
 
 DEFAULT_SHARD_SIZE = "2GB"
@@ -168,21 +169,22 @@ def _write_json(path: Path, obj: dict) -> None:
     path.write_text(json.dumps(obj, indent=2) + "\n")
 
 
-def dry_run(ckpt: Checkpoint, overrides: dict, log=print) -> int:
+def dry_run(ckpt: Checkpoint, overrides: dict, log=print, ignore_config_keys: Iterable[str] = ()) -> int:
     """Print the mapping table and both key-set differences; write nothing. Exit 0 when all match."""
-    for note in ckpt.notes:
-        log(f"note: {note}")
     try:
-        cfg = resolve_config(ckpt, overrides)
+        cfg = resolve_config(ckpt, overrides, ignore_config_keys)
         problem = None
     except MiniStreamError as e:
         problem = str(e)
-        values = {**{k: v for k, v in overrides.items() if v is not None}, **(ckpt.config or {})}
+        known = {k: v for k, v in (ckpt.config or {}).items() if k in CONFIG_KEYS}  # the table, despite the rest
+        values = {**{k: v for k, v in overrides.items() if v is not None}, **known}
         try:
             cfg = TrainConfig.from_dict(values)
         except MiniStreamError:
             log(f"error: {problem}")
             return 1
+    for note in ckpt.notes:
+        log(f"note: {note}")
     rows = table(cfg)
     width = max(len(r.raw) for r in rows)
     log(f"{'training checkpoint':<{width}}  {'shape':<14}  HF folder")
@@ -227,15 +229,18 @@ def convert(
     overrides: dict | None = None,
     allow_nonfinite: bool = False,
     log=print,
+    ignore_config_keys: Iterable[str] = (),
 ) -> TrainConfig:
+    """`ignore_config_keys`: train config keys format 1 does not define that the user says do not change the
+    math (--ignore-config-key); any other such key is refused by name."""
     raw_dir, out = Path(raw_dir), Path(out)
     # the folder and the files it names (either may be a symlink into another folder)
     inputs = [raw_dir, raw_dir / "model.pt", raw_dir / "tokenizer.json"]
     check_output(out, force, inputs)  # before the (possibly long) load
     ckpt = load_checkpoint(raw_dir)
-    for note in ckpt.notes:
+    cfg = resolve_config(ckpt, overrides, ignore_config_keys)
+    for note in ckpt.notes:  # what loading and resolving changed
         log(f"note: {note}")
-    cfg = resolve_config(ckpt, overrides)
     what = f"converting {raw_dir} to {out}"  # "... needs about N GB free", "filled up while ..."
     # the weights in the output dtype and the tokenizer; an old folder --force replaces stays until the new is whole
     weights = sum(t.numel() for t in ckpt.state.values() if isinstance(t, torch.Tensor)) * TORCH_DTYPES[dtype].itemsize

@@ -10,6 +10,7 @@ from the safetensors files (or the loaded checkpoint) to the file one tensor at 
 """
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -38,8 +39,16 @@ PRE_TOKENIZERS = {"gpt2-bytelevel": "gpt-2", LLAMA3_SPLIT: "llama-bpe"}
 NORMAL, CONTROL, USER_DEFINED, UNUSED = 1, 3, 4, 5
 
 
-def export(src: str | Path, out: str | Path, dtype: str = "f32", force: bool = False, log=print) -> TrainConfig:
-    """Write `out` (a .gguf file) from `src`: a converted folder (config.json) or a training checkpoint folder."""
+def export(
+    src: str | Path,
+    out: str | Path,
+    dtype: str = "f32",
+    force: bool = False,
+    log=print,
+    ignore_config_keys: Iterable[str] = (),
+) -> TrainConfig:
+    """Write `out` (a .gguf file) from `src`: a converted folder (config.json) or a training checkpoint folder
+    (`ignore_config_keys`: as convert's, for a training checkpoint's train config)."""
     src, out = Path(src), Path(out)
     if dtype not in DTYPES:
         raise MiniStreamError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
@@ -50,7 +59,7 @@ def export(src: str | Path, out: str | Path, dtype: str = "f32", force: bool = F
             else f"{out} is a folder: give the path of the .gguf file to write"
         )
     check_apart(out, [src])  # --force never replaces a file the export reads
-    cfg, tensors, tok_file, chat_template = _read(src)
+    cfg, tensors, tok_file, chat_template = _read(src, ignore_config_keys, log)
     vocab = tokenizer_metadata(json.loads(tok_file.read_text()), cfg, tok_file)
     matrices, file_type = DTYPES[dtype]
     # the header from the shapes alone (meta tensors), so the weights are read once, while they are written
@@ -89,9 +98,14 @@ def export(src: str | Path, out: str | Path, dtype: str = "f32", force: bool = F
     return cfg
 
 
-def _read(src: Path):
+def _read(src: Path, ignore_config_keys: Iterable[str] = (), log=print):
     """(config, HF-named tensors read one at a time, tokenizer.json, chat template or None) of `src`."""
     if (src / "config.json").is_file():
+        if ignore_config_keys:
+            raise MiniStreamError(
+                f"--ignore-config-key is for a training checkpoint's train config; {src} is a converted folder "
+                "(config.json): drop the flag"
+            )
         cfg = train_config_from_hf(read_json(src / "config.json"), str(src / "config.json"))
         tensors: Any = _LazyFolder(safetensors_files(src), hf_shapes(cfg))
         settings = src / "tokenizer_config.json"
@@ -99,7 +113,9 @@ def _read(src: Path):
         tok = src / "tokenizer.json"
     elif (src / "model.pt").is_file() or src.is_file():
         ckpt = load_checkpoint(src)
-        cfg = resolve_config(ckpt)
+        cfg = resolve_config(ckpt, ignore_keys=ignore_config_keys)
+        for note in ckpt.notes:  # what loading and resolving changed
+            log(f"note: {note}")
         tensors = dict(raw_to_hf(cfg, ckpt.state))  # views of the one loaded copy
         template, tok = None, ckpt.path.parent / "tokenizer.json"
     else:

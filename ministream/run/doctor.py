@@ -1,49 +1,34 @@
-"""`ministream doctor MODEL`: why vLLM will not load a converted folder, or will load it and compute wrong.
+"""`ministream doctor`: why vLLM will not load a converted folder, or will load it and compute wrong.
 
-The troubleshooting checklist, automated; no engine is started, and of the weights only an untied head
-is read (to see it is not all zeros); the rest comes from the safetensors headers (folder.py). Each
-finding is one line, `ok`, `warn` or `error`, with what to do. Exit 1 on any error.
+The troubleshooting checklist, automated; no engine is started. The folder's findings are folder.examine's,
+the very check serve, generate and verify refuse a folder by: doctor has an error about the folder exactly
+when they refuse it. Beside them doctor judges what is not the folder's: the installed vLLM, and whether
+weights and one sequence fit this machine's memory. Of the weights only an untied head is read (to see it
+is not all zeros); the rest comes from the safetensors headers. Each finding is one line, `ok`, `warn` or
+`error`, with what to do. Exit 1 on any error; 2 (one line) for a folder that cannot be read at all.
 """
 
 import ast
 import importlib.metadata
 import importlib.util
 import json
+import math
 import os
 import re
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 from .. import MiniStreamError
-from ..checkpoint.tokenizer import check_chat_template as check_chat_template_text
 from ..fork import plugin as vllm_plugin, zentorch
 from ..fork.registry import CONFIGS_INIT_PY, Registries, read_package
 from ..fork.release import DISTRIBUTIONS
 from ..paths import PATCH_SETS
-from ..spec import ARCH, MODEL_FILE_IN_TREE, MODEL_TYPE, QKV, TORCH_DTYPES, hf_names
+from ..spec import ARCH, MODEL_FILE_IN_TREE, MODEL_TYPE, TORCH_DTYPES, TrainConfig
 from . import engine
-from .folder import (
-    EMBED,
-    HEAD,
-    Folder,
-    Tensor,
-    config_names,
-    name_differences,
-    open_folder,
-    shape_differences,
-)
+from .folder import Finding, Folder, examine
 
-
-@dataclass
-class Finding:
-    level: str  # ok | warn | error
-    topic: str
-    text: str
-    fix: str = ""
-
-    def __str__(self) -> str:
-        return f"{self.level:<5} {self.topic}: {self.text}" + (f"; fix: {self.fix}" if self.fix else "")
+# what the checks of the installed vLLM read of a folder, when its own config.json is refused (examine says why)
+FORMAT_NAMES = {"architectures": [ARCH], "model_type": MODEL_TYPE}
 
 
 # --- what the installed vLLM knows, read from its files (importing vllm costs seconds) -------
@@ -118,10 +103,6 @@ def checkout_patch_version(vllm_version: str) -> str | None:
         return json.loads((PATCH_SETS / sets[vllm_version] / "manifest.json").read_text())["patch_version"]
     except (OSError, KeyError, ValueError):
         return None
-
-
-def _names(keys: list[str]) -> str:
-    return ", ".join(keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
 
 
 # --- the checks -----------------------------------------------------------------------------
@@ -271,153 +252,13 @@ def check_plugin(plugin: dict, dist: str | None) -> Finding:
     )
 
 
-def check_head_dim(config: dict, tensors: dict[str, Tensor]) -> Finding:
-    heads, kv = config.get("num_attention_heads"), config.get("num_key_value_heads", config.get("num_attention_heads"))
-    hidden, said = config.get("hidden_size"), config.get("head_dim")
-    q, k = (tensors.get(name) for name in hf_names(QKV, 0)[:2])
-    if not (heads and kv and hidden and q and k):
-        return Finding(
-            "error",
-            "head_dim",
-            "cannot check: num_attention_heads, hidden_size or layer 0's q_proj/k_proj is missing",
-            "convert again",
-        )
-    d_q, d_k = q.shape[0] / heads, k.shape[0] / kv
-    used = said if said is not None else hidden // heads
-    if d_q != d_k:
-        return Finding(
-            "error",
-            "head_dim",
-            f"q_proj gives {d_q:g} per head, k_proj {d_k:g}: num_attention_heads "
-            f"({heads}) or num_key_value_heads ({kv}) is wrong",
-            "set them from the training config",
-        )
-    if used != d_q:
-        how = f"config.json head_dim={said}" if said is not None else f"no head_dim, so hidden_size/heads={used}"
-        return Finding(
-            "error",
-            "head_dim",
-            f"{how}, but the weights have {d_q:g} per head (q_proj {q.shape[0]} rows / {heads} heads)",
-            f'set "head_dim": {d_q:g} in config.json',
-        )
-    return Finding("ok", "head_dim", f"{used} per head, as the weights say")
-
-
-def check_head(folder: Folder) -> Finding:
-    tied, has_head = folder.config.get("tie_word_embeddings"), HEAD in folder.tensors
-    if tied is None:
-        return Finding(
-            "warn",
-            "lm_head",
-            f"tie_word_embeddings is not set: LLaMA's default is false, so vLLM expects "
-            f"{HEAD}" + ("" if has_head else ", which is missing"),
-            "set tie_word_embeddings explicitly (true when the head shares embed_tokens)",
-        )
-    if tied and has_head:
-        return Finding(
-            "warn",
-            "lm_head",
-            f"tie_word_embeddings is true and {HEAD} is present: vLLM ignores the tensor and uses embed_tokens",
-            f"drop {HEAD}, or set tie_word_embeddings false if the head was trained separately",
-        )
-    if not tied and not has_head:
-        return Finding(
-            "error",
-            "lm_head",
-            f"tie_word_embeddings is false but there is no {HEAD}: vLLM's head stays uninitialized",
-            "set tie_word_embeddings true if the head shares embed_tokens, else convert again",
-        )
-    if not tied and folder.all_zero(HEAD):
-        return Finding(
-            "error",
-            "lm_head",
-            f"{HEAD} is all zeros (an untied head that was never copied): every token gets the same logit",
-            "set tie_word_embeddings true if the training checkpoint ties it, else convert again",
-        )
-    return Finding("ok", "lm_head", "tied to embed_tokens" if tied else f"untied, {HEAD} present")
-
-
-def check_vocab(config: dict, tensors: dict[str, Tensor], tok: int | None) -> Finding:
-    vocab, embed = config.get("vocab_size"), tensors.get(EMBED)
-    if embed and vocab != embed.shape[0]:
-        return Finding(
-            "error",
-            "vocab",
-            f"vocab_size={vocab}, but embed_tokens has {embed.shape[0]} rows",
-            f'set "vocab_size": {embed.shape[0]} in config.json',
-        )
-    if tok is None:
-        return Finding(
-            "warn",
-            "vocab",
-            "no tokenizer.json to compare vocab_size with",
-            "copy the training tokenizer.json into the folder (make convert does)",
-        )
-    if vocab is None:
-        return Finding("error", "vocab", "config.json has no vocab_size", "convert again (make convert)")
-    if tok > vocab:
-        return Finding(
-            "error",
-            "vocab",
-            f"the tokenizer has {tok} tokens but the model only {vocab} rows: ids >= {vocab} index past the embeddings",
-            "use the tokenizer the model was trained with",
-        )
-    pad = f" ({vocab - tok} padding rows, fine)" if vocab > tok else ""
-    return Finding("ok", "vocab", f"vocab_size {vocab} covers the tokenizer's {tok} tokens{pad}")
-
-
-def check_names(config: dict, tensors: dict[str, Tensor]) -> list[Finding]:
-    missing, unexpected = name_differences(tensors, config_names(config))
-    found = []
-    if missing:
-        found.append(
-            Finding(
-                "error",
-                "tensors",
-                f"missing from the safetensors files: {_names(missing)}",
-                "convert again (or check num_hidden_layers / tie_word_embeddings)",
-            )
-        )
-    if unexpected:
-        found.append(
-            Finding(
-                "error",
-                "tensors",
-                f"not parameters of {ARCH}: {_names(unexpected)}; vLLM stops at names it does not know",
-                "convert again; the converter writes LLaMA's names",
-            )
-        )
-    return found or [Finding("ok", "tensors", f"the {len(tensors)} tensors are exactly {ARCH}'s parameters")]
-
-
-def check_shapes(config: dict, tensors: dict[str, Tensor]) -> list[Finding]:
-    wrong = shape_differences(config, tensors)
-    if wrong:
-        more = f" (and {len(wrong) - 3} more)" if len(wrong) > 3 else ""
-        return [Finding("error", "shapes", "; ".join(wrong[:3]) + more, "convert again, or fix config.json")]
-    return [Finding("ok", "shapes", "every tensor has the shape and dtype config.json gives it")]
-
-
-def check_chat_template(folder: Path) -> list[Finding]:
-    """tokenizer_config.json's chat template, when it has one, compiles (vLLM compiles it per chat request)."""
-    path = Path(folder) / "tokenizer_config.json"
-    try:
-        template = json.loads(path.read_text()).get("chat_template") if path.is_file() else None
-    except (OSError, ValueError, AttributeError) as e:
-        return [Finding("error", "chat_template", f"{path} cannot be read ({e})", "convert again (make convert)")]
-    if template is None:
-        return []
-    if not isinstance(template, str):
-        return [Finding("warn", "chat_template", f"{path}: a chat template that is not one string", "check it")]
-    try:
-        check_chat_template_text(template, f"{path} chat_template")
-    except MiniStreamError as e:
-        return [Finding("error", "chat_template", str(e), "convert again with a fixed --chat-template")]
-    return [Finding("ok", "chat_template", "tokenizer_config.json's chat template compiles")]
-
-
 def check_memory(
-    folder: Folder, dtype: str | None, max_model_len: int | None, memory_gib: float | None, kv_cache_gib: float | None
+    folder: Folder,
+    cfg: TrainConfig,
+    dtype: str | None,
+    max_model_len: int | None,
+    memory_gib: float | None,
+    kv_cache_gib: float | None,
 ) -> list[Finding]:
     """Weights and one sequence of max_model_len against the memory and the KV cache an engine gets: on the
     CPU the cache `ministream serve` would choose now (engine.py), unless --kv-cache-gib says."""
@@ -428,15 +269,15 @@ def check_memory(
             Finding(
                 "warn",
                 "dtype",
-                f"config.json names no dtype ({dtype!r}); vLLM picks one",
+                "config.json names no dtype; vLLM picks one",
                 'set "dtype" (float32 or bfloat16), or pass --dtype to vLLM',
             )
         )
         dtype = "bfloat16"
     size = TORCH_DTYPES[dtype].itemsize
     weights = folder.parameters * size
-    per_token = kv_bytes_per_token(config, size)
-    length = max_model_len or config.get("max_position_embeddings", 2048)
+    per_token = kv_bytes_per_token(cfg, size)
+    length = max_model_len or cfg.max_seq_len
     gpu = _gpu_memory()
     total = memory_gib * 2**30 if memory_gib else (gpu or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     kv_space = (
@@ -458,7 +299,7 @@ def check_memory(
             )
         )
     if per_token * length > kv_space:
-        fits = int(kv_space // per_token) if per_token else 0
+        fits = int(max(kv_space, 0) // per_token)
         found.append(
             Finding(
                 "error",
@@ -482,12 +323,18 @@ def check_memory(
     return found
 
 
-def kv_bytes_per_token(config: dict, size: int) -> int:
+def kv_bytes_per_token(cfg: TrainConfig, size: int) -> int:
     """Keys and values of every layer for one token: 2 x layers x kv heads x head_dim x bytes."""
-    layers = config.get("num_hidden_layers", 0)
-    kv = config.get("num_key_value_heads", config.get("num_attention_heads", 0))
-    head_dim = config.get("head_dim") or (config.get("hidden_size", 0) // max(1, config.get("num_attention_heads", 1)))
-    return 2 * layers * kv * head_dim * size
+    return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * size
+
+
+def check_settings(max_model_len: int | None, memory_gib: float | None, kv_cache_gib: float | None) -> None:
+    """doctor's own flags, each a positive finite number where given: MiniStreamError naming the flag."""
+    if max_model_len is not None and (type(max_model_len) is not int or max_model_len < 1):
+        raise MiniStreamError(f"--max-model-len {max_model_len}: must be a positive number of tokens")
+    for name, gib in (("--memory-gib", memory_gib), ("--kv-cache-gib", kv_cache_gib)):
+        if gib is not None and not (isinstance(gib, (int, float)) and math.isfinite(gib) and gib > 0):
+            raise MiniStreamError(f"{name} {gib}: must be a positive, finite number of GiB")
 
 
 def _gpu_memory() -> int | None:
@@ -498,56 +345,6 @@ def _gpu_memory() -> int | None:
     return torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
 
 
-def check_rope_eps(config: dict) -> list[Finding]:
-    found = []
-    eps = config.get("rms_norm_eps")
-    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or eps <= 0:
-        found.append(
-            Finding(
-                "error",
-                "rms_norm_eps",
-                f"rms_norm_eps is {eps!r}: vLLM falls back to LLaMA's default 1e-6 without a word",
-                'set "rms_norm_eps" to the training config\'s norm_eps',
-            )
-        )
-    theta = config.get("rope_theta")
-    params = config.get("rope_parameters") or {}
-    p_theta = params.get("rope_theta")
-    if theta is None and p_theta is None:
-        found.append(
-            Finding(
-                "error",
-                "rope_theta",
-                "neither rope_theta nor rope_parameters.rope_theta is set: the default 10000 is used without a word",
-                "set both to the training config's rope_theta",
-            )
-        )
-    elif theta is not None and p_theta is not None and float(theta) != float(p_theta):
-        found.append(
-            Finding(
-                "error",
-                "rope_theta",
-                f"rope_theta={theta} but rope_parameters.rope_theta={p_theta}: "
-                "transformers 5 and vLLM read rope_parameters, older readers rope_theta",
-                "set both to the training config's rope_theta",
-            )
-        )
-    elif params.get("rope_type", "default") != "default":
-        found.append(
-            Finding(
-                "error",
-                "rope_theta",
-                f"rope_parameters.rope_type={params['rope_type']!r}: MiniStream's RoPE is plain",
-                'set "rope_type": "default"',
-            )
-        )
-    if not found:
-        found.append(
-            Finding("ok", "rope/eps", f"rms_norm_eps {eps}, rope_theta {p_theta if p_theta is not None else theta}")
-        )
-    return found
-
-
 def doctor(
     folder: Path,
     vllm_dir: Path | None = None,
@@ -556,17 +353,13 @@ def doctor(
     memory_gib: float | None = None,
     kv_cache_gib: float | None = None,
 ) -> list[Finding]:
-    f = open_folder(folder)  # a folder that cannot be read at all: FolderError, one line (exit 2)
+    check_settings(max_model_len, memory_gib, kv_cache_gib)
+    seen = examine(folder)  # a folder that cannot be read at all: FolderError, one line (exit 2)
     vllm_dir = vllm_dir or installed_vllm_dir()
-    found = installed_vllm_findings(f.config, vllm_dir)
-    found.append(check_head_dim(f.config, f.tensors))
-    found.append(check_head(f))
-    found.append(check_vocab(f.config, f.tensors, f.tokenizer_size))
-    found += check_names(f.config, f.tensors)
-    found += check_shapes(f.config, f.tensors)
-    found += check_chat_template(folder)
-    found += check_memory(f, dtype, max_model_len, memory_gib, kv_cache_gib)
-    found += check_rope_eps(f.config)
+    found = installed_vllm_findings(seen.folder.config if seen.train else FORMAT_NAMES, vllm_dir)
+    found += seen.found
+    if seen.train:  # the memory a folder needs is known only from settings config.json holds
+        found += check_memory(seen.folder, seen.train, dtype, max_model_len, memory_gib, kv_cache_gib)
     return found
 
 

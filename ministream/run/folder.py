@@ -5,11 +5,15 @@ Which tensors a folder should hold is spec's answer (its tensor table); this mod
 """
 
 import json
+import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from .. import MiniStreamError, spec
+from ..checkpoint.tokenizer import check_chat_template as check_chat_template_text
 
 # the HF names the checks speak of, asked of spec's table
 EMBED = spec.hf_names(spec.EMBEDDING)[0]
@@ -25,6 +29,19 @@ class FolderError(MiniStreamError):
     def __init__(self, topic: str, text: str, fix: str):
         super().__init__(f"{text}; {fix}")
         self.topic, self.text, self.fix = topic, text, fix
+
+
+@dataclass
+class Finding:
+    """One thing a check found: ok, warn or error, with what to do."""
+
+    level: str  # ok | warn | error
+    topic: str
+    text: str
+    fix: str = ""
+
+    def __str__(self) -> str:
+        return f"{self.level:<5} {self.topic}: {self.text}" + (f"; fix: {self.fix}" if self.fix else "")
 
 
 @dataclass(frozen=True)
@@ -70,9 +87,10 @@ class Folder:
 
 
 def read_config(folder: Path) -> dict:
+    """config.json's object; FolderError naming the file when there is none, it is not JSON, or not an object."""
     path = Path(folder) / "config.json"
     try:
-        return json.loads(path.read_text())
+        config = json.loads(path.read_text())
     except FileNotFoundError:
         raise FolderError(
             "config.json", f"{path}: no such file", "give the converted folder (make convert RAW=... OUT=...)"
@@ -81,60 +99,242 @@ def read_config(folder: Path) -> dict:
         raise FolderError(
             "config.json", f"{path} cannot be read ({e})", "point MODEL at the converted folder (make convert)"
         ) from None
-
-
-def check_servable(folder: Path) -> dict:
-    """What `serve`, `generate` and `verify` need of a folder before vLLM spends a minute starting: a
-    config.json holding a JSON object whose model settings have the right types and agree (spec's
-    checks), and a tokenizer.json that parses. The config; FolderError naming the file and key otherwise."""
-    folder = Path(folder)
-    path = folder / "config.json"
-    config = read_config(folder)
     if not isinstance(config, dict):
-        raise FolderError(
-            "config.json", f"{path} holds a JSON {type(config).__name__}, not an object", "convert again (make convert)"
-        )
-    missing = [key for f, key in spec.CONFIG_MAP.items() if f in spec.REQUIRED_FIELDS and config.get(key) is None]
-    if missing:
-        raise FolderError("config.json", f"{path} lacks {', '.join(missing)}", "convert again (make convert)")
-    try:
-        spec.train_config_from_hf(config, str(path))
-    except MiniStreamError as e:
-        raise FolderError(
-            "config.json", _config_words(str(e)), "fix that value, or convert again (make convert)"
-        ) from None
-    try:
-        size = tokenizer_size(folder)
-    except Exception as e:  # tokenizers raises its own errors for a file that is not a tokenizer
-        raise FolderError(
-            "tokenizer",
-            f"{folder / 'tokenizer.json'} cannot be read ({str(e).strip()[:200]})",
-            "copy the training checkpoint's tokenizer.json there, or convert again",
-        ) from None
-    if size is None:
-        raise FolderError(
-            "tokenizer",
-            f"{folder / 'tokenizer.json'}: no such file; the model has no tokenizer",
-            "copy the training checkpoint's tokenizer.json there, or convert again (make convert)",
-        )
-    check_weights(folder, config)
+        what = "null" if config is None else f"a JSON {type(config).__name__}"
+        raise FolderError("config.json", f"{path} holds {what}, not an object", "convert again (make convert)")
     return config
 
 
-def check_weights(folder: Path, config: dict) -> dict[str, Tensor]:
-    """Every tensor vLLM will load is in the safetensors files, whole, with the shape config.json gives it
-    and a dtype the model takes; FolderError naming the first file and tensor that is not."""
+# --- config.json's keys: what a value may be -----------------------------------------------------
+# A rule says what is wrong with a value (the config at hand beside it), or None when it is allowed.
+# Types are JSON's as transformers 5 checks them (its config classes are strict dataclasses): an int field
+# refuses 128.0, rms_norm_eps and initializer_range refuse an int, tie_word_embeddings refuses null.
+Rule = Callable[[Any, dict], "str | None"]
+
+
+def _kind(value) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def integer(null: bool = False) -> Rule:
+    def rule(v, _c):
+        if (v is None and null) or (type(v) is int):
+            return None
+        if type(v) is float:
+            return "must be an integer, written without a decimal point (transformers refuses a float here)"
+        return f"must be a number, not {_kind(v)}"
+
+    return rule
+
+
+def real(v, _c):
+    if type(v) is float:
+        return None if math.isfinite(v) else "must be finite"
+    if type(v) is int:
+        return "must be written with a decimal point, e.g. 1.0 (transformers refuses an integer here)"
+    return f"must be a number, not {_kind(v)}"
+
+
+def number(v, _c):
+    if type(v) in (int, float):
+        return None if math.isfinite(v) else "must be finite"
+    return f"must be a number, not {_kind(v)}"
+
+
+def flag(v, _c):
+    return None if type(v) is bool else "must be true or false"
+
+
+def text(null: bool = False) -> Rule:
+    return lambda v, _c: None if type(v) is str or (v is None and null) else f"must be a string, not {_kind(v)}"
+
+
+def id_labels(v, _c):  # a classification head's labels, as transformers reads them: {"0": "LABEL_0"}
+    ok = isinstance(v, dict) and all(k.isdigit() and type(x) is str for k, x in v.items())
+    return None if ok else 'must be an object of labels such as {"0": "LABEL_0"}'
+
+
+def label_ids(v, _c):  # and back: {"LABEL_0": 0}
+    ok = isinstance(v, dict) and all(type(x) is int for x in v.values())
+    return None if ok else 'must be an object of label ids such as {"LABEL_0": 0}'
+
+
+def exactly(*allowed, why: str = "format 1's math; vLLM would apply any other value") -> Rule:
+    words = " or ".join(json.dumps(a) for a in allowed)
+    return lambda v, _c: None if any(same(v, a) for a in allowed) else f"must be {words}: {why}"
+
+
+def plain_rope(v, c):
+    want = spec.hf_rope_parameters(c.get("rope_theta"))
+    return (
+        None
+        if same(v, want)
+        else f"must be {json.dumps(want)}: plain RoPE at rope_theta, format 1's math; vLLM would apply any other"
+    )
+
+
+def same(a, b) -> bool:
+    """Equal as JSON values, types included: false is not 0, 1.0 is 1 (a number), NaN is not NaN."""
+    if isinstance(a, bool) or isinstance(b, bool) or a is None or b is None:
+        return a is b
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return a == b
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    return type(a) is type(b) and a == b
+
+
+_TRAIN_RULES = {"int": integer(), "int?": integer(null=True), "float": real, "number": number, "bool": flag}
+# the train config's keys (spec.CONFIG_MAP), by the JSON type each has; their values then TrainConfig's checks
+_TRAIN_KINDS = {
+    "vocab_size": "int", "hidden_size": "int", "num_hidden_layers": "int", "num_attention_heads": "int",
+    "num_key_value_heads": "int?", "head_dim": "int?",  # null: transformers' default, the format's too
+    "intermediate_size": "int", "max_position_embeddings": "int", "rms_norm_eps": "float",
+    "rope_theta": "number",  # transformers 5 moves it into rope_parameters, and takes an int there
+    "tie_word_embeddings": "bool", "bos_token_id": "int", "eos_token_id": "int",
+}  # fmt: skip
+
+# Every key config.json may hold, with the values it may have. Any other key is refused: vLLM applies
+# what it knows (rope_scaling, sliding_window, quantization_config, ...), and a table of what it ignores
+# would be wrong by the next release.
+CONFIG_KEYS: dict[str, Rule] = {
+    # format 1, as spec.hf_config writes it
+    "architectures": exactly([spec.ARCH], why="the class vLLM loads; names are matched in exact case"),
+    # llama: MiniStreamConfig is LlamaConfig renamed (checkpoint/hf.py)
+    "model_type": exactly(spec.MODEL_TYPE, "llama", why="the config class vLLM reads the file with"),
+    **{key: _TRAIN_RULES[_TRAIN_KINDS[key]] for key in spec.CONFIG_MAP.values()},
+    "rope_parameters": plain_rope,
+    **{key: exactly(value) for key, value in spec.HF_FIXED.items()},
+    "initializer_range": real,  # the training's initial weights
+    "dtype": exactly(*spec.DTYPES, None),  # what vLLM serves in by default: the precision, not the math
+    "torch_dtype": exactly(*spec.DTYPES, None),  # transformers 4's name for dtype
+    "ministream_converter": text(),
+    # the metadata transformers' PretrainedConfig writes into every config.json (PretrainedConfig().to_dict()):
+    # who wrote it and what transformers' own classes return, never what a causal LM computes
+    "transformers_version": text(),
+    "_name_or_path": text(),
+    "output_attentions": flag,
+    "output_hidden_states": flag,
+    "return_dict": flag,
+    "chunk_size_feed_forward": integer(),  # transformers' MLP in chunks: the same sums
+    "id2label": id_labels,  # a classification head's labels and loss: a causal LM has none
+    "label2id": label_ids,
+    "problem_type": text(null=True),
+    "is_encoder_decoder": exactly(False),  # true: vLLM would build an encoder-decoder
+    # and what transformers' LlamaConfig writes beside it (LlamaConfig().to_dict()), at format 1's values
+    "use_cache": flag,  # keeps keys and values between steps: the same values
+    "pad_token_id": integer(null=True),  # batches padded in transformers; vLLM does not pad
+    "attention_dropout": number,  # dropout is off at inference, in vLLM always
+    "pretraining_tp": exactly(1),  # transformers splits its matmuls in that many slices
+    "rope_scaling": exactly(None),  # transformers 4 wrote null: plain RoPE
+}
+# absent, these leave vLLM a default that is not the format's, or no model at all
+REQUIRED_KEYS = ["architectures", "model_type"] + [
+    key for f, key in spec.CONFIG_MAP.items() if f in spec.REQUIRED_FIELDS
+]
+
+
+def settings(config: dict) -> dict:
+    """config.json with rope_theta read from rope_parameters where only that holds it: transformers 5's
+    save_pretrained writes the RoPE base there alone."""
+    rope = config.get("rope_parameters")
+    if "rope_theta" not in config and isinstance(rope, dict) and "rope_theta" in rope:
+        return {**config, "rope_theta": rope["rope_theta"]}
+    return config
+
+
+def config_findings(config: dict, path: Path) -> tuple[spec.TrainConfig | None, list[Finding]]:
+    """config.json key by key against CONFIG_KEYS, then the train config it holds (spec's checks): the
+    settings when every key is allowed, and what was found."""
+    fix = "convert again (make convert)"
+    found = [
+        Finding(
+            "error",
+            key,
+            f"{path}: {key}={_shown(value)}: format 1 does not define it; vLLM would apply it",
+            f"remove {key} from config.json, or {fix}",
+        )  # fmt: skip
+        for key, value in config.items()
+        if key not in CONFIG_KEYS
+    ]
+    for key, value in config.items():
+        if key in CONFIG_KEYS and (wrong := CONFIG_KEYS[key](value, config)):
+            found.append(
+                Finding("error", key, f"{path} {key}={_shown(value)}: {wrong}", f"set {key} as it says, or {fix}")
+            )
+    missing = [key for key in REQUIRED_KEYS if key not in config]
+    if missing:
+        found.append(Finding("error", "config.json", f"{path} lacks {', '.join(missing)}", fix))
+    if found:
+        return None, found
+    try:
+        cfg = spec.train_config_from_hf(config, str(path))
+    except MiniStreamError as e:
+        return None, [Finding("error", "config.json", _config_words(str(e)), f"fix that value, or {fix}")]
+    return cfg, [
+        Finding(
+            "ok",
+            "config.json",
+            f"every key is format 1's or inert metadata (rms_norm_eps {cfg.norm_eps}, rope_theta {cfg.rope_theta}, "
+            f"plain RoPE, silu, no biases)",
+        )
+    ]
+
+
+def _shown(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+# --- the one check -------------------------------------------------------------------------------
+
+
+@dataclass
+class Examined:
+    folder: Folder
+    train: spec.TrainConfig | None  # config.json's settings, when every key passed
+    found: list[Finding]
+
+    @property
+    def errors(self) -> list[Finding]:
+        return [f for f in self.found if f.level == "error"]
+
+
+def examine(folder: Path) -> Examined:
+    """The one check of a converted folder: serve, generate and verify run it before vLLM starts
+    (check_servable refuses on its first error) and doctor prints all it found, so the two cannot
+    disagree. config.json's keys and values, the tensors' names, shapes and dtypes, the head, the
+    tokenizer and its chat template. FolderError where the folder cannot be read at all."""
+    folder = Path(folder)
+    config = read_config(folder)
     tensors = read_headers(folder)
     if not tensors:
         raise FolderError("weights", f"no *.safetensors in {folder}", "convert again (make convert)")
-    missing, unexpected = name_differences(tensors, config_names(config))
-    if missing or unexpected:
-        what = f"lacks {', '.join(missing[:3])}" if missing else f"holds {', '.join(unexpected[:3])}, not parameters"
-        raise FolderError("tensors", f"the safetensors files in {folder} {what}", "convert again (make convert)")
-    wrong = shape_differences(config, tensors)
-    if wrong:
-        raise FolderError("tensors", wrong[0], "convert again, or fix config.json to the training config")
-    return tensors
+    config = settings(config)
+    cfg, found = config_findings(config, folder / "config.json")
+    size, tok = tokenizer_findings(folder)
+    f = Folder(folder, config, tensors, size)
+    if cfg is not None:  # the tensors are compared with settings only when config.json holds them
+        found.append(check_head_dim(cfg, tensors))
+        found.append(check_head(f))
+        found += check_names(config, tensors)
+        found += check_shapes(config, tensors)
+        if size is not None:
+            found.append(check_vocab(config, tensors, size))
+    found += tok + check_chat_template(folder)
+    return Examined(f, cfg, found)
+
+
+def check_servable(folder: Path) -> dict:
+    """What `serve`, `generate` and `verify` need of a folder before vLLM spends a minute starting: examine's
+    check without an error. The config; FolderError naming the file and key otherwise (the first error)."""
+    seen = examine(folder)
+    if seen.errors:
+        first = seen.errors[0]
+        raise FolderError(first.topic, first.text, first.fix)
+    return seen.folder.config
 
 
 def shape_differences(config: dict, tensors: dict[str, Tensor]) -> list[str]:
@@ -298,3 +498,150 @@ def name_differences(have, want) -> tuple[list[str], list[str]]:
 def natural(name: str):
     """Sort key: layer 10 after layer 9."""
     return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
+
+
+def _names(keys: list[str]) -> str:
+    return ", ".join(keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
+
+
+def tokenizer_findings(folder: Path) -> tuple[int | None, list[Finding]]:
+    """The tokenizer's size, and an error unless tokenizer.json is there and parses (vLLM needs it)."""
+    path = Path(folder) / "tokenizer.json"
+    fix = "copy the training checkpoint's tokenizer.json there, or convert again (make convert)"
+    try:
+        size = tokenizer_size(folder)
+    except Exception as e:  # tokenizers raises its own errors for a file that is not a tokenizer
+        return None, [Finding("error", "tokenizer", f"{path} cannot be read ({str(e).strip()[:200]})", fix)]
+    if size is None:
+        return None, [Finding("error", "tokenizer", f"{path}: no such file; the model has no tokenizer", fix)]
+    return size, []
+
+
+def check_head_dim(cfg: spec.TrainConfig, tensors: dict[str, Tensor]) -> Finding:
+    """The head size config.json gives (head_dim, else hidden_size / heads) against layer 0's q and k rows."""
+    q, k = (tensors.get(name) for name in spec.hf_names(spec.QKV, 0)[:2])
+    if not (q and k):
+        return Finding("error", "head_dim", "cannot check: layer 0's q_proj/k_proj is missing", "convert again")
+    d_q, d_k = q.shape[0] / cfg.n_heads, k.shape[0] / cfg.n_kv_heads
+    if d_q != d_k:
+        return Finding(
+            "error",
+            "head_dim",
+            f"q_proj gives {d_q:g} per head, k_proj {d_k:g}: num_attention_heads "
+            f"({cfg.n_heads}) or num_key_value_heads ({cfg.n_kv_heads}) is wrong",
+            "set them from the training config",
+        )
+    if cfg.head_dim != d_q:
+        return Finding(
+            "error",
+            "head_dim",
+            f"config.json head_dim={cfg.head_dim}, but the weights have {d_q:g} per head "
+            f"(q_proj {q.shape[0]} rows / {cfg.n_heads} heads)",
+            f'set "head_dim": {d_q:g} in config.json',
+        )
+    return Finding("ok", "head_dim", f"{cfg.head_dim} per head, as the weights say")
+
+
+def check_head(folder: Folder) -> Finding:
+    tied, has_head = folder.config.get("tie_word_embeddings"), HEAD in folder.tensors
+    if tied is None:
+        return Finding(
+            "warn",
+            "lm_head",
+            f"tie_word_embeddings is not set: LLaMA's default is false, so vLLM expects "
+            f"{HEAD}" + ("" if has_head else ", which is missing"),
+            "set tie_word_embeddings explicitly (true when the head shares embed_tokens)",
+        )
+    if tied and has_head:
+        return Finding(
+            "warn",
+            "lm_head",
+            f"tie_word_embeddings is true and {HEAD} is present: vLLM ignores the tensor and uses embed_tokens",
+            f"drop {HEAD}, or set tie_word_embeddings false if the head was trained separately",
+        )
+    if not tied and not has_head:
+        return Finding(
+            "error",
+            "lm_head",
+            f"tie_word_embeddings is false but there is no {HEAD}: vLLM's head stays uninitialized",
+            "set tie_word_embeddings true if the head shares embed_tokens, else convert again",
+        )
+    if not tied and folder.all_zero(HEAD):
+        return Finding(
+            "error",
+            "lm_head",
+            f"{HEAD} is all zeros (an untied head that was never copied): every token gets the same logit",
+            "set tie_word_embeddings true if the training checkpoint ties it, else convert again",
+        )
+    return Finding("ok", "lm_head", "tied to embed_tokens" if tied else f"untied, {HEAD} present")
+
+
+def check_vocab(config: dict, tensors: dict[str, Tensor], tok: int) -> Finding:
+    vocab: int = config["vocab_size"]  # examined before: an int
+    embed = tensors.get(EMBED)
+    if embed and vocab != embed.shape[0]:
+        return Finding(
+            "error",
+            "vocab",
+            f"vocab_size={vocab}, but embed_tokens has {embed.shape[0]} rows",
+            f'set "vocab_size": {embed.shape[0]} in config.json',
+        )
+    if tok > vocab:
+        return Finding(
+            "error",
+            "vocab",
+            f"the tokenizer has {tok} tokens but the model only {vocab} rows: ids >= {vocab} index past the embeddings",
+            "use the tokenizer the model was trained with",
+        )
+    pad = f" ({vocab - tok} padding rows, fine)" if vocab > tok else ""
+    return Finding("ok", "vocab", f"vocab_size {vocab} covers the tokenizer's {tok} tokens{pad}")
+
+
+def check_names(config: dict, tensors: dict[str, Tensor]) -> list[Finding]:
+    missing, unexpected = name_differences(tensors, config_names(config))
+    found = []
+    if missing:
+        found.append(
+            Finding(
+                "error",
+                "tensors",
+                f"missing from the safetensors files: {_names(missing)}",
+                "convert again (or check num_hidden_layers / tie_word_embeddings)",
+            )
+        )
+    if unexpected:
+        found.append(
+            Finding(
+                "error",
+                "tensors",
+                f"not parameters of {spec.ARCH}: {_names(unexpected)}; vLLM stops at names it does not know",
+                "convert again; the converter writes LLaMA's names",
+            )
+        )
+    return found or [Finding("ok", "tensors", f"the {len(tensors)} tensors are exactly {spec.ARCH}'s parameters")]
+
+
+def check_shapes(config: dict, tensors: dict[str, Tensor]) -> list[Finding]:
+    wrong = shape_differences(config, tensors)
+    if wrong:
+        more = f" (and {len(wrong) - 3} more)" if len(wrong) > 3 else ""
+        return [Finding("error", "shapes", "; ".join(wrong[:3]) + more, "convert again, or fix config.json")]
+    return [Finding("ok", "shapes", "every tensor has the shape and dtype config.json gives it")]
+
+
+def check_chat_template(folder: Path) -> list[Finding]:
+    """tokenizer_config.json's chat template, when it has one, compiles (vLLM compiles it per chat request)."""
+    path = Path(folder) / "tokenizer_config.json"
+    try:
+        template = json.loads(path.read_text()).get("chat_template") if path.is_file() else None
+    except (OSError, ValueError, AttributeError) as e:
+        return [Finding("error", "chat_template", f"{path} cannot be read ({e})", "convert again (make convert)")]
+    if template is None:
+        return []
+    if not isinstance(template, str):
+        return [Finding("warn", "chat_template", f"{path}: a chat template that is not one string", "check it")]
+    try:
+        check_chat_template_text(template, f"{path} chat_template")
+    except MiniStreamError as e:
+        return [Finding("error", "chat_template", str(e), "convert again with a fixed --chat-template")]
+    return [Finding("ok", "chat_template", "tokenizer_config.json's chat template compiles")]

@@ -119,14 +119,14 @@ def generate(
 ) -> dict:
     """`ministream generate`: the same prompt ids through the reference model and/or vLLM, printed side by
     side; engines is "both", "reference" or "vllm"."""
-    check_servable(model)  # before the reference model loads or vLLM starts (a minute)
+    config = check_servable(model)  # before the reference model loads or vLLM starts (a minute)
     if engines in ("both", "vllm"):
         engine.check_tp(tp)
     prompts = prompts or DEFAULT_PROMPTS
     ids = tokenize(model, prompts)
     results: dict[str, Any] = {"prompts": prompts, "prompt_ids": ids, "dtype": dtype, "max_tokens": max_tokens}
     if engines in ("both", "reference"):
-        eos = json.loads((model / "config.json").read_text())["eos_token_id"]
+        eos = config["eos_token_id"]
         t = time.time()
         results["reference"] = reference_generate(
             raw or model, ids, max_tokens, dtype, logprobs, stop_ids=(eos,) if stop_at_eos else ()

@@ -4,15 +4,30 @@ The model is served under the folder's name (`out/demo/hf` -> "hf"; --name to ch
 clients name the same model whatever path the server was started with. The engine settings are this
 machine's (engine.py): without a GPU, every core for the model and a KV cache of a quarter of the memory
 available (1 to 64 GiB, split among --tp ranks), unless the environment already sets them; with a GPU,
-vLLM's own defaults. SIGTERM and SIGINT are passed to the server, which shuts down its engine processes;
-whatever of its process group is left after --stop-timeout seconds is killed. Stopped so, it exits 0; a
-server that ends unasked (its engine died) exits non-zero, whatever status vLLM gave it.
+vLLM's own defaults.
+
+Before vLLM starts (a minute or more), serve checks what it can in a second and refuses in one line: the
+folder (the folder check doctor runs too), --host (an address of this machine, or a name that resolves to
+one), --port (1-65535, free: not held by another server, which is named), --max-model-len (1 to the folder's
+max_position_embeddings), --vllm-args (a string the shell's quoting rules split, not setting an option serve
+sets itself). It says "ready" once its own server answers: /v1/models, asked with the API key, lists the
+served name with this folder as its root, while the process it started runs.
+
+Stopping: SIGTERM or SIGINT (Ctrl-C) goes to the server, which aborts the requests in flight and shuts down its
+engine. A stream in flight can keep vLLM's HTTP server waiting for its connection to close, so whatever of its
+process group is still running --stop-timeout seconds (default 30) after the signal is killed (SIGKILL); a
+second signal kills it at once. Either way serve ends within --stop-timeout seconds of the first signal (plus
+about a second), leaves no process of the server behind, and exits 0: the stop was asked. A server that ends
+unasked (its engine died, or it could not start) exits non-zero, whatever status vLLM gave it.
 """
 
+import errno
 import importlib.util
 import json
 import os
+import shlex
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -24,26 +39,141 @@ from .. import MiniStreamError
 from ..fork.install import installed_vllm
 from . import engine, nodes
 from .folder import check_servable
-from .server import API_KEY, START_TIMEOUT, die_with_parent, kill_group, local_url, reap_process_group, wait_ready
+from .server import API_KEY, START_TIMEOUT, die_with_parent, get, kill_group, local_url, pgroup_alive
 
 SHOWN = (engine.BIND, engine.KV_CACHE)  # the settings the start line shows
+STOP_TIMEOUT = 30  # s from the first SIGTERM/SIGINT to SIGKILL of whatever of the server is left
 
 
 def served_name(model: Path) -> str:
     return Path(model).resolve().name
 
 
-def _announce_when_ready(url: str, name: str, proc: subprocess.Popen, timeout: float = START_TIMEOUT):
+def own_server_answers(url: str, name: str, model: Path, key: str | None) -> bool:
+    """Whether the server at `url` is the one serve started: /v1/models (asked with the key) lists `name` with
+    this folder as its root. /health alone is answered by whatever listens on the port."""
     try:
-        wait_ready(url, proc, None, timeout, models=False)  # /health: it asks no key, whoever set one
-    except MiniStreamError:  # it exited, or never answered: the server's own log says why
+        with get(f"{url}/v1/models", 5, key) as r:
+            cards = json.loads(r.read())["data"]
+        root = str(Path(model).resolve())
+        return any(c.get("id") == name and c.get("root") == root for c in cards)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return False
+
+
+def _announce_when_ready(url: str, name: str, model: Path, key: str | None, proc: subprocess.Popen) -> None:
+    deadline = time.monotonic() + START_TIMEOUT
+    while proc.poll() is None and time.monotonic() < deadline:
+        if own_server_answers(url, name, model, key) and proc.poll() is None:
+            body = json.dumps({"model": name, "prompt": "The river runs through", "max_tokens": 16, "temperature": 0})
+            print(
+                f"\nministream serve: ready at {url}/v1 (model {name!r}); try:\n"
+                f"  curl {url}/v1/completions -H 'Content-Type: application/json' -d '{body}'\n",
+                flush=True,
+            )
+            return
+        time.sleep(1)
+    # it exited, or never answered: the server's own log says why, and the main thread reports it
+
+
+# vLLM options serve sets itself, and serve's own flag for each: given in --vllm-args they would override
+# what serve checked (the port, the context) or announces (the name, the key).
+OWN_OPTIONS = {
+    "--model": "the folder argument",
+    "--host": "--host",
+    "--port": "--port",
+    "--uds": "--host and --port",
+    "--served-model-name": "--name",
+    "--max-model-len": "--max-model-len",
+    "--tensor-parallel-size": "--tp",
+    "-tp": "--tp",
+    "--pipeline-parallel-size": "--pp",
+    "-pp": "--pp",
+    "--api-key": "--api-key (or VLLM_API_KEY)",
+}
+
+
+def vllm_args(text: str) -> list[str]:
+    """--vllm-args split as the shell would, refused in one line if its quotes do not close or it sets an
+    option serve sets itself."""
+    try:
+        args = shlex.split(text)
+    except ValueError as e:
+        raise MiniStreamError(
+            f"--vllm-args {text!r} cannot be split into options ({e}): close the quote, e.g. "
+            "--vllm-args='--max-num-seqs 64 --chat-template \"{{ ... }}\"'"
+        ) from None
+    for arg in args:
+        option = arg.split("=", 1)[0]
+        option = "--" + option[2:].replace("_", "-") if option.startswith("--") else option  # vLLM takes both
+        if option in OWN_OPTIONS:
+            raise MiniStreamError(
+                f"--vllm-args sets {option}, which serve sets itself: give {OWN_OPTIONS[option]} instead"
+            )
+    return args
+
+
+def check_max_model_len(asked: int | None, config: dict, model: Path) -> None:
+    """--max-model-len within 1..max_position_embeddings: past the positions the model was trained on it would
+    answer, wrongly (vLLM refuses it too, but after a minute and with a traceback)."""
+    if asked is None:
         return
-    body = json.dumps({"model": name, "prompt": "The river runs through", "max_tokens": 16, "temperature": 0})
-    print(
-        f"\nministream serve: ready at {url}/v1 (model {name!r}); try:\n"
-        f"  curl {url}/v1/completions -H 'Content-Type: application/json' -d '{body}'\n",
-        flush=True,
-    )
+    most = config.get("max_position_embeddings")
+    if asked < 1:
+        raise MiniStreamError(f"--max-model-len {asked}: give a context of 1 token or more (up to {most})")
+    if isinstance(most, int) and asked > most:
+        raise MiniStreamError(
+            f"--max-model-len {asked} is longer than the model's context, max_position_embeddings {most} in "
+            f"{Path(model) / 'config.json'}: give {most} or less (or leave it out)"
+        )
+
+
+def check_listen(host: str, port: int) -> None:
+    """--host and --port as vLLM's server will bind them (vllm.entrypoints: AF_INET6 for an IPv6 address,
+    SO_REUSEADDR), bound and released now: a bad host, a port out of range or held by another server is
+    refused in one line before a minute of engine start, and a server already on the port is never taken for
+    this one."""
+    if not 1 <= port <= 65535:
+        raise MiniStreamError(f"--port {port}: give a TCP port from 1 to 65535 (default 8000)")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    where = f"[{host}]:{port}" if family == socket.AF_INET6 else f"{host}:{port}"
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port))
+    except (socket.gaierror, UnicodeError):
+        raise MiniStreamError(
+            f"--host {host!r} is neither an address nor a name this machine resolves: give one of its "
+            "addresses, 127.0.0.1 (this machine only) or 0.0.0.0 (every interface)"
+        ) from None
+    except OSError as e:
+        if e.errno == errno.EADDRINUSE:
+            raise MiniStreamError(
+                f"port {where} is in use{_holder(port)}: stop that server, or give another --port"
+            ) from None
+        if e.errno == errno.EADDRNOTAVAIL:
+            raise MiniStreamError(
+                f"--host {host} is not an address of this machine: give one of its addresses, 127.0.0.1 "
+                "(this machine only) or 0.0.0.0 (every interface)"
+            ) from None
+        if e.errno == errno.EACCES:
+            raise MiniStreamError(
+                f"--port {port}: ports below 1024 need root (or CAP_NET_BIND_SERVICE): give --port 1024 or above"
+            ) from None
+        raise MiniStreamError(f"cannot listen on {where} ({e.strerror}): give another --host or --port") from None
+
+
+def _holder(port: int) -> str:
+    """' by pid N (its command)' for the process listening on `port`, where this process may see it."""
+    try:
+        import psutil  # vLLM's dependency: there wherever serve can start vLLM
+
+        for c in psutil.net_connections("tcp"):
+            if c.laddr and c.laddr.port == port and c.status == psutil.CONN_LISTEN and c.pid:
+                return f" by pid {c.pid} ({' '.join(psutil.Process(c.pid).cmdline())[:120]})"
+    except Exception:  # who holds it is a courtesy: the refusal stands without it
+        pass
+    return ""
 
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -68,7 +198,7 @@ def serve(
     tp: int = 1,
     max_model_len: int | None = None,
     extra: Sequence[str] = (),
-    stop_timeout: float = 60,
+    stop_timeout: float = STOP_TIMEOUT,
     api_key: str | None = None,
     enforce_eager: bool = False,
     pp: int = 1,
@@ -79,7 +209,10 @@ def serve(
     cluster: this process is one node of a server over cluster.nnodes machines (nodes.py); rank 0 serves
     the API, the others run headless. api_key goes to vLLM through its environment (VLLM_API_KEY), never
     on a command line `ps` shows."""
-    check_servable(model)  # a folder vLLM can read, and ranks this machine has, before minutes of engine start
+    config = check_servable(model)  # a folder vLLM can read, and what this machine has, before minutes of start
+    check_max_model_len(max_model_len, config, model)
+    if not stop_timeout > 0:  # NaN too
+        raise MiniStreamError(f"--stop-timeout {stop_timeout}: give a number of seconds above 0 (default 30)")
     nnodes = cluster.nnodes if cluster else 1
     if pp < 1 or (tp * pp) % nnodes:
         raise MiniStreamError(
@@ -101,6 +234,8 @@ def serve(
     if api_key:
         env[API_KEY] = api_key
     headless = cluster is not None and cluster.rank > 0
+    if not headless:
+        check_listen(host, port)
     if not headless and (warning := exposure_warning(host, env)):
         print(warning, file=sys.stderr, flush=True)
     cmd = engine.server_command(model, host, port, name, dtype, tp, max_model_len, list(extra), enforce_eager)
@@ -127,7 +262,8 @@ def serve(
     if peers:
         nodes.watch(peers, lambda rank: _node_lost(rank, proc, lost))
     if not headless:
-        threading.Thread(target=_announce_when_ready, args=(url, name, proc), daemon=True).start()
+        key = env.get(API_KEY)
+        threading.Thread(target=_announce_when_ready, args=(url, name, model, key, proc), daemon=True).start()
     stopping: list[float] = []  # when the first stop signal came
     rc = _wait_forwarding_signals(proc, stopping, stop_timeout)
     if lost and not stopping:
@@ -138,16 +274,16 @@ def serve(
             flush=True,
         )
         return 3
-    if stopping and rc in (0, -signal.SIGTERM, -signal.SIGINT, 128 + signal.SIGTERM):
+    if stopping:  # asked: stopped, however it ended (by itself, or killed at the bound)
         print("ministream serve: stopped", flush=True)
         return 0
-    if not stopping:  # nobody asked it to stop: vLLM ends its server with status 0 when the engine dies
-        print(
-            f"ministream serve: the server stopped unasked (status {rc}): its engine died or it could not "
-            "start; the reason is in the log above",
-            file=sys.stderr,
-            flush=True,
-        )
+    # nobody asked it to stop: vLLM ends its server with status 0 when the engine dies
+    print(
+        f"ministream serve: the server stopped unasked (status {rc}): its engine died or it could not "
+        "start; the reason is in the log above",
+        file=sys.stderr,
+        flush=True,
+    )
     return 1 if rc == 0 else rc if rc > 0 else 128 - rc
 
 
@@ -158,29 +294,37 @@ def _node_lost(rank: int, proc: subprocess.Popen, lost: list[int]) -> None:
 
 
 def _wait_forwarding_signals(proc: subprocess.Popen, stopping: list, stop_timeout: float) -> int:
-    """The server's exit status; SIGTERM/SIGINT meanwhile go to it (a second one as SIGKILL), and its
-    process group is killed if it has not exited stop_timeout seconds after the first; whatever of the
-    group is left when it exits, too."""
+    """The server's exit status. SIGTERM/SIGINT meanwhile go to it; whatever of its process group is left
+    stop_timeout seconds after the first is killed, all of it at once on a second. Its group is gone on return:
+    once asked, by the same deadline; unasked (its engine died), at once."""
 
     def forward(signum, _frame):
         stopping.append(time.monotonic())
         try:
-            os.kill(proc.pid, signum if len(stopping) == 1 else signal.SIGKILL)
+            if len(stopping) == 1:
+                os.kill(proc.pid, signum)
+            else:
+                kill_group(proc.pid)
         except ProcessLookupError:
             pass
 
     old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+    killed = False
     try:
-        while True:
-            try:
-                return proc.wait(timeout=1)
-            except subprocess.TimeoutExpired:
-                if stopping and time.monotonic() - stopping[0] > stop_timeout:
-                    print(
-                        f"ministream serve: no exit {stop_timeout:.0f}s after the signal; killing it", file=sys.stderr
-                    )
-                    kill_group(proc.pid)
+        # the server's exit, then the rest of its group (engine processes still exiting): both by the deadline
+        while proc.poll() is None or (stopping and not killed and pgroup_alive(proc.pid)):
+            if stopping and not killed and time.monotonic() - stopping[0] >= stop_timeout:
+                print(
+                    f"ministream serve: still running {stop_timeout:g}s after the signal (a stream held it open, "
+                    "or its engine did not stop): killing it",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                kill_group(proc.pid)
+                killed = True  # then only the server's own exit is awaited: SIGKILL cannot be refused
+            time.sleep(0.1)
+        return proc.returncode
     finally:
-        reap_process_group(proc.pid, grace=10 if stopping else 0)
+        kill_group(proc.pid)  # unasked, or this thread interrupted: nothing of the server outlives serve
         for s, h in old.items():
             signal.signal(s, h)
