@@ -9,6 +9,7 @@ import bisect
 import hashlib
 import importlib.util
 import io
+import json
 import py_compile
 import re
 import shutil
@@ -258,9 +259,41 @@ def test_registry_entry_is_in_alphabetical_position(built):
     assert names[i - 1] == before and i < names.index(after)
 
 
-def test_patched_files_compile(built, tmp_path):
-    for rel in (MINISTREAM, CONFIG_CLASS, DEBUG, REGISTRY, CONFIG, CONFIGS):
-        py_compile.compile(str(built / rel), cfile=str(tmp_path / "x.pyc"), doraise=True)
+def load_file(path: Path, name: str):
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_patched_tree_wires_the_model_type_to_a_config_class_that_reads_a_converted_folder(
+    built, tiny_hf, monkeypatch
+):
+    """What vLLM follows from a folder's config.json: model_type "ministream" -> the config class (in
+    config.py's registry, and lazily exported by configs/__init__), which reads the folder's every key;
+    the architecture -> a module of the tree that defines that class; the debug hook dumps nothing unasked."""
+    for rel in (MINISTREAM, REGISTRY, CONFIG, CONFIGS):
+        py_compile.compile(str(built / rel), doraise=True, cfile=str(built.parent / "x.pyc"))
+    assert re.search(r'\bministream="MiniStreamConfig"', (built / CONFIG).read_text())
+    module = "vllm.transformers_utils.configs.ministream"
+    assert f'"MiniStreamConfig": "{module}"' in (built / CONFIGS).read_text()
+    assert (built / (module.replace(".", "/") + ".py")) == built / CONFIG_CLASS
+    config_class = load_file(built / CONFIG_CLASS, "patched_config").MiniStreamConfig
+    config = config_class.from_pretrained(tiny_hf)
+    saved = json.loads((tiny_hf / "config.json").read_text())
+    assert config.model_type == saved["model_type"] == "ministream"
+    for key in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size", "rms_norm_eps"):
+        assert getattr(config, key) == saved[key], key
+    assert re.search(rf'"{ARCH}": \("ministream", "{ARCH}"\)', (built / REGISTRY).read_text())
+    defined = {n.name for n in ast.parse((built / MINISTREAM).read_text()).body if isinstance(n, ast.ClassDef)}
+    assert ARCH in defined and (built / MINISTREAM).parent.name == "models"
+    hidden = torch.ones(2, 4)
+    monkeypatch.delenv("MINISTREAM_DUMP_HIDDEN", raising=False)
+    assert load_file(built / DEBUG, "patched_debug").start(hidden) is None  # the switch unset
+    monkeypatch.setenv("MINISTREAM_DUMP_HIDDEN", str(built.parent))
+    collected = load_file(built / DEBUG, "patched_debug_on").start(hidden)
+    assert collected is not None and torch.equal(collected[0], hidden) and collected[0] is not hidden
 
 
 def test_second_run_changes_nothing_and_says_so(built, capsys):

@@ -58,9 +58,9 @@ def test_a_failed_line_shows_its_stage_and_error_in_the_table():
 def test_two_runs_recording_at_once_each_keep_the_others_line(tmp_path):
     """A run that waits for the lock reads the file again when its turn comes: the line the other run wrote
     meanwhile stays (two `matrix --run` beside each other, each for its own versions)."""
+    import select
     import subprocess
     import sys
-    import time
 
     from ministream.atomic import lock
 
@@ -69,10 +69,13 @@ def test_two_runs_recording_at_once_each_keep_the_others_line(tmp_path):
     code = f"from ministream.checks import report; report.record({str(tmp_path)!r}, {entry!r})"
     with lock(tmp_path / report.DATA, "the other run"):
         waiting = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True)
-        time.sleep(3)  # it is waiting for the lock by now (it says so), its own copy not yet read
+        # the other run says it waits for the lock before it reads the file: change the file only then
+        assert select.select([waiting.stderr], [], [], 60)[0], "the other run never said it was waiting"
+        first = waiting.stderr.readline()
         data = report.load(tmp_path)
         data["versions"]["0.19.1"] = {"static": {}, "run": None}
         report.write(tmp_path, data)
-    _, said = waiting.communicate(timeout=60)
-    assert waiting.returncode == 0 and "(the other run) to finish" in said, said
+    _, rest = waiting.communicate(timeout=60)
+    said = first + rest
+    assert waiting.returncode == 0 and "(the other run) to finish" in first, said
     assert set(report.load(tmp_path)["versions"]) == {"0.13.0", "0.19.1", "0.32.0"}

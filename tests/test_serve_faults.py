@@ -286,14 +286,11 @@ def test_command_refuses_in_one_line_before_vllm_starts(cli, tiny_hf, tree, tmp_
         "verify": ["--out", tmp_path / "verify"],
     }[command]
     before = tree(model)
-    start = time.monotonic()
     r = cli(command, model, *extra, timeout=300)
-    took = time.monotonic() - start
     assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and FAULTS[fault] in lines[0], r.stderr
     assert "Traceback" not in r.stderr and "vllm" not in r.stdout.lower()  # vLLM never started
-    assert took < 60, took
     assert tree(model) == before
 
 
