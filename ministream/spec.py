@@ -1,5 +1,5 @@
 """MiniStream stated once: its names, the train config and its HF-config map, the tensor table and its
-inverse, and the shapes a config implies. The contract is shared/ministream-format.md.
+inverse, and the shapes a config implies. The contract is docs/format.md.
 
 Every other module asks this one; it imports nothing of the package but the error class. One tensor
 table, read forwards to convert and backwards to restore (torchtitan's adapter, llama.cpp's table),
@@ -214,6 +214,7 @@ def train_config_from_hf(config: dict, source: str = "config.json") -> TrainConf
 # Roles other modules ask for by name; the strings themselves live only in the table below.
 EMBEDDING, HEAD = "embedding.weight", "lm_head.weight"
 QKV, W12 = "blocks.{i}.attn.Wqkv.weight", "blocks.{i}.mlp.w12.weight"
+OUT_PROJ, W3 = "blocks.{i}.attn.out_proj.weight", "blocks.{i}.mlp.w3.weight"
 
 # training name                        HF names (LLaMA's)                                    row split      shape
 LAYER_TABLE = [
@@ -230,7 +231,7 @@ LAYER_TABLE = [
         lambda c: (sum(c.qkv_sizes), c.d_model),
     ),
     (
-        "blocks.{i}.attn.out_proj.weight",
+        OUT_PROJ,
         ["model.layers.{i}.self_attn.o_proj.weight"],
         None,
         lambda c: (c.d_model, c.n_heads * c.head_dim),
@@ -243,7 +244,7 @@ LAYER_TABLE = [
         "w12_sizes",
         lambda c: (2 * c.d_ff, c.d_model),
     ),
-    ("blocks.{i}.mlp.w3.weight", ["model.layers.{i}.mlp.down_proj.weight"], None, lambda c: (c.d_model, c.d_ff)),
+    (W3, ["model.layers.{i}.mlp.down_proj.weight"], None, lambda c: (c.d_model, c.d_ff)),
 ]
 GLOBAL_TABLE = [
     (EMBEDDING, ["model.embed_tokens.weight"], None, lambda c: (c.vocab_size, c.d_model)),
@@ -277,9 +278,9 @@ GGUF_ROPE_ROWS = {"blk.{i}.attn_q.weight": "n_heads", "blk.{i}.attn_k.weight": "
 # what each shape is made of, for errors that explain a mismatch
 _SHAPE_WORDS = {
     QKV: "(n_heads + 2*n_kv_heads)*head_dim = ({n_heads} + 2*{n_kv_heads})*{head_dim} rows, d_model={d_model} columns",
-    "blocks.{i}.attn.out_proj.weight": "d_model={d_model} rows, n_heads*head_dim = {n_heads}*{head_dim} columns",
+    OUT_PROJ: "d_model={d_model} rows, n_heads*head_dim = {n_heads}*{head_dim} columns",
     W12: "2*d_ff = 2*{d_ff} rows, d_model={d_model} columns",
-    "blocks.{i}.mlp.w3.weight": "d_model={d_model} rows, d_ff={d_ff} columns",
+    W3: "d_model={d_model} rows, d_ff={d_ff} columns",
     EMBEDDING: "vocab_size={vocab_size} rows, d_model={d_model} columns",
     HEAD: "vocab_size={vocab_size} rows, d_model={d_model} columns",
 }
@@ -468,3 +469,147 @@ def check_state(state: dict, cfg: TrainConfig, source: str) -> None:
 def _summarize(state: dict) -> str:
     keys = sorted(state)
     return ", ".join(keys[:4]) + (f", ... ({len(keys)} in all)" if len(keys) > 4 else "")
+
+
+# --- LoRA adapters ------------------------------------------------------------------------------
+
+# The trainer's adapter (format.md, "LoRA adapters") adds (alpha / r) * B @ A to some of a block's matrices,
+# A [r, in] and B [out, r]; its keys are the weight's own with lora_A / lora_B in place of "weight". A PEFT
+# adapter (what vLLM loads) names the same factors after each HF weight, under PEFT's prefix. A fused weight's
+# B splits by rows as the weight does (q, k, v; gate, up) and every part keeps the whole A: the rows of B @ A
+# are the rows of B times A, so the split is exact, and concatenating the parts of B restores it.
+
+# target      the trainer's key (f: A or B)                 the weight it updates
+LORA_TABLE = {
+    "Wqkv": ("blocks.{i}.attn.Wqkv.lora_{f}.weight", QKV),
+    "out_proj": ("blocks.{i}.attn.out_proj.lora_{f}.weight", OUT_PROJ),
+    "w12": ("blocks.{i}.mlp.w12.lora_{f}.weight", W12),
+    "w3": ("blocks.{i}.mlp.w3.lora_{f}.weight", W3),
+}
+PEFT_PREFIX = "base_model.model."  # PeftModel's wrapper, before the model's own names
+
+
+def _peft_name(hf: str, factor: str) -> str:
+    """model.layers.0.self_attn.q_proj.weight -> base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"""
+    return PEFT_PREFIX + hf.removesuffix(".weight") + f".lora_{factor}.weight"
+
+
+@dataclass(frozen=True)
+class LoraRow:
+    target: str  # LORA_TABLE's key
+    a: str  # the trainer's key of A
+    b: str  # the trainer's key of B
+    base: str  # the training key of the weight it updates
+    peft_a: tuple[str, ...]  # PEFT's keys of A, one per HF weight: each holds the whole A
+    peft_b: tuple[str, ...]  # PEFT's keys of B, one per row block of the split
+    split: tuple[int, ...] | None  # the weight's row split (Row.split), which B's rows follow
+    a_shape: tuple[int, ...]  # [r, in]
+    b_shape: tuple[int, ...]  # [out, r]
+
+
+def lora_table(cfg: TrainConfig, r: int, targets=None) -> list[LoraRow]:
+    """LORA_TABLE instantiated for a base config and rank: every (layer, target) pair, in file order;
+    `targets`: only these (LORA_TABLE's keys)."""
+    rows = {row.raw: row for row in table(cfg)}
+    out = []
+    for i in range(cfg.n_layers):
+        for target, (key, weight) in LORA_TABLE.items():
+            if targets is not None and target not in targets:
+                continue
+            row = rows[weight.format(i=i)]
+            rows_out, cols_in = row.shape
+            out.append(
+                LoraRow(
+                    target,
+                    key.format(i=i, f="A"),
+                    key.format(i=i, f="B"),
+                    row.raw,
+                    tuple(_peft_name(h, "A") for h in row.hf),
+                    tuple(_peft_name(h, "B") for h in row.hf),
+                    row.split,
+                    (r, cols_in),
+                    (rows_out, r),
+                )
+            )
+    return out
+
+
+def peft_modules(targets) -> list[str]:
+    """PEFT's target_modules for some of LORA_TABLE's targets: the HF modules they update (q_proj, ...)."""
+    return [h.split(".")[-2] for t in LORA_TABLE if t in targets for h in hf_names(LORA_TABLE[t][1])]
+
+
+def peft_shapes(cfg: TrainConfig, r: int) -> dict[str, tuple[int, ...]]:
+    """Every tensor a PEFT adapter of rank r for this base may hold, with its shape (lora_to_peft's output)."""
+    shapes = {}
+    for row in lora_table(cfg, r):
+        shapes.update({name: row.a_shape for name in row.peft_a})
+        outs = row.split or (row.b_shape[0],)
+        shapes.update({name: (n, r) for name, n in zip(row.peft_b, outs)})
+    return shapes
+
+
+def lora_to_peft(rows: list[LoraRow], state: dict):
+    """Yield (PEFT name, tensor) in file order: A once per HF weight, B's rows split as the weight's (views)."""
+    for row in rows:
+        a, b = state[row.a], state[row.b]
+        parts = b.split(list(row.split), dim=0) if row.split else [b]
+        for name_a, name_b, part in zip(row.peft_a, row.peft_b, parts):
+            yield name_a, a
+            yield name_b, part
+
+
+def peft_to_lora(rows: list[LoraRow], peft: dict) -> dict:
+    """The inverse of lora_to_peft for the rows `peft` holds: B's parts concatenated, the one A they share."""
+    state = {}
+    for row in rows:
+        if row.peft_a[0] not in peft:
+            continue
+        a = peft[row.peft_a[0]]
+        if any(not torch.equal(peft[n], a) for n in row.peft_a[1:]):
+            raise MiniStreamError(
+                f"{', '.join(row.peft_a)} differ: the trainer's {row.a} is one A for all of {row.base}'s parts"
+            )
+        state[row.a], state[row.b] = a, torch.cat([peft[n] for n in row.peft_b], dim=0)
+    return state
+
+
+def check_lora(state: dict, cfg: TrainConfig, r: int, source: str) -> list[LoraRow]:
+    """An adapter's tensors against the base model's config and the rank: every key one of the table's, each
+    target present in every block with both factors, every shape the one r and the weight imply. The rows
+    present, in file order."""
+    rows = lora_table(cfg, r)
+    known = {name: row for row in rows for name in (row.a, row.b)}
+    block_0 = {key.format(i=0, f=f) for key, _ in LORA_TABLE.values() for f in "AB"}
+    for key in state:
+        if key in known:
+            continue
+        i = block_index(key)
+        if i is not None and renumber_block(key, -i) in block_0:  # a factor of a block the base lacks
+            raise MiniStreamError(
+                f"{source}: {key} is for block {i}, but the base model has n_layers={cfg.n_layers}: "
+                "is the adapter for another base model? Give the one it was trained on"
+            )
+        raise MiniStreamError(
+            f"{source}: {key!r} is not a LoRA factor of format 1's adapters, which update "
+            f"{', '.join(LORA_TABLE)} (keys like {LORA_TABLE['Wqkv'][0].format(i=0, f='A')})"
+        )
+    targets = {known[k].target for k in state}
+    present = [row for row in rows if row.target in targets]
+    missing = [name for row in present for name in (row.a, row.b) if name not in state]
+    if missing:
+        raise MiniStreamError(
+            f"{source}: missing {len(missing)} tensor(s), first {missing[0]!r}: an adapter updates each of its "
+            f"targets ({', '.join(sorted(targets))}) in all {cfg.n_layers} blocks with lora_A and lora_B; is the "
+            "file cut short, or for another base model?"
+        )
+    for row in present:
+        for name, want, what in ((row.a, row.a_shape, "[r, in]"), (row.b, row.b_shape, "[out, r]")):
+            got = tuple(state[name].shape)
+            if got != want:
+                raise MiniStreamError(
+                    f"{source}: {name} has shape {list(got)}, but r={r} and the base model's {row.base} "
+                    f"{list(row.b_shape[:1] + row.a_shape[1:])} imply {what} = {list(want)}: is the adapter for "
+                    "another base model, or its config's r wrong?"
+                )
+    return present

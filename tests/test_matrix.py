@@ -22,7 +22,7 @@ from ministream.paths import PATCH_SETS
 VERSIONS = [*supported_versions(), "0.20.0"]
 # make test checks the releases at each boundary (the oldest, the first plugin era, the oldest CPU line, the
 # one without an sdist, one mapped by hash, the hand-made set, the newest); make test-full checks them all
-QUICK = {"0.4.3", "0.6.3", "0.8.5.post1", "0.15.1", "0.20.0", "0.32.0", "0.33.0"}
+QUICK = {"0.4.3", "0.6.3", "0.8.5.post1", "0.15.1", "0.20.0", "0.32.0", "0.33.0", "0.34.0"}
 checked = functools.cache(check_version)  # each version's matrix row, for the tests that read it
 
 
@@ -73,9 +73,9 @@ def test_matrix_writes_a_table_and_json(tmp_path):
     md = (tmp_path / "matrix.md").read_text()
     assert md.startswith(
         "| vLLM | patch set | pristine | applies | compiles | architecture | config | interface "
-        "| names | attributes | weights | upstream |"
+        "| names | attributes | weights | internals | upstream |"
     )
-    assert "| 0.32.0 | v0.32.0 | ✓ | ✓ | ✓ | ✓ | ✓ | ✓ | ✓ | ✓ | ✓ | ✓ | lazy registry, class-to-module |" in md
+    assert "| 0.32.0 | v0.32.0 | ✓ | ✓ | ✓ | ✓ | ✓ | ✓ | ✓ | ✓ | ✓ | ✓ | ✓ | lazy registry, class-to-module |" in md
     assert "- 0.3.3 pristine: no MiniStream patch set" in md
 
 
@@ -114,7 +114,7 @@ def test_a_release_without_an_sdist_shows_why_it_has_no_upstream_part(tmp_path):
         "detail": "n/a: no sdist on PyPI for 0.15.1",
     }
     md = (tmp_path / "matrix.md").read_text()
-    assert "| 0.15.1 | v0.15.1 | ✓ | ✓ | ✓ | ✓ | ✓ | ✓ | ✓ | ✓ | ✓ | n/a |" in md
+    assert "| 0.15.1 | v0.15.1 | ✓ | ✓ | ✓ | ✓ | ✓ | ✓ | ✓ | ✓ | ✓ | ✓ | n/a |" in md
     assert "- 0.15.1 upstream: n/a: no sdist on PyPI for 0.15.1" in md
 
 

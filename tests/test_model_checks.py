@@ -25,7 +25,7 @@ def patched_trees(version, root):
     return tree, patched, folder
 
 
-@pytest.mark.parametrize("version", ["0.6.3", "0.33.0"])
+@pytest.mark.parametrize("version", ["0.6.3", "0.34.0"])
 def test_an_unmodified_patch_set_passes(version, tmp_path):
     trees = patched_trees(version, tmp_path)
     details = {name: check(*trees[:2], version, trees[2]) for name, check in static.CHECKS.items()}

@@ -180,10 +180,17 @@ def _lint_imports(package: Path, cwd: Path) -> subprocess.CompletedProcess:
     )
 
 
-@pytest.mark.parametrize("planted", ["function-level import from a floor above", "none"])
+# (module the import is planted in, the floor above it imported, the arrow import-linter must report)
+PLANTED = {
+    "function-level import from a floor above": ("fork/patch.py", "run import engine", "fork.patch -> ministream.run"),
+    "run looking up to the benchmarks": ("run/serve.py", "bench import machine", "run.serve -> ministream.bench"),
+}
+
+
+@pytest.mark.parametrize("planted", [*PLANTED, "none"])
 def test_the_floors_contract_refuses_an_upward_import_at_any_depth(planted, tmp_path):
-    """The layers contract that `make lint` holds: checkpoint -> fork -> run -> checks -> cli, none looking up,
-    imports inside functions included; a copy of the package with one planted import must fail it."""
+    """The layers contract that `make lint` holds: checkpoint -> fork -> run -> bench -> checks -> cli, none looking
+    up, imports inside functions included; a copy of the package with one planted import must fail it."""
     package = tmp_path / "pkg"
     shutil.copytree(
         PACKAGE,
@@ -191,16 +198,15 @@ def test_the_floors_contract_refuses_an_upward_import_at_any_depth(planted, tmp_
         ignore=shutil.ignore_patterns("patches", "models", "plugin_files", "docker", "__pycache__"),
     )
     if planted != "none":
-        target = package / "ministream" / "fork" / "patch.py"
-        target.write_text(
-            target.read_text() + "\n\ndef _planted():\n    from ..run import engine\n\n    return engine\n"
-        )
+        module, imported, arrow = PLANTED[planted]
+        target = package / "ministream" / module
+        target.write_text(target.read_text() + f"\n\ndef _planted():\n    from ..{imported}\n")
     r = _lint_imports(package, tmp_path)
     if planted == "none":
         assert r.returncode == 0, r.stdout + r.stderr
         assert "Contracts: 1 kept, 0 broken." in r.stdout
     else:
-        assert r.returncode != 0 and "ministream.fork.patch -> ministream.run.engine" in r.stdout, r.stdout + r.stderr
+        assert r.returncode != 0 and f"ministream.{arrow}" in r.stdout, r.stdout + r.stderr
 
 
 def test_spec_imports_nothing_of_the_package():

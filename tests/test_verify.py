@@ -131,10 +131,17 @@ def test_clean_folder_has_no_findings_and_no_diverging_layer(tiny, tiny_hf):
 @pytest.mark.vllm
 @pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.full)])
 def test_verify_passes_on_the_converted_folder(dtype, cli, tiny, tiny_hf, tmp_path):
+    """The built-in set's short prompts and those far from position 0 (test_long_context.py has the others)."""
+    from test_long_context import assert_far_from_position_0
+
     r = cli("verify", tiny_hf, "--raw", tiny, "--dtype", dtype, "--out", tmp_path)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert f"rule for {dtype}" in r.stdout and "PASS" in r.stdout
-    assert (tmp_path / f"golden-{dtype}.json").is_file() and (tmp_path / f"vllm-{dtype}.json").is_file()
+    golden = read_golden(tmp_path / f"golden-{dtype}.json")
+    got = json.loads((tmp_path / f"vllm-{dtype}.json").read_text())["outputs"]
+    assert golden["prompts"][: len(DEFAULT_PROMPTS)] == DEFAULT_PROMPTS
+    assert_far_from_position_0(golden, tiny_hf, got)
+    assert "[the end: 480 prompt tokens + 32 new of 512 positions] 'The river" in r.stdout, r.stdout[-3000:]
 
 
 @pytest.mark.vllm

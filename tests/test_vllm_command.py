@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from ministream.bench.benchclient import client_common
 from ministream.fork.install import installed_vllm
 from ministream.fork.wheel import LOCAL_LABEL
-from ministream.run.benchclient import client_common
 from ministream.run.engine import NO_USAGE_STATS
 from ministream.run.generate import DEFAULT_PROMPTS, reference_generate, tokenize
 from ministream.run.server import complete, free_port, running, wait_ready

@@ -256,3 +256,16 @@ def convert(
         f"head_dim {cfg.head_dim}, vocab {cfg.vocab_size}, {'tied' if cfg.tie_embeddings else 'untied'}, {dtype})"
     )
     return cfg
+
+
+def llama_twin(hf: Path, out: Path) -> Path:
+    """`out`: the converted folder `hf` as vLLM's own LLaMA: its files linked (the same safetensors), config.json
+    naming LlamaForCausalLM and model_type llama. The benchmarks' and the GPU proof's "same weights, stock model"."""
+    with new_folder(out, force=True) as tmp:
+        for f in hf.iterdir():
+            if f.name != "config.json":
+                (tmp / f.name).symlink_to(f.resolve())
+        config = json.loads((hf / "config.json").read_text())
+        config.update(architectures=["LlamaForCausalLM"], model_type="llama")
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out

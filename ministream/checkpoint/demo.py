@@ -6,6 +6,9 @@ greedy choices flip on rounding noise; a few hundred steps of real training make
 greedy comparisons between implementations are meaningful. Flags make the variants a real user's
 checkpoint may have: GQA, another head_dim, an untied head, a padded vocabulary, DDP/compile key
 prefixes, blocks numbered from 1, no config entry, optimizer state, bfloat16 tensors.
+
+`make_adapter` (`ministream checkpoint --adapter BASE`) writes a LoRA adapter.pt for a checkpoint, as the
+trainer saves one: random, seeded factors whose update is large enough to change the greedy outputs.
 """
 
 import math
@@ -17,10 +20,11 @@ import torch
 import torch.nn.functional as F
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
+from .. import MiniStreamError
 from ..atomic import new_folder
 from ..paths import CORPUS
-from ..spec import TrainConfig, renumber_block
-from .format import save_checkpoint
+from ..spec import LORA_TABLE, TrainConfig, lora_table, renumber_block
+from .format import ADAPTER_FILE, load, save_checkpoint
 from .reference import Block, MiniStream
 
 SPECIAL_TOKENS = ["<|bos|>", "<|eos|>", "<|pad|>"]  # ids 0, 1, 2
@@ -39,6 +43,8 @@ PRESETS = {
     "reference-gqa": (dict(REFERENCE, n_kv_heads=4), 32000, 0),
 }
 COMMON = dict(norm_eps=1e-6, rope_theta=10000.0)
+# --prefix: the keys as DistributedDataParallel (module.) and torch.compile (_orig_mod.) save them
+KEY_PREFIXES = {"none": "", "ddp": "module.", "compile": "_orig_mod.", "both": "module._orig_mod."}
 
 
 def train_tokenizer(vocab_size: int, corpus: Path = CORPUS) -> Tokenizer:
@@ -147,7 +153,7 @@ def make_checkpoint(
     state = {k: v.detach().to(getattr(torch, dtype)).contiguous() for k, v in model.state_dict().items()}
     if one_based:
         state = {renumber_block(k, +1): v for k, v in state.items()}
-    key_prefix = {"none": "", "ddp": "module.", "compile": "_orig_mod.", "both": "module._orig_mod."}[prefix]
+    key_prefix = KEY_PREFIXES[prefix]
     state = {key_prefix + k: v for k, v in state.items()}
     extra: dict[str, Any] = {"step": steps}
     if optimizer and opt is not None:
@@ -160,3 +166,43 @@ def make_checkpoint(
         f"{dtype}) and {out}/tokenizer.json"
     )
     return cfg
+
+
+def make_adapter(
+    base: Path,
+    out: Path,
+    rank: int = 8,
+    alpha: float = 16.0,
+    targets=tuple(LORA_TABLE),
+    strength: float = 0.5,
+    seed: int = 0,
+    dtype: str = "float32",
+    prefix: str = "none",
+    force: bool = False,
+    log=print,
+) -> None:
+    """Write `out/adapter.pt` for the training checkpoint `base` as MiniStream's trainer saves a LoRA adapter
+    ({"lora": ..., "config": {"r", "alpha"}}), for `targets` (LORA_TABLE's keys) in every block. Not trained:
+    A and B are seeded Gaussians, B scaled so that each update (alpha / r) * B @ A has `strength` times the
+    Frobenius norm of the weight it updates: a model whose greedy outputs differ visibly from the base's."""
+    unknown = [t for t in targets if t not in LORA_TABLE]
+    if unknown or not targets or rank < 1:
+        raise MiniStreamError(
+            f"adapter targets {list(targets)}, rank {rank}: give a rank of 1 or more and targets among "
+            f"{', '.join(LORA_TABLE)}"
+        )
+    cfg, ckpt = load(base)
+    g = torch.Generator().manual_seed(seed)
+    state = {}
+    for row in lora_table(cfg, rank, targets):
+        a = torch.randn(row.a_shape, generator=g) / math.sqrt(row.a_shape[1])
+        b = torch.randn(row.b_shape, generator=g)
+        b *= strength * ckpt.state[row.base].float().norm() / ((alpha / rank) * (b @ a)).norm()
+        state[KEY_PREFIXES[prefix] + row.a] = a.to(getattr(torch, dtype))
+        state[KEY_PREFIXES[prefix] + row.b] = b.to(getattr(torch, dtype))
+    with new_folder(out, force, [Path(base)]) as tmp:
+        torch.save({"lora": state, "config": {"r": rank, "alpha": alpha}}, tmp / ADAPTER_FILE)
+    log(
+        f"checkpoint: wrote {out}/{ADAPTER_FILE} (LoRA r {rank}, alpha {alpha:g}, {', '.join(targets)} in "
+        f"{cfg.n_layers} blocks, strength {strength:g}, {dtype}) for {base}"
+    )

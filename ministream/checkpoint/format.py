@@ -41,6 +41,11 @@ class Checkpoint:
 
 
 _PREFIXES = ("module.", "_orig_mod.")  # DistributedDataParallel, torch.compile
+ADAPTER_FILE = "adapter.pt"  # a LoRA adapter's file (format.md, "LoRA adapters"), read by the same reader
+RESAVE = {  # how the trainer saves each file with nothing but tensors, dicts and numbers
+    "model.pt": "torch.save({'model': model.state_dict(), 'config': dict(config)}, 'model.pt')",
+    ADAPTER_FILE: f"torch.save({{'lora': lora_state_dict, 'config': {{'r': r, 'alpha': alpha}}}}, '{ADAPTER_FILE}')",
+}
 CONFIG_KEYS = frozenset(f.name for f in dataclasses.fields(TrainConfig))  # the format's "Train config" table
 # A zip member that is not a tensor's storage (data.pkl, version, byteorder, ...) is bytes to kilobytes; one that
 # would inflate beyond this is refused before inflating (a compressed storage must inflate to exactly its size).
@@ -57,7 +62,7 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
             f"{path}: no such file; a MiniStream training checkpoint folder holds model.pt and tokenizer.json"
         )
     notes: list[str] = []
-    obj = _torch_load(path, notes)
+    obj = read_pt(path, notes)
 
     if isinstance(obj, dict) and "model" in obj and isinstance(obj["model"], dict):
         state, config = obj["model"], obj.get("config")
@@ -75,11 +80,17 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
             f"{path}: holds a {type(obj).__name__}, not a MiniStream checkpoint "
             "(expected a state dict or {'model': state dict, 'config': ...})"
         )
+    return Checkpoint(path, named_tensors(path, state, notes), config, notes)
+
+
+def named_tensors(path: Path, state: dict, notes: list[str], what: str = "the state dict") -> dict[str, torch.Tensor]:
+    """`state` (`what` in the file `path`) as format 1 holds tensors: named, dense, float32 or bfloat16, the
+    DDP/compile prefixes stripped and blocks numbered from 0; what changed is added to `notes`."""
     bad = [k for k, v in state.items() if not isinstance(k, str) or not isinstance(v, torch.Tensor)]
     if bad:
-        raise MiniStreamError(f"{path}: state dict entry {bad[0]!r} is not a named tensor")
+        raise MiniStreamError(f"{path}: {what} entry {bad[0]!r} is not a named tensor")
     if not state:
-        raise MiniStreamError(f"{path}: the state dict is empty")
+        raise MiniStreamError(f"{path}: {what} is empty")
 
     state = _strip_prefixes(state, notes)
     state = _renumber_blocks(state, notes)
@@ -93,10 +104,12 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
             )
         if v.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise MiniStreamError(f"{path}: {k} has dtype {v.dtype}; format 1 holds float32 or bfloat16 tensors")
-    return Checkpoint(path, state, config, notes)
+    return state
 
 
-def _torch_load(path: Path, notes: list[str]):
+def read_pt(path: Path, notes: list[str]):
+    """The object a format-1 `.pt` file holds (model.pt, adapter.pt), read with torch's weights-only loader
+    after its zip is proven to hold what its pickle names (`_check_zip`); never unpickled in full."""
     if path.stat().st_size == 0:
         raise MiniStreamError(f"{path}: the file is empty")
     # mmap keeps the tensors on disk until they are read: converting streams instead of copying. It maps a
@@ -157,7 +170,7 @@ def _check_zip(path: Path, notes: list[str]) -> bool:
     if compressed:
         names = [i.filename for i in compressed]
         notes.append(
-            f"{len(names)} zip member(s) of model.pt are compressed ({', '.join(names[:3])}"
+            f"{len(names)} zip member(s) of {path.name} are compressed ({', '.join(names[:3])}"
             f"{', ...' if len(names) > 3 else ''}), not stored as torch.save writes them: read into memory, not mapped"
         )
     return not compressed
@@ -218,12 +231,11 @@ def _refused_pickle(path: Path, e: pickle.UnpicklingError) -> MiniStreamError:
     # torch.load's wording, or its weights-only unpickler's own (the reader's scan of the pickle)
     if any(w in str(e) for w in ("weights_only", "Weights only", "GLOBAL", "Unsupported")):
         # torch names the callable it refused: "GLOBAL posix.system" or "Unsupported global: ..."
-        what = re.search(r"(?:GLOBAL|Unsupported global:)\s+([\w.]+)", str(e))
+        what = re.search(r"GLOBAL\s+([\w.]+)", str(e)) or re.search(r"Unsupported global:\s+([\w.]+)", str(e))
         return MiniStreamError(
             f"{path}: the pickle needs code to be executed to load "
             f"({what.group(1) if what else 'an object that is not a tensor, dict or number'}); it is refused. "
-            "Re-save it with plain tensors and dicts: "
-            "torch.save({'model': model.state_dict(), 'config': dict(config)}, 'model.pt')"
+            f"Re-save it with plain tensors and dicts: {RESAVE.get(path.name, RESAVE['model.pt'])}"
         )
     return MiniStreamError(f"{path}: not a readable torch checkpoint ({e}); is it truncated?")
 

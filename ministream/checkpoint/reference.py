@@ -1,6 +1,6 @@
 """The MiniStream reference model: format 1's math in plain PyTorch, with a KV cache and batched generation.
 
-This is the definition every other stage is checked against (shared/ministream-format.md, "Math"),
+This is the definition every other stage is checked against (docs/format.md, "The math"),
 and the stand-in for the team's original single-request inference script. Read top to bottom:
 RMSNorm, RoPE, attention, MLP, block, model, generation.
 
@@ -17,6 +17,7 @@ from torch import nn
 
 from ..spec import TrainConfig
 from .format import load
+from .lora import load_for, updates
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -130,11 +131,27 @@ class MiniStream(nn.Module):
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
 
     @classmethod
-    def from_checkpoint(cls, path: str | Path, dtype: torch.dtype = torch.float32, overrides=None) -> "MiniStream":
+    def from_checkpoint(
+        cls, path: str | Path, dtype: torch.dtype = torch.float32, overrides=None, adapter: str | Path | None = None
+    ) -> "MiniStream":
+        """The model of a training checkpoint; with `adapter` (a LoRA adapter.pt or its folder), merged into it."""
         cfg, ckpt = load(path, overrides)
         model = cls(cfg)
         model.load_state_dict(ckpt.state, strict=True, assign=True)
+        if adapter is not None:
+            lora, rows = load_for(adapter, cfg)
+            model.merge_lora(updates(lora, rows), lora.scaling)
         return model.to(dtype).eval()
+
+    @torch.no_grad()
+    def merge_lora(self, factors: dict[str, tuple[torch.Tensor, torch.Tensor]], scaling: float) -> None:
+        """W += scaling * B @ A for each weight named by its training key, A [r, in] and B [out, r]: the
+        model a LoRA adapter makes (format.md, "LoRA adapters"), summed in float32. Each weight gets new
+        storage: a weight still mapped from model.pt is never written."""
+        params = dict(self.named_parameters())
+        for name, (a, b) in factors.items():
+            w = params[name]
+            w.data = (w.float() + scaling * (b.float() @ a.float())).to(w.dtype)
 
     @property
     def dtype(self) -> torch.dtype:

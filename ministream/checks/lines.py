@@ -35,6 +35,7 @@ from packaging.version import Version
 
 from .. import MiniStreamError
 from ..atomic import new_folder, write_json
+from ..bench.machine import machine, machine_line
 from ..checkpoint.convert import convert
 from ..checkpoint.demo import make_checkpoint
 from ..fork.install import installed_vllm
@@ -44,7 +45,6 @@ from ..fork.plugin import FIRST_PLUGIN_RELEASE, build_plugin
 from ..fork.release import cpu_lines, release_wheel
 from ..fork.wheel import build_wheel, patched_version
 from ..run import nodes
-from ..run.machine import machine, machine_line
 from ..run.serve import served_name
 from ..run.server import ServerFailed, complete, free_port, log_tail, stop, wait_ready
 from ..run.verify import compare, make_golden

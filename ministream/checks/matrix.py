@@ -16,7 +16,10 @@ For each version: the release's pristine files (single files of its release whee
                 whole set with upstream/, and the generation test compiles and its relative imports
                 name modules and names the release has; n/a, with the reason, for a release whose set
                 records why it has no upstream/ (0.15.1: no sdist on PyPI)
-  names, attributes, weights   static.py: names resolve in the release, config attributes, weight loading
+  names, attributes, weights   model_checks.py: names resolve in the release, config attributes, weight loading
+  internals     internals.py: every vLLM internal our tools reach by name (fork/internals.py) resolves in the
+                release: bench-step's model runner methods, verify's and the engine settings' arguments and
+                variables, doctor's platforms, the CPU part's edits, every `vllm` import of the package
 The table is printed and written to build/matrix.json and build/matrix.md (or --out).
 """
 
@@ -40,9 +43,14 @@ from ..fork.release import release_files, sdist_names
 from ..fork.upstream import upstream_files
 from ..paths import BUILD, PATCH_SETS
 from ..spec import ARCH, CONFIG_CLASS, MODEL_TYPE
+from .internals import internals
 from .model_checks import CHECKS as STATIC_CHECKS, Failed, NotApplicable
 
-CHECKS = ["pristine", "applies", "compiles", "architecture", "config", "interface", *STATIC_CHECKS, "upstream"]
+CHECKS = [
+    *("pristine", "applies", "compiles", "architecture", "config", "interface"),
+    *STATIC_CHECKS,
+    *("internals", "upstream"),
+]
 
 
 # --- the checks, each on the pristine tree and the patched tree ------------------------------
@@ -246,6 +254,7 @@ CHECK_FUNCS = {
     "config": _config,
     "interface": _interface,
     "upstream": _upstream,
+    "internals": internals,
     **STATIC_CHECKS,
 }
 

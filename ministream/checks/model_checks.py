@@ -26,7 +26,7 @@ from typing import Any, NoReturn
 from ..fork import registry, release
 from ..fork.patch import LLAMA, MINISTREAM
 from ..fork.patchset import added_files
-from ..fork.pysource import import_target, top_level
+from ..fork.pysource import class_attributes, import_target, top_level
 from ..spec import (
     ARCH,
     CONFIG_CLASS,
@@ -301,16 +301,7 @@ def _class_sets(module: ast.Module, cls: str) -> tuple[set[str], list[str]]:
     node = next((n for n in module.body if isinstance(n, ast.ClassDef) and n.name == cls), None)
     if node is None:
         _fail(f"{CONFIG_CLASS_PY} defines no class {cls}")
-    sets = top_level(ast.Module(body=node.body, type_ignores=[]))[0]
-    sets |= {
-        n.attr
-        for n in ast.walk(node)
-        if isinstance(n, ast.Attribute)
-        and isinstance(n.ctx, ast.Store)
-        and isinstance(n.value, ast.Name)
-        and n.value.id == "self"
-    }
-    return sets, [ast.unparse(b) for b in node.bases]
+    return class_attributes(node), [ast.unparse(b) for b in node.bases]
 
 
 def attributes(tree: Path, patched: Path, version: str, folder: Path) -> str:

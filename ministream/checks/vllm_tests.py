@@ -116,10 +116,12 @@ def _environment(home: Path, device: str, extra: dict | None = None) -> dict:
     return env
 
 
-def pytest_run(tree: Path, args: list[str], env: dict, report: Path) -> dict:
-    """Run pytest in `tree`; {test id: passed|failed|skipped|error} from its JUnit report."""
+def pytest_run(tree: Path, args: list[str], env: dict, report: Path, python: Path | None = None) -> dict:
+    """Run pytest in `tree` (by `python`, this interpreter by default); {test id: passed|failed|skipped|error}
+    from its JUnit report."""
+    report.unlink(missing_ok=True)
     cmd = [
-        sys.executable,
+        str(python) if python else sys.executable,
         "-P",
         "-m",
         "pytest",

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from .. import MiniStreamError
 from ..paths import BUILD, DOCKER
-from . import zentorch
+from . import pins, zentorch
 from .plugin import build_plugin, wheel_name as plugin_wheel_name
 from .wheel import built_wheel, wheel_name
 
@@ -47,7 +47,7 @@ PORT = 8000
 SHM_SIZE = "2g"
 
 
-ROUTES = ("wheel", "plugin")  # the patched vLLM wheel, or the stock vLLM + our plugin (README: Which route?)
+ROUTES = ("wheel", "plugin")  # the patched vLLM wheel, or the stock vLLM + our plugin (docs/routes.md)
 
 
 def tag(version: str, device: str, route: str = "wheel") -> str:
@@ -191,8 +191,10 @@ def prepare_context(version: str, device: str, route: str = "wheel") -> Path:
         # the whole dependency tree, what the house holds taken from it; torch's CPU build comes from pip's
         # configured sources (a local folder here, or PyTorch's CPU index with
         # PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu)
+        _check_pins(wheel, version, route, refuse=True)
         _pip_wheel(["--find-links", house, house / wheel.name, ROOT], house)
     else:
+        _check_pins(wheel, version, route, refuse=False)
         _pip_wheel(["--no-deps", ROOT, *CUDA_EXTRA_WHEELS], house)
     for old in house.glob(".complete-*"):
         old.unlink()
@@ -202,6 +204,26 @@ def prepare_context(version: str, device: str, route: str = "wheel") -> Path:
     for script in ("entrypoint.sh", "install.sh"):
         shutil.copy2(DOCKER / script, ctx / script)
     return ctx
+
+
+def _check_pins(wheel: Path, version: str, route: str, refuse: bool) -> None:
+    """The wheel's own requirements that no index pip reads publishes, by name (pins.py): refused where the image
+    resolves them (the CPU image, from a wheelhouse; it takes no stand-in), said where it does not (the CUDA
+    image installs our wheel --no-deps over vLLM's own image, whose packages stay)."""
+    if route != "wheel":
+        return
+    sources = pins.pip_sources(sys.executable)
+    found, _ = pins.check(wheel, sources)
+    if not found:
+        return
+    name, full, _ = pins.wheel_requirements(wheel)
+    if refuse:
+        raise MiniStreamError(pins.refusal(name, full, found, sources, None))
+    print(
+        f"note: {name} {full} requires " + "; ".join(u.said() for u in found) + f". The image keeps what "
+        f"{cuda_base(version)} installed in their place (our wheel goes in with --no-deps)",
+        flush=True,
+    )
 
 
 def machine_library(house: Path) -> list[str]:

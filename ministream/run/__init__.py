@@ -1,1 +1,1 @@
-"""Using an engine: settings for this machine, generate, serve, verify, doctor, bench."""
+"""Using an engine: settings for this machine, generate, serve and its server, verify, doctor, nodes."""

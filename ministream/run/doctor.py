@@ -14,12 +14,14 @@ import importlib.util
 import json
 import math
 import os
+import platform
 import re
 import sys
 from pathlib import Path
 
 from .. import MiniStreamError
 from ..fork import plugin as vllm_plugin, zentorch
+from ..fork.internals import cpu_needs_triton
 from ..fork.registry import CONFIGS_INIT_PY, Registries, read_package
 from ..fork.release import DISTRIBUTIONS
 from ..paths import PATCH_SETS
@@ -232,6 +234,34 @@ def check_platform(vllm_dir: Path | None, cpuinfo: Path = Path("/proc/cpuinfo"))
     )
 
 
+def check_triton(vllm_dir: Path | None, machine: str | None = None) -> Finding | None:
+    """Where the installed vLLM's CPU platform refuses an x86 CPU without Triton's CPU backend (0.34 on:
+    "vLLM on x86 CPUs requires Triton (triton-cpu)", fork/internals.py cpu_needs_triton), whether it is here:
+    a triton package with backends/cpu, which vLLM finds through triton.backends. None where the rule does not
+    apply (another release, another CPU, a GPU)."""
+    cpu_py = vllm_dir / "platforms" / "cpu.py" if vllm_dir is not None else None
+    if cpu_py is None or not cpu_py.is_file() or os.path.exists("/dev/nvidiactl"):
+        return None
+    if (machine or platform.machine()).lower() not in ("x86_64", "amd64") or not cpu_needs_triton(cpu_py.read_text()):
+        return None
+    spec = importlib.util.find_spec("triton")
+    backends = Path(spec.origin).parent / "backends" if spec and spec.origin else None
+    if backends is not None and (backends / "cpu").is_dir():
+        return Finding(
+            "ok",
+            "platform",
+            f"Triton with its CPU backend (triton-cpu) at {backends.parent}, which "
+            "this vLLM's x86 CPU platform requires",
+        )
+    have = f"triton at {backends.parent} has no CPU backend" if backends is not None else "triton is not installed"
+    return Finding(
+        "error",
+        "platform",
+        f"this vLLM's x86 CPU platform refuses to start without Triton's CPU backend (triton-cpu), and {have}",
+        "install triton-cpu (Triton built with its CPU backend, not on PyPI) into this environment, or serve on a GPU",
+    )
+
+
 def check_plugin(plugin: dict, dist: str | None) -> Finding:
     """The plugin route: a stock vLLM, and the ministream plugin built for it."""
     base = (dist or "").split("+")[0]
@@ -393,8 +423,8 @@ def installed_vllm_findings(config: dict, vllm_dir: Path | None) -> list[Finding
                 )
             )
     found.append(check_plugin(plugin, dist) if plugin is not None else check_patch(vllm_dir, dist))
-    platform = check_platform(vllm_dir) if _cpu_build() else None  # the CPU build's platform choice
-    return found + ([platform] if platform else [])
+    chosen = check_platform(vllm_dir) if _cpu_build() else None  # the CPU build's platform choice
+    return found + [f for f in (chosen, check_triton(vllm_dir)) if f]
 
 
 def _cpu_build() -> bool:

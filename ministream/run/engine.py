@@ -42,7 +42,7 @@ def eager(asked: bool = False) -> bool:
     forward; a user's --enforce-eager). Else compiled: CUDA graphs on a GPU; on the CPU vLLM's torch.compile
     path (inductor, traced once for every batch size), measured as fast as eager or faster in both dtypes at
     batch 1, 8 and 64 on a 2-core AMD EPYC with AVX2 only (fp32 1.02-1.28x, bf16 0.96-1.37x) and 1.25x in bf16
-    at batch 32 on issue 15's Xeon with AMX (README, "Compiled or eager"). A model's first start compiles
+    at batch 32 on issue 15's Xeon with AMX (docs/bench.md, "Compiled or eager"). A model's first start compiles
     (engine start 87-114 s instead of 35 s on 2 cores), cached under VLLM_CACHE_ROOT for the next."""
     return asked
 
@@ -158,6 +158,36 @@ def use_defaults(tp: int = 1) -> None:
     """Put the defaults into this process's environment (vLLM's engine processes inherit it)."""
     for k, v in defaults(tp).items():
         os.environ.setdefault(k, v)
+
+
+# --- LoRA adapters beside the base model --------------------------------------------------------
+
+# the max_lora_rank values vLLM takes (vllm/config/lora.py, MaxLoRARanks, 0.32)
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def lora_settings(ranks: list[int]) -> dict:
+    """vLLM's LoRA settings for serving adapters of these ranks (one entry per adapter) in one batch beside the
+    base model: the smallest max_lora_rank vLLM takes that holds them all, and a slot for each adapter plus a
+    spare one. Why the spare: vLLM's CPU LoRA ops (lora/ops/torch_ops/lora_ops.py, 0.32) gather slot -1, the
+    last, for a base-model row, whose index -1 means "no adapter"; with every slot filled, a base request batched
+    with adapters gets the last adapter's update (vLLM PRs #48421 and #49656, open). Slots fill from the first
+    free one, so with a spare the last slot is never filled and holds zeros."""
+    rank = next((r for r in LORA_RANKS if r >= max(ranks)), None)
+    if rank is None:
+        raise MiniStreamError(f"LoRA rank {max(ranks)}: vLLM serves adapters of rank {LORA_RANKS[-1]} at most")
+    return {"enable_lora": True, "max_lora_rank": rank, "max_loras": len(ranks) + 1}
+
+
+def lora_server_args(adapters: list[tuple[str, Path, int]]) -> list[str]:
+    """`vllm serve`'s options for adapters (name, PEFT folder, rank): lora_settings, and each as --lora-modules."""
+    settings = lora_settings([r for _, _, r in adapters])
+    modules = [f"{name}={Path(folder).resolve()}" for name, folder, _ in adapters]
+    return [
+        "--enable-lora",
+        *("--max-lora-rank", str(settings["max_lora_rank"]), "--max-loras", str(settings["max_loras"])),
+        *("--lora-modules", *modules),
+    ]
 
 
 # --- the server (vLLM's OpenAI server) --------------------------------------------------------

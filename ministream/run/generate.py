@@ -90,18 +90,36 @@ def vllm_engine(model: Path, dtype: str = "float32", tp: int = 1, max_model_len:
 
 
 def vllm_generate(
-    llm, prompt_ids: list[list[int]], max_tokens: int, logprobs: int = 0, ignore_eos: bool = True
+    llm,
+    prompt_ids: list[list[int]],
+    max_tokens: int,
+    logprobs: int = 0,
+    ignore_eos: bool = True,
+    adapters: list[Path | None] | None = None,
 ) -> list[dict]:
+    """adapters: per prompt, the PEFT adapter folder to serve it with (None: the base model), all in one batch;
+    the engine needs enable_lora=True and max_loras at least the number of distinct folders."""
     from vllm import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=logprobs or None, ignore_eos=ignore_eos)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompt_ids], params, use_tqdm=False)
+    lora = lora_requests(adapters) if adapters is not None else None
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompt_ids], params, use_tqdm=False, lora_request=lora)
     results = []
     for o in outputs:
         c = o.outputs[0]
         lps = [{int(t): float(lp.logprob) for t, lp in step.items()} for step in (c.logprobs or [])]
         results.append({"ids": list(c.token_ids), "logprobs": lps})
     return results
+
+
+def lora_requests(adapters: list[Path | None]) -> list:
+    """vLLM's LoRARequest per prompt, None for the base model; each adapter folder gets its own id (1, 2, ...)
+    and its path as its name (vLLM tells adapters apart by name)."""
+    from vllm.lora.request import LoRARequest
+
+    paths = [str(Path(a).resolve()) if a else None for a in adapters]
+    ids = {p: i + 1 for i, p in enumerate(dict.fromkeys(p for p in paths if p))}
+    return [LoRARequest(p, ids[p], p) if p else None for p in paths]
 
 
 def generate(

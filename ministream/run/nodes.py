@@ -63,7 +63,7 @@ def check_release(installed: tuple[str, str] | None, gpu: bool | None = None) ->
     if release < Version(FIRST_RELEASE):
         raise MiniStreamError(
             f"vLLM {installed[0]} has no multi-node multiprocessing executor (--nnodes, from {FIRST_RELEASE}, vLLM "
-            f"PR #23691): install a patched vLLM {FIRST_RELEASE} or later, or use Ray (README, multi-node)"
+            f"PR #23691): install a patched vLLM {FIRST_RELEASE} or later, or use Ray (docs/routes.md, multi-node)"
         )
     if release < Version(FIRST_CPU_RELEASE) and not (has_gpu() if gpu is None else gpu):
         raise MiniStreamError(

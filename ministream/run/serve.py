@@ -10,8 +10,11 @@ Before vLLM starts (a minute or more), serve checks what it can in a second and 
 folder (the folder check doctor runs too), --host (an address of this machine, or a name that resolves to
 one), --port (1-65535, free: not held by another server, which is named), --max-model-len (1 to the folder's
 max_position_embeddings), --vllm-args (a string the shell's quoting rules split, not setting an option serve
-sets itself). It says "ready" once its own server answers: /v1/models, asked with the API key, lists the
-served name with this folder as its root, while the process it started runs.
+sets itself), --lora NAME=DIR (a PEFT adapter folder, each tensor of the shape the folder's weights imply). It
+says "ready" once its own server answers: /v1/models, asked with the API key, lists the served name with this
+folder as its root, while the process it started runs. Each --lora adapter is served under its NAME beside the
+model, with a spare LoRA slot (engine.lora_settings: vLLM's CPU LoRA ops would otherwise give base requests the
+last adapter's update).
 
 Stopping: SIGTERM or SIGINT (Ctrl-C) goes to the server, which aborts the requests in flight and shuts down its
 engine. A stream in flight can keep vLLM's HTTP server waiting for its connection to close, so whatever of its
@@ -36,9 +39,12 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from .. import MiniStreamError
+from ..checkpoint.format import ADAPTER_FILE
+from ..checkpoint.lora import PEFT_CONFIG, PEFT_WEIGHTS, check_peft
 from ..fork.install import installed_vllm
+from ..spec import train_config_from_hf
 from . import engine, nodes
-from .folder import check_servable
+from .folder import check_servable, read_header
 from .server import API_KEY, START_TIMEOUT, die_with_parent, get, kill_group, local_url, pgroup_alive
 
 SHOWN = (engine.BIND, engine.KV_CACHE)  # the settings the start line shows
@@ -90,6 +96,9 @@ OWN_OPTIONS = {
     "--pipeline-parallel-size": "--pp",
     "-pp": "--pp",
     "--api-key": "--api-key (or VLLM_API_KEY)",
+    # every adapter checked before the start, and a spare LoRA slot (engine.lora_settings)
+    "--lora-modules": "--lora NAME=DIR",
+    "--max-loras": "--lora NAME=DIR (one slot per adapter, and a spare)",
 }
 
 
@@ -176,6 +185,40 @@ def _holder(port: int) -> str:
     return ""
 
 
+def check_loras(loras: Sequence[str], config: dict, model: Path, name: str) -> list[tuple[str, Path, int]]:
+    """--lora NAME=DIR, each a PEFT adapter folder (convert-lora's) whose tensors fit the served folder's
+    weights, read from its safetensors header; (name, folder, rank) for engine.lora_server_args."""
+    adapters: list[tuple[str, Path, int]] = []
+    if not loras:
+        return adapters
+    cfg = train_config_from_hf(config, f"{Path(model) / 'config.json'}")
+    for text in loras:
+        lora_name, eq, path = text.partition("=")
+        if not eq or not lora_name.strip() or not path:
+            raise MiniStreamError(f"--lora {text!r}: give NAME=DIR, the name clients ask for and the adapter's folder")
+        if lora_name in (name, *(n for n, _, _ in adapters)):
+            raise MiniStreamError(
+                f"--lora {text!r}: the name {lora_name!r} is already served"
+                + (" (the base model's: --name)" if lora_name == name else "")
+                + ": give each adapter a name of its own"
+            )
+        folder = Path(path)
+        if not (folder / PEFT_CONFIG).is_file() or not (folder / PEFT_WEIGHTS).is_file():
+            trainer = (folder / ADAPTER_FILE).is_file() or folder.name == ADAPTER_FILE
+            todo = (
+                f"it holds the trainer's adapter: convert it, ministream convert-lora {folder} OUT --base {model}, "
+                f"and serve --lora {lora_name}=OUT"
+                if trainer
+                else f"convert the trainer's adapter into it: ministream convert-lora ADAPTER {folder} --base {model}"
+            )
+            raise MiniStreamError(
+                f"--lora {text!r}: {folder} is not a PEFT adapter folder ({PEFT_CONFIG} and {PEFT_WEIGHTS}); {todo}"
+            )
+        shapes = {k: t.shape for k, t in read_header(folder / PEFT_WEIGHTS).items()}
+        adapters.append((lora_name, folder, check_peft(folder, cfg, shapes)))
+    return adapters
+
+
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
@@ -203,14 +246,16 @@ def serve(
     enforce_eager: bool = False,
     pp: int = 1,
     cluster: nodes.Plan | None = None,
+    loras: Sequence[str] = (),
 ) -> int:
     """Run the server until it exits or this process gets SIGTERM/SIGINT; its exit status.
 
     cluster: this process is one node of a server over cluster.nnodes machines (nodes.py); rank 0 serves
     the API, the others run headless. api_key goes to vLLM through its environment (VLLM_API_KEY), never
-    on a command line `ps` shows."""
+    on a command line `ps` shows. loras: NAME=DIR, PEFT adapters served beside the model under their names."""
     config = check_servable(model)  # a folder vLLM can read, and what this machine has, before minutes of start
     check_max_model_len(max_model_len, config, model)
+    adapters = check_loras(loras, config, model, name or served_name(model))
     if not stop_timeout > 0:  # NaN too
         raise MiniStreamError(f"--stop-timeout {stop_timeout}: give a number of seconds above 0 (default 30)")
     nnodes = cluster.nnodes if cluster else 1
@@ -238,6 +283,8 @@ def serve(
         check_listen(host, port)
     if not headless and (warning := exposure_warning(host, env)):
         print(warning, file=sys.stderr, flush=True)
+    if adapters:
+        extra = [*engine.lora_server_args(adapters), *extra]
     cmd = engine.server_command(model, host, port, name, dtype, tp, max_model_len, list(extra), enforce_eager)
     if cluster:
         cmd = engine.node_command(cmd, pp, nnodes, cluster.rank, cluster.master_addr, cluster.master_port)
@@ -254,7 +301,9 @@ def serve(
         print(f"ministream serve: node {cluster.rank} of {nnodes}, headless: node 0 serves the API", flush=True)
     else:
         print(
-            f"ministream serve: will listen on {url} once loaded (model {name!r}); Ctrl-C or SIGTERM stops it",
+            f"ministream serve: will listen on {url} once loaded (model {name!r}"
+            + "".join(f", adapter {n!r}" for n, _, _ in adapters)
+            + "); Ctrl-C or SIGTERM stops it",
             flush=True,
         )
     proc = subprocess.Popen(cmd, env=env, preexec_fn=die_with_parent)

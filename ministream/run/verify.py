@@ -3,7 +3,10 @@
 `ministream verify MODEL [--raw RAW]`:
 1. golden file: the reference model (on the training checkpoint RAW, else on the converted folder)
    writes greedy tokens and top-k logprobs for a prompt set, with the prompt ids, dtype and the
-   sha256 of what it read;
+   sha256 of what it read. The built-in set: ten short prompts, then four of corpus text far from
+   position 0 (prompts.context_prompts): a quarter, two thirds and all of the model's context
+   (max_position_embeddings) less the new tokens, and one that shares the longest one's first two
+   thirds; the golden file records which is which ("context");
 2. the installed vLLM generates from the same prompt ids, its debug switch (MINISTREAM_DUMP_HIDDEN)
    saving every layer's output for the prompts;
 3. the report: exact matches, first divergence per prompt, the rule for the dtype, max logprob diff.
@@ -33,13 +36,17 @@ import torch
 from .. import MiniStreamError, __version__
 from ..atomic import check_output, mark_made
 from ..spec import FORMAT_VERSION, QKV, hf_names
+from .engine import OFFLINE_MAX_MODEL_LEN
 from .folder import EMBED, FINAL_NORM, HEAD, Folder, check_servable, name_differences, natural, open_folder
+from .prompts import context_prompts
 
 GOLDEN_VERSION = 1  # the golden file's own layout
 # cosine similarity below which a stage "diverges": fp32 agrees to ~1e-7; bf16 rounds each layer
 THRESHOLDS = {"float32": 0.9999, "bfloat16": 0.99, "float16": 0.995}
 DUMP_ENV = "MINISTREAM_DUMP_HIDDEN"
 DUMP_FILE = re.compile(r"(forward|logits)-\d+-\d+\.pt")  # what the switch writes, nothing else
+# the step budget (tokens) of verify's engine at least: vLLM's own for an offline engine on the CPU
+STEP_TOKENS = 4096
 
 
 # --- the rule for the dtype -----------------------------------------------------------------
@@ -132,13 +139,49 @@ def source_digest(source: Path) -> dict:
     return {"path": str(source), "kind": kind, "sha256": digests}
 
 
+def builtin_prompts(model: Path, max_tokens: int) -> tuple[list[str], dict]:
+    """verify's own prompt set: DEFAULT_PROMPTS, then the prompts that reach far into the model's context
+    (its max_position_embeddings, max_tokens generated after each); and the golden file's record of the
+    latter: {"positions", "new_tokens", "prompts": [{"index", "label", "tokens", "shares_prefix_with" (an
+    index), "shared_tokens"}]}."""
+    from .generate import DEFAULT_PROMPTS, folder_tokenizer
+
+    positions = open_folder(model).config.get("max_position_embeddings")
+    if not isinstance(positions, int):
+        raise MiniStreamError(
+            f"{model}/config.json: max_position_embeddings is {positions!r}, not a number of positions; "
+            "convert again, or give --prompts"
+        )
+    rows = context_prompts(folder_tokenizer(Path(model).resolve() / "tokenizer.json"), positions, max_tokens)
+    index = {r["label"]: len(DEFAULT_PROMPTS) + i for i, r in enumerate(rows)}
+    record = [
+        {"index": index[r["label"]], "label": r["label"], "tokens": r["tokens"]}
+        | (
+            {"shares_prefix_with": index[r["shares_prefix_with"]], "shared_tokens": r["shared_tokens"]}
+            if r["shares_prefix_with"]
+            else {}
+        )
+        for r in rows
+    ]
+    context = {"positions": positions, "new_tokens": max_tokens, "prompts": record}
+    return DEFAULT_PROMPTS + [r["prompt"] for r in rows], context
+
+
 def make_golden(
-    model: Path, source: Path, prompts: list[str], dtype: str, max_tokens: int = 32, top_k: int = 5
+    model: Path,
+    source: Path,
+    prompts: list[str],
+    dtype: str,
+    max_tokens: int = 32,
+    top_k: int = 5,
+    context: dict | None = None,
 ) -> dict:
-    from .generate import reference_generate, tokenize
+    """context: builtin_prompts' record of the prompts far from position 0, kept in the golden file."""
+    from .generate import tokenize
 
     ids = tokenize(model, prompts)
-    outputs = reference_generate(source, ids, max_tokens, dtype, logprobs=top_k)
+    alone = {c["index"] for c in (context or {}).get("prompts", [])}
+    outputs = reference_outputs(source, ids, dtype, max_tokens, top_k, alone)
     return {
         "golden_version": GOLDEN_VERSION,
         "format_version": FORMAT_VERSION,
@@ -150,7 +193,23 @@ def make_golden(
         "prompt_ids": ids,
         "reference": source_digest(source),
         "outputs": outputs,
-    }
+    } | ({"context": context} if context else {})
+
+
+def reference_outputs(
+    source: Path, prompt_ids: list[list[int]], dtype: str, max_tokens: int, top_k: int, alone=()
+) -> list[dict]:
+    """The reference model's greedy tokens and top-k logprobs per prompt: the prompts in one batch, but those
+    whose index is in `alone` each by itself (a long prompt, which the batch would pad the others to)."""
+    from .generate import load_reference
+
+    reference = load_reference(source, dtype)
+    batch = [i for i in range(len(prompt_ids)) if i not in alone]
+    outputs: list[dict] = [{} for _ in prompt_ids]
+    for group in ([batch] if batch else []) + [[i] for i in sorted(alone)]:
+        for i, out in zip(group, reference.generate([prompt_ids[i] for i in group], max_tokens, logprobs=top_k)):
+            outputs[i] = out
+    return outputs
 
 
 def read_golden(path: Path) -> dict:
@@ -179,10 +238,20 @@ def vllm_outputs(model: Path, golden: dict, dump_dir: Path) -> list[dict]:
         shutil.rmtree(dump_dir)
     dump_dir.mkdir(parents=True)
     os.environ[DUMP_ENV] = str(dump_dir.resolve())  # inherited by vLLM's engine process
+    ids = golden["prompt_ids"]
     try:
-        # eager: the switch is Python code in forward(); no prefix caching: each prompt prefills from 0
-        llm = vllm_engine(model, golden["dtype"], enforce_eager=True, enable_prefix_caching=False)
-        return vllm_generate(llm, golden["prompt_ids"], golden["max_tokens"], golden["top_k"])
+        # eager: the switch is Python code in forward(); no prefix caching: each prompt prefills from 0; the
+        # context the longest prompt needs; a step budget that takes every prompt whole in the first step, so
+        # that the dumped pass holds each prompt's layers (a prompt split across steps is dumped in part)
+        llm = vllm_engine(
+            model,
+            golden["dtype"],
+            max_model_len=max(max(map(len, ids)) + golden["max_tokens"], OFFLINE_MAX_MODEL_LEN),
+            enforce_eager=True,
+            enable_prefix_caching=False,
+            max_num_batched_tokens=max(sum(map(len, ids)), STEP_TOKENS),
+        )
+        return vllm_generate(llm, ids, golden["max_tokens"], golden["top_k"])
     finally:
         os.environ.pop(DUMP_ENV, None)
 
@@ -399,11 +468,13 @@ def verify(
     golden_path: Path | None = None,
     threshold: float | None = None,
     log=print,
+    context: dict | None = None,
 ) -> bool:
-    """Golden file, vLLM's outputs, the rule for the dtype; on failure the layer-by-layer diagnosis. True: pass."""
+    """Golden file, vLLM's outputs, the rule for the dtype; on failure the layer-by-layer diagnosis. True: pass.
+    context: builtin_prompts' record of the prompts far from position 0."""
     model, out = Path(model), Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    golden = golden_for(model, raw or model, prompts, dtype, max_tokens, top_k, golden_path, out, log)
+    golden = golden_for(model, raw or model, prompts, dtype, max_tokens, top_k, golden_path, out, log, context)
     got = run_vllm(model, golden, out)
     passed = report_comparison(model, golden, got, log)
     findings = folder_findings(model, raw) if raw else []
@@ -426,13 +497,14 @@ def golden_for(
     golden_path: Path | None,
     out: Path,
     log,
+    context: dict | None = None,
 ) -> dict:
     """The golden file at golden_path if it exists; else the reference model writes it (default: in out)."""
     if golden_path and golden_path.exists():
         golden = read_golden(golden_path)
         log(f"golden: {golden_path} (read; reference {golden['reference']['kind']} {golden['reference']['path']})")
         return golden
-    golden = make_golden(model, source, prompts, dtype, max_tokens, top_k)
+    golden = make_golden(model, source, prompts, dtype, max_tokens, top_k, context)
     golden_path = golden_path or out / f"golden-{dtype}.json"
     golden_path.write_text(json.dumps(golden, indent=1))
     log(f"golden: {golden_path} (reference model on the {golden['reference']['kind']} {source}, {dtype})")
@@ -460,16 +532,16 @@ def report_comparison(model: Path, golden: dict, got: list[dict], log) -> bool:
 
     exact = golden["dtype"] == "float32"
     passed, rows = compare(golden["outputs"], got, exact=exact)
-    for r, prompt, want, have in zip(rows, golden["prompts"], golden["outputs"], got):
+    for r, prompt, want, have in zip(rows, prompt_names(golden), golden["outputs"], got):
         if r.identical:
-            log(f"  prompt {r.prompt}: identical ({len(want['ids'])} tokens)  {prompt!r}")
+            log(f"  prompt {r.prompt}: identical ({len(want['ids'])} tokens)  {prompt}")
         else:
             t = r.first_difference
             assert t is not None  # not identical
             words = [repr(detokenize(model, s["ids"][t : t + 1])) if t < len(s["ids"]) else "end" for s in (want, have)]
             log(
                 f"  prompt {r.prompt}: first divergence at new token {t}: reference {words[0]}, vllm {words[1]}; "
-                f"{'within' if r.within_top_k else 'NOT within'} each other's top-{golden['top_k']}  {prompt!r}"
+                f"{'within' if r.within_top_k else 'NOT within'} each other's top-{golden['top_k']}  {prompt}"
             )
     same = sum(r.identical for r in rows)
     log(
@@ -479,6 +551,23 @@ def report_comparison(model: Path, golden: dict, got: list[dict], log) -> bool:
     rule = "identical token ids" if exact else f"first difference within each other's top-{golden['top_k']}"
     log(f"rule for {golden['dtype']} ({rule}): {'PASS' if passed else 'FAIL'}")
     return passed
+
+
+def prompt_names(golden: dict) -> list[str]:
+    """How the report names each prompt: its text, or for one far from position 0 where it reaches."""
+    names = [repr(p) for p in golden["prompts"]]
+    context = golden.get("context") or {}
+    for c in context.get("prompts", []):
+        shares = (
+            f"; its first {c['shared_tokens']} those of prompt {c['shares_prefix_with']}"
+            if "shared_tokens" in c
+            else ""
+        )
+        names[c["index"]] = (
+            f"[{c['label']}: {c['tokens']} prompt tokens + {context['new_tokens']} new of {context['positions']} "
+            f"positions{shares}] {golden['prompts'][c['index']][:32]!r}..."
+        )
+    return names
 
 
 def report_layers(source: Path, golden: dict, dump_dir: Path, threshold: float, log) -> None:
@@ -527,16 +616,14 @@ def run_verify(
     threshold: float | None = None,
 ) -> int:
     """`ministream verify`: 0 if the rule for the dtype passes, else 1 (after the diagnosis)."""
-    from .generate import DEFAULT_PROMPTS
-
     check_servable(model)  # MODEL is a converted folder, before the reference model runs
-    prompts = read_prompts(prompts_file) if prompts_file else DEFAULT_PROMPTS
+    prompts, context = (read_prompts(prompts_file), None) if prompts_file else builtin_prompts(model, max_tokens)
     out = out or Path("out/verify") / Path(model).resolve().name
     # verify rewrites its files in `out` run after run (so a full one is fine) and empties out/dump:
     # never where an input lies, nor around one
     check_output(out, force=True, inputs=[model, *([raw] if raw else [])])
     try:
-        ok = verify(model, raw, dtype, prompts, out, max_tokens, top_k, golden_path, threshold)
+        ok = verify(model, raw, dtype, prompts, out, max_tokens, top_k, golden_path, threshold, context=context)
     finally:
         if Path(out).is_dir():
             mark_made(out)  # verify's results: `make clean` may remove them (fork/clean.py)

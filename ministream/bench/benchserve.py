@@ -37,13 +37,15 @@ from typing import Any
 from .. import MiniStreamError
 from ..atomic import write_json
 from ..paths import CORPUS
-from . import bench, engine
+from ..run import engine
+from ..run.prompts import PREFIX_TOKENS, PROMPT_TOKENS, build_prompts, dataset_stats, write_jsonl
+from ..run.serve import served_name
+from ..run.server import HOST, START_TIMEOUT, ServerFailed, call, free_port, greedy, running, wait_ready
+from . import bench
 from .benchclient import check_client, client_args, run_client
-from .prompts import PREFIX_TOKENS, PROMPT_TOKENS, build_prompts, dataset_stats, write_jsonl
-from .reporting import read_result
-from .serve import served_name
-from .server import HOST, START_TIMEOUT, ServerFailed, call, free_port, greedy, running, wait_ready
+from .reporting import new_result, read_result
 from .servereport import KEEP_UP, judge, next_rate, report, run_line, summarize
+from .workers import engine_threads
 
 DEFAULT_OUT = bench.DEFAULT_OUT
 SCHEMA = 1
@@ -137,10 +139,10 @@ def _llamacpp_command(model: dict, dtype: str, port: int) -> tuple[list[str], st
     from . import llamacpp
 
     folder = model["hf"]
-    gguf = bench.gguf_of(folder, dtype)
+    gguf = llamacpp.gguf_of(folder, dtype)
     name = served_name(folder)
     context = json.loads((Path(folder) / "config.json").read_text())["max_position_embeddings"]
-    threads = bench.engine_threads()
+    threads = engine_threads()
     cmd = llamacpp.server_command(llamacpp.build(), gguf, port, threads, LLAMACPP_SLOTS, context, ("--alias", name))
     return cmd, name, folder
 
@@ -276,12 +278,7 @@ def run_bench_serve(out: Path, systems: list[str], note: str = "", **settings) -
     kv = os.environ.get(engine.KV_CACHE) or str(engine.kv_cache_gib())  # as bench: chosen once, for both vLLMs
     env = server_env(int(float(kv)))
     result: dict[str, Any] = {
-        "schema": SCHEMA,
-        "command": " ".join(sys.argv),
-        "note": note,
-        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
-        "load_average_start": os.getloadavg(),
-        "machine": bench.machine(),
+        **new_result(SCHEMA, started, note),
         "settings": {**settings, "systems": systems, "keep_up": KEEP_UP},
         "engine_env": {k: env.get(k) for k in (engine.BIND, engine.KV_CACHE)},
         "systems": {},
@@ -289,7 +286,7 @@ def run_bench_serve(out: Path, systems: list[str], note: str = "", **settings) -
     s = result["settings"]
     print(f"bench-serve: preparing the {s['preset']} model", flush=True)
     result["model"] = model = bench.prepare_model(s["preset"], out / "models")
-    from .generate import folder_tokenizer
+    from ..run.generate import folder_tokenizer
 
     tok = folder_tokenizer(Path(model["hf"]).resolve() / "tokenizer.json")
     max_len = json.loads((Path(model["hf"]) / "config.json").read_text())["max_position_embeddings"]

@@ -46,7 +46,7 @@ def machine() -> dict:
 
     info = _cpuinfo()
     cpu = info.get("model name") or platform.processor()
-    # "AMD EPYC" alone names several machines: two runs a day apart differed 2-20x (README, "Compiled or eager")
+    # "AMD EPYC" alone names several machines: two runs a day apart differed 2-20x (docs/bench.md)
     detail = {
         k.replace(" ", "_"): info[k]
         for k in ("cpu family", "model", "stepping", "cpu MHz", "cache size", "microcode")
@@ -85,8 +85,8 @@ def _model_file() -> dict | None:
     """The installed vLLM's ministream.py: which patch set it came from, and its sha256 (imports nothing)."""
     import hashlib
 
+    from ..run.doctor import installed_vllm_dir, patch_version
     from ..spec import MODEL_FILE_IN_TREE
-    from .doctor import installed_vllm_dir, patch_version
 
     vllm_dir = installed_vllm_dir()
     if vllm_dir is None:

@@ -18,7 +18,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from .server import DONE, event, local_url
+from ..run.server import DONE, event, local_url
 
 # fields of a completion request this server cannot honour, and the value that asks nothing of it: a request
 # with another value gets 400, so no client is silently given something else than it asked for
@@ -74,7 +74,7 @@ class RefServer(ThreadingHTTPServer):
     def __init__(self, address, folder: Path, name: str, dtype: str, quiet: bool = False):
         from transformers import AutoTokenizer
 
-        from .generate import load_reference
+        from ..run.generate import load_reference
 
         self.folder, self.name, self.dtype, self.quiet = Path(folder).resolve(), name, dtype, quiet
         self.model = load_reference(self.folder, dtype)

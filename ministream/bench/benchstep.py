@@ -2,11 +2,12 @@
 
 vLLM: timers wrapped around the worker's model runner (collective_rpc, in the engine's own process), then
 one request of PROMPT tokens + NEW tokens and one of PROMPT + 1, the difference over NEW tokens: per decode
-step, the time in
-  forward        the model's forward (the compiled graph), model_runner._model_forward
+step, the time in (each part under its name in the runner's era, fork/internals.py RUNNER_PARTS: the V1
+runner's first, then the V2 runner's, the only one from vLLM 0.34)
+  forward        the model's forward (the compiled graph), model_runner._model_forward; V2: model.forward
   logits         the head's matmul, model.compute_logits
-  inputs         preparing the step's inputs, model_runner._prepare_inputs
-  sample         sampling (greedy), model_runner._sample
+  inputs         preparing the step's inputs, model_runner._prepare_inputs; V2: prepare_inputs
+  sample         sampling (greedy), model_runner._sample; V2: sample, less the logits it computes
   runner, other  the rest of execute_model and sample_tokens (bookkeeping around the parts above)
   engine, other  the step's wall time less all of the runner: the scheduler, the output processing, the
                  hop between the engine core and this process
@@ -25,9 +26,11 @@ from pathlib import Path
 from typing import Any
 
 from ..atomic import write_json
-from . import bench, engine
+from ..run import engine
+from ..run.server import free_port
+from . import bench
 from .machine import machine, machine_line, read_bandwidth
-from .server import free_port
+from .workers import engine_threads, prompts
 
 PROMPT, NEW, REPEATS = 32, 128, 3
 PARTS = ["forward", "logits", "inputs", "sample"]
@@ -49,35 +52,50 @@ VARIANTS: dict[str, tuple[str, dict, dict]] = {
 
 
 def _install_timers(worker) -> None:
+    """Timers around each part of RUNNER_PARTS, on the name the worker's runner has; a part timed inside another
+    (the V2 runner's sample() computes the logits) counts only in the innermost."""
     import collections
     import time as t
+
+    from ministream.fork.internals import RUNNER_PARTS  # absolute: this function is pickled to the engine
 
     runner = worker.model_runner
     spent: dict = collections.defaultdict(float)
     calls: dict = collections.defaultdict(int)
+    inside: list = []  # the parts running now, outermost first: [key, start, time of the parts inside it]
 
     def wrap(obj, name, key):
         inner = getattr(obj, name)
+        nested = key in PARTS
 
         def timed(*args, **kwargs):
             start = t.perf_counter()
+            if nested:
+                inside.append([key, start, 0.0])
             try:
                 return inner(*args, **kwargs)
             finally:
-                spent[key] += t.perf_counter() - start
+                took = t.perf_counter() - start
+                if nested:
+                    _, _, within = inside.pop()
+                    if inside:
+                        inside[-1][2] += took
+                    took -= within
+                spent[key] += took
                 calls[key] += 1
 
         setattr(obj, name, timed)
 
-    for name, key in [
-        ("execute_model", "execute_model"),
-        ("sample_tokens", "sample_tokens"),
-        ("_prepare_inputs", "inputs"),
-        ("_model_forward", "forward"),
-        ("_sample", "sample"),
-    ]:
-        wrap(runner, name, key)
-    wrap(runner.model, "compute_logits", "logits")
+    for key, names in RUNNER_PARTS.items():
+        # "model.x": the loaded model's x; else the runner's
+        owners = [(runner.model, n[6:]) if n.startswith("model.") else (runner, n) for n in names]
+        found = [(o, n) for o, n in owners if hasattr(o, n)]
+        if not found:
+            raise RuntimeError(
+                f"bench-step: this vLLM's model runner {type(runner).__name__} has none of {', '.join(names)} "
+                f"(part {key!r}): `make matrix` names what moved; mend RUNNER_PARTS in ministream/fork/internals.py"
+            )
+        wrap(*found[0], key)
     runner._ministream_timers = (spent, calls)
 
 
@@ -91,13 +109,13 @@ def _read_timers(worker) -> dict:
 
 def _vllm_worker(spec: dict) -> dict:
     """In its own process: the engine, the timers, then REPEATS pairs of (PROMPT + NEW, PROMPT + 1) requests."""
-    from .generate import vllm_engine, vllm_generate
+    from ..run.generate import vllm_engine, vllm_generate
 
     llm = vllm_engine(Path(spec["model_dir"]), spec["dtype"], max_model_len=PROMPT + NEW + 8, **spec["overrides"])
     from vllm.platforms import current_platform
 
     llm.collective_rpc(_install_timers)
-    ids = bench.prompts(1, PROMPT, spec["vocab"], seed=11)
+    ids = prompts(1, PROMPT, spec["vocab"], seed=11)
     vllm_generate(llm, ids, 8)  # warm-up
     llm.collective_rpc(_read_timers)
     samples = []
@@ -131,7 +149,7 @@ def _llamacpp(model: dict, dtype: str, threads: int, out: Path) -> dict:
     from . import llamacpp
 
     home = llamacpp.build()
-    gguf = bench.gguf_of(model["hf"], dtype)
+    gguf = llamacpp.gguf_of(model["hf"], dtype)
     run = subprocess.run(
         [str(home / "bin" / "llama-bench"), "-m", str(gguf), "-t", str(threads), "-p", "0", "-n", str(NEW)]
         + ["-r", str(REPEATS), "-o", "json"],
@@ -140,7 +158,7 @@ def _llamacpp(model: dict, dtype: str, threads: int, out: Path) -> dict:
         check=True,
     )
     graph = 1e3 / json.loads(run.stdout)[0]["avg_ts"]
-    ids = bench.prompts(1, PROMPT, model["vocab"], seed=11)[0]
+    ids = prompts(1, PROMPT, model["vocab"], seed=11)[0]
     served = []
     with llamacpp.server(gguf, free_port(), threads, 1, PROMPT + NEW + 8, out / "llama-server.log") as url:
         for _ in range(REPEATS + 1):
@@ -152,7 +170,7 @@ def _llamacpp(model: dict, dtype: str, threads: int, out: Path) -> dict:
 def bench_step(out: Path, presets: list[str], dtypes: list[str], variants: list[str], note: str = "") -> int:
     """`ministream bench-step`: every (preset, dtype) x (MiniStream under each variant, the LLaMA twin, llama.cpp)."""
     out.mkdir(parents=True, exist_ok=True)
-    threads = bench.engine_threads()
+    threads = engine_threads()
     result: dict[str, Any] = {
         "command": " ".join(sys.argv),
         "note": note,

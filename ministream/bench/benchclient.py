@@ -15,9 +15,9 @@ import tempfile
 from pathlib import Path
 
 from .. import MiniStreamError
-from . import engine
-from .prompts import PREFIX_TOKENS, PROMPT_TOKENS, build_prompts, write_jsonl
-from .server import auth, get, kill_group, log_tail, start
+from ..run import engine
+from ..run.prompts import PREFIX_TOKENS, PROMPT_TOKENS, build_prompts, write_jsonl
+from ..run.server import auth, get, kill_group, log_tail, start
 
 
 def check_client() -> None:
@@ -172,7 +172,7 @@ def serve_bench(
         if dataset == "random":
             args += ["--dataset-name", "random", "--random-input-len", "32", "--random-output-len", str(max_tokens)]
         elif dataset == "corpus":
-            from .generate import folder_tokenizer
+            from ..run.generate import folder_tokenizer
 
             if not (Path(tokenizer) / "tokenizer.json").is_file():
                 raise MiniStreamError(

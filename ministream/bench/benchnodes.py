@@ -18,10 +18,11 @@ from typing import Any
 
 from .. import MiniStreamError
 from ..atomic import write_json
-from . import bench, nodes
+from ..run import nodes
+from ..run.server import START_TIMEOUT, call, free_port, greedy, log_tail, start, stop, wait_ready
+from . import bench
 from .benchclient import check_client, client_common, run_client
 from .machine import machine, machine_line
-from .server import START_TIMEOUT, call, free_port, greedy, log_tail, start, stop, wait_ready
 
 SYSTEMS = {
     "tp1": "TP=1, one node",

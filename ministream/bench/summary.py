@@ -1,0 +1,145 @@
+"""summary: bench's statistics, computed again from the runs whenever a result is saved or reported: per
+(model, dtype, batch) each system's tokens/s and time to first token, the ratios between systems, their
+geometric means, each run's peak memory, and the batch-1 decode rate against the machine's bandwidth."""
+
+import math
+from typing import Any
+
+# system key -> label in the table and the chart
+SYSTEMS = {
+    "ministream": "MiniStream, patched vLLM",
+    "ministream_compiled": "MiniStream, patched vLLM, compiled",
+    "ministream_eager": "MiniStream, patched vLLM, eager",
+    "llama": "same weights as LLaMA, same vLLM",
+    "ministream_vllm_bind": "MiniStream, vLLM's own core binding",
+    "reference_batched": "reference model, batched",
+    "reference_serial": "reference model, one request at a time",
+    "llamacpp": "llama.cpp (llama-server, GGUF of the same weights)",
+    "ministream_no_zentorch": "MiniStream, patched vLLM, zentorch hidden (vLLM's plain CPU platform)",
+}
+
+
+def series(result: dict) -> dict:
+    """(model, dtype) -> system -> batch -> row, with the reference worker split into its two systems."""
+    out: dict[tuple[str, str], dict[str, dict[int, dict]]] = {}
+    for run in result["runs"]:
+        if "error" in run:
+            continue
+        parts = (
+            {"reference_batched": run["batched"], "reference_serial": run["serial"]}
+            if run["system"] == "reference"
+            else {run["system"]: run["rows"]}
+        )
+        for system, rows in parts.items():
+            for row in rows:
+                row = {
+                    **row,
+                    "peak_pss_mib": run["peak_pss_mib"],
+                    "peak_rss_mib": run["peak_rss_mib"],
+                    "enforce_eager": run.get("enforce_eager"),
+                }
+                out.setdefault((run["model"], run["dtype"]), {}).setdefault(system, {})[row["batch"]] = row
+    return out
+
+
+def _ratio(a, b):
+    return a / b if a and b else None
+
+
+def geomean(xs):
+    """The geometric mean of the ratios there are (None, a system that did not run, left out); None if none."""
+    xs = [x for x in xs if x]
+    return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else None
+
+
+def summarize(result: dict) -> dict:
+    """The ratios the issue asks for, per (model, dtype, batch), their geometric means, and the ceiling."""
+    rows, s = [], series(result)
+    for (model, dtype), systems in s.items():
+        for batch in result["settings"]["batches"]:
+            tps = {name: systems.get(name, {}).get(batch, {}).get("tokens_per_s") for name in SYSTEMS}
+            ttft = {name: systems.get(name, {}).get(batch, {}).get("ttft_s") for name in SYSTEMS}
+            rows.append(
+                {
+                    "model": model,
+                    "dtype": dtype,
+                    "batch": batch,
+                    "tokens_per_s": tps,
+                    "ttft_s": ttft,
+                    "ministream_over_llama": _ratio(tps["ministream"], tps["llama"]),
+                    "compiled_over_eager": _ratio(*_compiled_and_eager(systems, batch)),
+                    "ours_over_vllm_bind": _ratio(tps["ministream"], tps["ministream_vllm_bind"]),
+                    "vllm_over_reference_batched": _ratio(tps["ministream"], tps["reference_batched"]),
+                    "vllm_over_reference_serial": _ratio(tps["ministream"], tps["reference_serial"]),
+                    "vllm_over_llamacpp": _ratio(tps["ministream"], tps["llamacpp"]),
+                    "zentorch_over_plain": _ratio(tps["ministream"], tps["ministream_no_zentorch"]),
+                }
+            )
+    summary: dict[str, Any] = {"rows": rows}
+    for key in (
+        "ministream_over_llama",
+        "compiled_over_eager",
+        "ours_over_vllm_bind",
+        "vllm_over_reference_batched",
+        "vllm_over_reference_serial",
+        "vllm_over_llamacpp",
+        "zentorch_over_plain",
+    ):
+        summary[f"geomean_{key}"] = geomean(r[key] for r in rows)
+    memory = {}
+    for run in result["runs"]:
+        memory[f"{run['model']} {run['dtype']} {run['system']}"] = {
+            k: run.get(k) for k in ("peak_pss_mib", "peak_rss_mib", "start_s", "kv_cache_tokens", "error")
+        }
+    summary["memory"] = memory
+    bw = result.get("bandwidth", {}).get("gb_per_s")
+    read_bw = (result.get("bandwidth", {}).get("read") or {}).get("gb_per_s")
+    ceiling = []
+    for (model, dtype), systems in s.items():
+        weight_bytes = result["models"][model]["parameters"] * (2 if dtype in ("bfloat16", "float16") else 4)
+        for name in ("ministream", "ministream_compiled", "ministream_eager", "llama", "llamacpp", "reference_batched"):
+            one = systems.get(name, {}).get(1)
+            if one and bw:
+                decode = decode_rate(one)
+                read = decode * weight_bytes / 1e9
+                ceiling.append(
+                    {
+                        "model": model,
+                        "dtype": dtype,
+                        "system": name,
+                        "weight_bytes": weight_bytes,
+                        "decode_tokens_per_s": decode,
+                        "weights_gb_per_s": read,
+                        "copy_gb_per_s": bw,
+                        "copy_threads": result["bandwidth"].get("threads"),
+                        "fraction_of_copy_bandwidth": read / bw,
+                        "ceiling_tokens_per_s": bw * 1e9 / weight_bytes,
+                        "read_gb_per_s": read_bw,
+                        "fraction_of_read_bandwidth": read / read_bw if read_bw else None,
+                        "read_ceiling_tokens_per_s": read_bw * 1e9 / weight_bytes if read_bw else None,
+                    }
+                )
+    summary["bandwidth_ceiling"] = ceiling
+    return summary
+
+
+def _compiled_and_eager(systems: dict, batch: int) -> tuple:
+    """MiniStream's tokens/s compiled and eager at a batch: the forced systems, else the default's run
+    where it ran that way (its worker records enforce_eager)."""
+
+    def tps(name):
+        return systems.get(name, {}).get(batch, {}).get("tokens_per_s")
+
+    default = systems.get("ministream", {}).get(batch, {})
+    eager = default.get("enforce_eager")
+    return (
+        tps("ministream_compiled") or (default.get("tokens_per_s") if eager is False else None),
+        tps("ministream_eager") or (default.get("tokens_per_s") if eager is True else None),
+    )
+
+
+def decode_rate(row: dict) -> float:
+    """Decode-only tokens/s of a batch-1 row: the tokens after the first, over the time after the first token
+    (the whole run's rate where the two timings are too close to tell apart)."""
+    tokens, seconds = row["output_tokens"], min(row["seconds"]) - row["ttft_s"]
+    return (tokens - 1) / seconds if tokens > 1 and seconds > 0 else row["tokens_per_s"]

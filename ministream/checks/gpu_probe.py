@@ -1,0 +1,96 @@
+"""gpu_probe: what `gpu-proof` runs inside the CUDA environment, on a GPU, with this package on PYTHONPATH.
+
+    python -m ministream.checks.gpu_probe JOBS.json OUTPUTS.json
+
+Each job ({name, folder, dtype, tp, prompt_ids, max_tokens, top_k, quantization, lora}) is one engine with the
+engine settings of every other engine here (run/engine.py: compiled, so CUDA graphs on a GPU), asked for greedy
+tokens with their top-k logprobs, then once more for a timing of the warm engine. OUTPUTS.json is rewritten
+after each job, so what finished survives a crash of a later one.
+"""
+
+import gc
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+
+from .probe import _reset_dynamo, compilation
+
+
+def cuda_graphs(llm) -> dict:
+    """How the engine's config says it runs: its CUDA graph mode and the batch sizes it captures."""
+    config = getattr(getattr(llm, "llm_engine", None), "vllm_config", None)
+    if config is None:
+        return {}
+    cc = config.compilation_config
+    mode = getattr(cc, "cudagraph_mode", None)
+    sizes = getattr(cc, "cudagraph_capture_sizes", None) or []
+    return {"cudagraph_mode": str(getattr(mode, "name", mode)), "cudagraph_sizes": len(sizes)}
+
+
+def generate(llm, job: dict, lora) -> tuple[list[dict], float]:
+    """Greedy ids and top-k logprobs for every prompt of the job, and the seconds the call took."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], logprobs=job["top_k"], ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in job["prompt_ids"]]
+    start = time.monotonic()
+    outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=lora)
+    took = time.monotonic() - start
+    results = []
+    for o in outputs:
+        c = o.outputs[0]
+        steps = [{int(t): float(lp.logprob) for t, lp in step.items()} for step in (c.logprobs or [])]
+        results.append({"ids": list(c.token_ids), "logprobs": steps})
+    return results, took
+
+
+def run_job(job: dict) -> dict:
+    from ..run.engine import lora_settings
+    from ..run.generate import vllm_engine
+
+    overrides: dict = {}
+    if job.get("quantization"):
+        overrides["quantization"] = job["quantization"]
+    lora = None
+    if job.get("lora"):
+        from vllm.lora.request import LoRARequest
+
+        overrides.update(lora_settings([job["lora"]["rank"]]))  # the settings every LoRA engine here gets
+        lora = LoRARequest(job["lora"]["name"], 1, job["lora"]["path"])
+    start = time.monotonic()
+    llm = vllm_engine(Path(job["folder"]), job["dtype"], job["tp"], **overrides)
+    try:
+        ready = time.monotonic() - start
+        outputs, _ = generate(llm, job, lora)
+        _, warm = generate(llm, job, lora)  # the same batch again: the engine warm, its graphs captured
+        tokens = sum(len(o["ids"]) for o in outputs)
+        return {
+            "outputs": outputs,
+            "engine_seconds": round(ready, 1),
+            "seconds": round(warm, 3),
+            "tokens_per_s": round(tokens / warm, 1) if warm > 0 else None,
+            **compilation(llm),
+            **cuda_graphs(llm),
+        }
+    finally:
+        del llm
+
+
+def main(jobs_file: str, out_file: str) -> None:
+    done = []
+    for job in json.loads(Path(jobs_file).read_text()):
+        try:
+            done.append(run_job(job))
+        except Exception as e:  # recorded per job: the next job still runs
+            traceback.print_exc()
+            done.append({"error": f"{type(e).__name__}: {e}"[:1000]})
+        finally:
+            gc.collect()
+            _reset_dynamo()
+        Path(out_file).write_text(json.dumps(done))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:3])
