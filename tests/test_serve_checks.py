@@ -27,7 +27,8 @@ SLACK = 3  # s beyond it: serve's poll, its SIGKILL, its own exit
 START_TIMEOUT = 900  # s for three engines starting at once on 2 cores
 API_KEY = "checks-key"
 HEADERS = {"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"}
-ROUNDS = ["stream", "stream", "stream_engine_stuck"]
+# a stop with a stream in flight, then one with the engine core stopped (SIGSTOP) so that the stall is certain
+ROUNDS = ["stream", "stream_engine_stuck"]
 
 
 class Foreign(http.server.BaseHTTPRequestHandler):

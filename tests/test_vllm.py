@@ -61,11 +61,12 @@ def runs(cli, tmp_path_factory, request):
     return run
 
 
-# MHA tied; GQA untied head_dim != d/n; bf16 on the MHA model in make test-full (the GQA model has every variant)
+# MHA tied; GQA untied head_dim != d/n. The MHA model in make test-full: in make test, verify (test_verify.py) and
+# the sampling engine (test_sampling.py) hold it to the reference in fp32; the GQA model has every variant here
 @pytest.mark.parametrize(
     "folder, dtype",
     [
-        ("tiny_hf", "float32"),
+        pytest.param("tiny_hf", "float32", marks=pytest.mark.full),
         ("tiny_gqa_hf", "float32"),
         ("tiny_gqa_hf", "bfloat16"),
         pytest.param("tiny_hf", "bfloat16", marks=pytest.mark.full),

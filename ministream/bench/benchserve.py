@@ -116,7 +116,7 @@ def server_command(system: str, model: dict, dtype: str, port: int) -> tuple[lis
             [
                 sys.executable,
                 "-m",
-                "ministream.run.refserver",
+                "ministream.bench.refserver",
                 folder,
                 "--host",
                 HOST,

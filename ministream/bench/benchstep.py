@@ -219,7 +219,7 @@ def _run(spec: dict, env: dict, stem: Path) -> dict:
     spec_file, result_file = stem.with_suffix(".spec.json"), stem.with_suffix(".result.json")
     write_json(spec_file, spec)
     run = subprocess.run(
-        [sys.executable, "-m", "ministream.run.benchstep", str(spec_file), str(result_file)],
+        [sys.executable, "-m", "ministream.bench.benchstep", str(spec_file), str(result_file)],
         env={**os.environ, **env},
         capture_output=True,
         text=True,

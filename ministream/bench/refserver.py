@@ -6,7 +6,7 @@ first-served lock around generation; nothing is batched. It answers what vLLM's 
 curl user ask of vLLM's server: GET /health, GET /v1/models, POST /v1/completions (stream or not, SSE chunks
 one per generated token, usage with stream_options.include_usage, max_tokens, temperature (0: greedy),
 top_p, top_k, seed, ignore_eos, return_token_ids). Prompts are tokenized as vLLM's completions endpoint does
-(the folder's tokenizer, special tokens added). Run: python -m ministream.run.refserver FOLDER --port 8001
+(the folder's tokenizer, special tokens added). Run: python -m ministream.bench.refserver FOLDER --port 8001
 """
 
 import argparse
@@ -285,7 +285,7 @@ def start(
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m ministream.run.refserver",
+        prog="python -m ministream.bench.refserver",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
