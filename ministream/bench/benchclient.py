@@ -86,7 +86,8 @@ def client_main(argv: list[str]) -> int:
 
     _count_usage_beside_text()
     parser = FlexibleArgumentParser(
-        prog="python -m ministream.bench.benchclient", description="vLLM's `vllm bench serve`, from the installed release"
+        prog="python -m ministream.bench.benchclient",
+        description="vLLM's `vllm bench serve`, from the installed release",
     )
     add_cli_args(parser)
     main(parser.parse_args(argv))
