@@ -474,7 +474,7 @@ def add_image(sub) -> None:
 
 def add_generate(sub) -> None:
     from .run import generate
-    from .spec import DTYPES
+    from .run.engine import EngineSettings, add_engine_options
 
     p = sub.add_parser(
         "generate", help="greedy text from the reference model and the installed vLLM", description=generate.__doc__
@@ -489,30 +489,22 @@ def add_generate(sub) -> None:
     p.add_argument("--engine", default="both", choices=["both", "reference", "vllm"])
     p.add_argument("--prompt", action="append", help="prompt text (repeatable; default: a built-in set)")
     p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--dtype", default="float32", choices=list(DTYPES))
-    p.add_argument("--tp", type=int, default=1, help="vLLM tensor_parallel_size")
+    add_engine_options(p, "offline", ["dtype", "tp", "enforce_eager"])
     p.add_argument("--logprobs", type=int, default=0, help="also record the top-k logprobs of each new token")
     p.add_argument("--stop-at-eos", action="store_true", help="stop at the eos token (default: exactly --max-tokens)")
     p.add_argument("--json", type=Path, help="write token ids, logprobs, texts and timings here")
-    p.add_argument(
-        "--enforce-eager",
-        action="store_true",
-        help="vLLM without torch.compile (default: compiled, see docs/bench.md, 'Compiled or eager')",
-    )
     p.set_defaults(
         func=lambda a: (
             generate.generate(
                 a.model,
+                EngineSettings.from_args(a),
                 a.raw,
                 a.engine,
                 a.prompt,
                 a.max_tokens,
-                a.dtype,
-                a.tp,
                 a.logprobs,
                 a.stop_at_eos,
                 a.json,
-                a.enforce_eager,
             )
             and 0
         )
@@ -521,7 +513,7 @@ def add_generate(sub) -> None:
 
 def add_verify(sub) -> None:
     from .run import verify
-    from .spec import DTYPES
+    from .run.engine import EngineSettings, add_engine_options
 
     p = sub.add_parser(
         "verify",
@@ -536,7 +528,7 @@ def add_verify(sub) -> None:
         help="training checkpoint folder for the reference model "
         "(default: the reference model reads the converted folder)",
     )
-    p.add_argument("--dtype", default="float32", choices=list(DTYPES))
+    add_engine_options(p, "offline", ["dtype"])  # the engine's other settings are verify's own (eager: the dump)
     p.add_argument(
         "--prompts",
         type=Path,
@@ -559,7 +551,7 @@ def add_verify(sub) -> None:
     )
     p.set_defaults(
         func=lambda a: verify.run_verify(
-            a.model, a.raw, a.dtype, a.prompts, a.out, a.max_tokens, a.top_k, a.golden, a.threshold
+            a.model, a.raw, EngineSettings.from_args(a), a.prompts, a.out, a.max_tokens, a.top_k, a.golden, a.threshold
         )
     )
 
@@ -585,6 +577,7 @@ def _note_and_report(p: argparse.ArgumentParser, result: str) -> None:
 
 def add_bench(sub) -> None:
     from .bench import bench
+    from .run.engine import add_engine_options
 
     default_configs = bench.FULL["configs"]
     assert isinstance(default_configs, list)
@@ -609,11 +602,7 @@ def add_bench(sub) -> None:
     p.add_argument("--serial-requests", type=int, help="requests timed one at a time for the serial reference")
     p.add_argument("--bind-configs", type=listed(str), help="model:dtype pairs that also run vLLM's own binding")
     p.add_argument("--copy-mib", type=int, help="size of the bandwidth copy")
-    p.add_argument(
-        "--kv-cache-gib",
-        type=int,
-        help="VLLM_CPU_KVCACHE_SPACE for every engine (default: what `ministream serve` would choose)",
-    )
+    add_engine_options(p, "bench", ["kv_cache_gib"])  # the dtypes are --configs': one per model
     p.add_argument("--systems", type=listed(str), help=f"subset of {','.join(bench.SYSTEMS)}")
     p.add_argument("--no-tooling", dest="tooling", action="store_false", default=None)
     _note_and_report(p, "bench.json")
@@ -622,6 +611,7 @@ def add_bench(sub) -> None:
 
 def add_bench_serve(sub) -> None:
     from .bench import benchserve
+    from .run.engine import add_engine_options
 
     quick_rates, full_rates = benchserve.QUICK["rates"], benchserve.FULL["rates"]
     assert isinstance(quick_rates, list) and isinstance(full_rates, list)
@@ -651,7 +641,7 @@ def add_bench_serve(sub) -> None:
         help="requests per rate (default: about a minute of arrivals, "
         f"{benchserve.FULL['min_prompts']} to {benchserve.FULL['max_prompts']})",
     )
-    p.add_argument("--dtype", choices=["bfloat16", "float32"], help=f"default: {benchserve.FULL['dtype']}")
+    add_engine_options(p, "bench", ["dtype"], benchmark=benchserve.FULL)
     p.add_argument(
         "--preset", help=f"the model: a `ministream checkpoint` preset (default: {benchserve.FULL['preset']})"
     )
@@ -681,29 +671,25 @@ def add_bench_serve(sub) -> None:
 
 def add_doctor(sub) -> None:
     from .run import doctor
+    from .run.engine import EngineSettings, add_engine_options
 
     p = sub.add_parser(
         "doctor", help="check a converted folder and the installed vLLM (no engine)", description=doctor.__doc__
     )
     p.add_argument("model", type=Path, help="converted HF-style folder")
-    p.add_argument(
-        "--dtype", choices=["float32", "bfloat16", "float16"], help="dtype to serve in (default: config.json's)"
-    )
-    p.add_argument("--max-model-len", type=int, help="context to serve (default: max_position_embeddings)")
+    add_engine_options(p, "judge", ["dtype", "max_model_len", "kv_cache_gib"])  # of the engine serve would get
     p.add_argument("--memory-gib", type=float, help="memory for weights + KV cache (default: the GPU's, else RAM)")
-    p.add_argument(
-        "--kv-cache-gib",
-        type=float,
-        help="KV cache size (default on CPU: VLLM_CPU_KVCACHE_SPACE, else what `ministream serve` would choose now)",
-    )
     p.add_argument("--vllm-dir", type=Path, help=argparse.SUPPRESS)  # tests: another vllm/ package to read
     p.set_defaults(
-        func=lambda a: doctor.run_doctor(a.model, a.vllm_dir, a.dtype, a.max_model_len, a.memory_gib, a.kv_cache_gib)
+        func=lambda a: doctor.run_doctor(
+            a.model, vllm_dir=a.vllm_dir, settings=EngineSettings.from_args(a), memory_gib=a.memory_gib
+        )
     )
 
 
 def add_serve(sub) -> None:
     from .run import serve
+    from .run.engine import EngineSettings, add_engine_options
 
     p = sub.add_parser(
         "serve", help="OpenAI-compatible server (vllm serve) on a converted folder", description=serve.__doc__
@@ -712,9 +698,7 @@ def add_serve(sub) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only; 0.0.0.0 for all)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--name", help="served model name (default: the folder's name)")
-    p.add_argument("--dtype", help="weights/activations dtype (default: vLLM's auto, the folder's torch_dtype)")
-    p.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
-    p.add_argument("--pp", type=int, default=1, help="pipeline_parallel_size (with --nnodes: over the nodes)")
+    add_engine_options(p, "server", ["dtype", "tp", "pp", "max_model_len", "enforce_eager"])
     p.add_argument("--nnodes", type=int, default=1, help="machines this server spans (vLLM's multiproc executor)")
     p.add_argument("--node-rank", type=int, default=0, help="this machine's rank: 0 serves the API, others headless")
     p.add_argument("--master-addr", default="127.0.0.1", help="rank 0's address, as every node reaches it")
@@ -723,7 +707,6 @@ def add_serve(sub) -> None:
     p.add_argument(
         "--node-timeout", type=float, default=600, help="seconds rank 0 waits for the other nodes (and they for it)"
     )
-    p.add_argument("--max-model-len", type=int, help="longest prompt + output, in tokens (default: the model's)")
     p.add_argument(
         "--stop-timeout",
         type=float,
@@ -740,11 +723,6 @@ def add_serve(sub) -> None:
         "--vllm-args", default="", help="more `vllm serve` options, one string, e.g. --vllm-args='--max-num-seqs 64'"
     )
     p.add_argument(
-        "--enforce-eager",
-        action="store_true",
-        help="vLLM without torch.compile (default: compiled, see docs/bench.md, 'Compiled or eager')",
-    )
-    p.add_argument(
         "--lora",
         action="append",
         default=[],
@@ -755,19 +733,15 @@ def add_serve(sub) -> None:
     p.set_defaults(
         func=lambda a: serve.serve(
             a.model,
-            a.host,
-            a.port,
-            a.name,
-            a.dtype,
-            a.tp,
-            a.max_model_len,
-            serve.vllm_args(a.vllm_args),
-            a.stop_timeout,
-            a.api_key,
-            a.enforce_eager,
-            a.pp,
-            _cluster(a),
-            a.lora,
+            EngineSettings.from_args(a),
+            host=a.host,
+            port=a.port,
+            name=a.name,
+            extra=serve.vllm_args(a.vllm_args),
+            stop_timeout=a.stop_timeout,
+            api_key=a.api_key,
+            cluster=_cluster(a),
+            loras=a.lora,
         )
     )
 
@@ -891,7 +865,8 @@ def main(argv=None):
                 signal.signal(s, handler)
 
 
-def _run(argv) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The `ministream` command's parser: every subcommand, each with its `func`."""
     parser = argparse.ArgumentParser(prog="ministream", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     for add in (
@@ -922,7 +897,11 @@ def _run(argv) -> int:
         add_bench_step,
     ):  # using an engine
         add(sub)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def _run(argv) -> int:
+    args = build_parser().parse_args(argv)
     try:
         return args.func(args) or 0
     except MiniStreamError as e:

@@ -47,9 +47,10 @@ def counters(llm) -> dict[str, float]:
 def run_engine(spec: dict, engine: dict) -> dict:
     from vllm import SamplingParams
 
+    from ministream.run.engine import EngineSettings
     from ministream.run.generate import vllm_engine
 
-    llm = vllm_engine(Path(spec["model"]), spec["dtype"], **{**OBSERVED, **engine["settings"]})
+    llm = vllm_engine(Path(spec["model"]), EngineSettings(dtype=spec["dtype"]), **{**OBSERVED, **engine["settings"]})
     steps = Steps()  # after the engine's start, whose logging setup drops the handlers of vLLM's loggers
     logging.getLogger("vllm.v1.metrics.loggers").addHandler(steps)
     config = llm.llm_engine.vllm_config

@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ministream.run.doctor import doctor
+from ministream.run.engine import EngineSettings
 from ministream.run.folder import Tensor, check_vocab
 
 
@@ -137,7 +138,7 @@ def test_tensor_names_are_compared_both_ways(tiny_hf, tmp_path):
 
 def test_kv_cache_too_small_for_max_model_len_says_what_fits(tiny_hf):
     # tiny: 2 layers x 2 kv heads x 64 x 2 (k and v) x 4 bytes = 2048 bytes a token
-    found = errors(doctor(tiny_hf, kv_cache_gib=256 * 2048 / 2**30))
+    found = errors(doctor(tiny_hf, settings=EngineSettings(kv_cache_gib=256 * 2048 / 2**30)))
     assert len(found) == 1 and "max_model_len 512 needs 1 MiB" in found[0] and "max_model_len <= 256" in found[0]
 
 

@@ -17,13 +17,14 @@ from safetensors.torch import load_file, save_file
 
 from ministream import MiniStreamError
 from ministream.run.doctor import doctor
+from ministream.run.engine import EngineSettings
 from ministream.run.folder import check_servable
 
 from conftest import fuzz_settings
 
 EXAMPLES = 50
 # doctor's machine-side checks held still, so that only the folder decides (the tiny model fits them)
-STILL = dict(max_model_len=64, memory_gib=64, kv_cache_gib=1)
+STILL = dict(settings=EngineSettings(max_model_len=64, kv_cache_gib=1), memory_gib=64)
 
 
 def with_config(tiny_hf: Path, where: Path, **change) -> Path:

@@ -335,10 +335,11 @@ def test_serve_turns_lora_on_with_the_adapters_rank_and_a_spare_slot(peft):
 
 OFFLINE = f"""
 import json, sys
+from ministream.run.engine import EngineSettings
 from ministream.run.generate import vllm_engine, vllm_generate
 if __name__ == "__main__":
     folder, prompts, settings, batches = sys.argv[1], *map(json.loads, sys.argv[2:])
-    llm = vllm_engine(folder, "float32", 1, 256, **settings)
+    llm = vllm_engine(folder, EngineSettings(dtype="float32", max_model_len=256), **settings)
     results = []
     for batch in batches:  # per group of prompts its adapter folder (null: the base model), all in one batch
         adapters = [a for a in batch for _ in prompts]

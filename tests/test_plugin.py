@@ -367,10 +367,11 @@ def test_ray_workers_on_each_node_load_the_plugin(plugin_env, ray_cluster):
 
 ENGINE = f"""
 import json, sys
+from ministream.run.engine import EngineSettings
 from ministream.run.generate import DEFAULT_PROMPTS, tokenize, vllm_engine, vllm_generate
 if __name__ == "__main__":
     folder, tp = sys.argv[1], int(sys.argv[2])
-    llm = vllm_engine(folder, "float32", tp, distributed_executor_backend="ray")
+    llm = vllm_engine(folder, EngineSettings(dtype="float32", tp=tp), distributed_executor_backend="ray")
     outputs = vllm_generate(llm, tokenize(folder, DEFAULT_PROMPTS), {MAX_TOKENS})
     print("RESULT " + json.dumps([r["ids"] for r in outputs]))
 """

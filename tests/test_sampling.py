@@ -70,8 +70,10 @@ def result(o):
 if __name__ == "__main__":
     spec = json.load(open(sys.argv[1]))
     from vllm import SamplingParams
+    from ministream.run.engine import EngineSettings
     from ministream.run.generate import vllm_engine
-    llm = vllm_engine(spec["folder"], "float32", spec["tp"], disable_log_stats=False, **spec["engine"])
+    settings = EngineSettings(dtype="float32", tp=spec["tp"])
+    llm = vllm_engine(spec["folder"], settings, disable_log_stats=False, **spec["engine"])
     out = {}
     for name, req in spec["requests"].items():
         prompts = [{"prompt_token_ids": p} for p in req["prompts"]]

@@ -17,7 +17,15 @@ import psutil
 import pytest
 
 from ministream.checkpoint.convert import convert
-from ministream.run.engine import SEED, core_binding, engine_env, kv_cache_gib, llm_kwargs, server_command
+from ministream.run.engine import (
+    SEED,
+    EngineSettings,
+    core_binding,
+    engine_env,
+    kv_cache_gib,
+    llm_kwargs,
+    server_command,
+)
 from ministream.run.generate import DEFAULT_PROMPTS, tokenize
 from ministream.run.serve import exposure_warning, served_name
 from ministream.run.server import (
@@ -83,14 +91,14 @@ def test_a_nodes_binding_reaches_its_ranks_by_global_rank_before_0_20_and_by_loc
 
 def test_offline_engine_and_server_share_seed_and_eager_choice(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 512}))
-    kwargs = llm_kwargs(tmp_path, "float32", tp=2)
+    kwargs = llm_kwargs(tmp_path, EngineSettings(dtype="float32", tp=2))
     assert kwargs["seed"] == SEED and kwargs["tensor_parallel_size"] == 2 and kwargs["max_model_len"] == 512
-    cmd = server_command(tmp_path, "127.0.0.1", 9000, "m", None, 1, None, [])
+    cmd = server_command(tmp_path, "127.0.0.1", 9000, "m", EngineSettings())
     assert kwargs["enforce_eager"] is False and "--enforce-eager" not in cmd  # on the CPU, both compiled
     assert cmd[cmd.index("--seed") + 1] == str(SEED)
-    assert llm_kwargs(tmp_path, "float32", max_model_len=64, enforce_eager=True)["enforce_eager"] is True
-    asked = server_command(tmp_path, "127.0.0.1", 9000, "m", None, 1, None, [], enforce_eager=True)
-    assert "--enforce-eager" in asked
+    asked = EngineSettings(dtype="float32", max_model_len=64, enforce_eager=True)
+    assert llm_kwargs(tmp_path, asked)["enforce_eager"] is True
+    assert "--enforce-eager" in server_command(tmp_path, "127.0.0.1", 9000, "m", asked)
 
 
 def test_every_dtype_runs_compiled_unless_eager_is_asked(tmp_path):
@@ -99,8 +107,8 @@ def test_every_dtype_runs_compiled_unless_eager_is_asked(tmp_path):
     assert not eager() and eager(asked=True)
     (tmp_path / "config.json").write_text(json.dumps({"torch_dtype": "bfloat16", "max_position_embeddings": 64}))
     for dtype in ("float32", "bfloat16"):
-        assert llm_kwargs(tmp_path, dtype)["enforce_eager"] is False, dtype
-    assert "--enforce-eager" not in server_command(tmp_path, "127.0.0.1", 9000, "m", None, 1, None, [])
+        assert llm_kwargs(tmp_path, EngineSettings(dtype=dtype))["enforce_eager"] is False, dtype
+    assert "--enforce-eager" not in server_command(tmp_path, "127.0.0.1", 9000, "m", EngineSettings())
 
 
 def test_user_settings_win_over_cpu_defaults():
@@ -122,7 +130,8 @@ def test_listening_beyond_loopback_without_an_api_key_warns():
 
 
 def test_server_command_names_the_model_and_listens_where_asked(tmp_path):
-    cmd = server_command(tmp_path / "m", "127.0.0.1", 9000, "m", "float32", 2, 128, ["--max-num-seqs", "8"])
+    settings = EngineSettings(dtype="float32", tp=2, max_model_len=128)
+    cmd = server_command(tmp_path / "m", "127.0.0.1", 9000, "m", settings, ["--max-num-seqs", "8"])
     assert cmd[:3] == [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
     pairs = dict(zip(cmd[3::], cmd[4::]))
     assert pairs["--model"] == str((tmp_path / "m").resolve()) and pairs["--served-model-name"] == "m"

@@ -184,6 +184,7 @@ def test_verify_refuses_an_out_folder_that_overlaps_an_input(cli, tiny, tiny_hf,
 
 def test_verify_never_empties_a_dump_folder_holding_files_it_did_not_write(tiny_hf, tmp_path):
     from ministream import MiniStreamError
+    from ministream.run.engine import EngineSettings
     from ministream.run.verify import vllm_outputs
 
     dump = tmp_path / "dump"
@@ -191,5 +192,5 @@ def test_verify_never_empties_a_dump_folder_holding_files_it_did_not_write(tiny_
     (dump / "forward-1-0.pt").write_bytes(b"")  # a dump of an earlier run: may go
     (dump / "thesis.tex").write_text("weeks of work")  # not verify's
     with pytest.raises(MiniStreamError, match=r"holds files verify did not write \(thesis.tex\)"):
-        vllm_outputs(tiny_hf, {}, dump)
+        vllm_outputs(tiny_hf, {}, dump, EngineSettings())
     assert (dump / "thesis.tex").read_text() == "weeks of work"

@@ -132,7 +132,7 @@ def server_command(system: str, model: dict, dtype: str, port: int) -> tuple[lis
         return _llamacpp_command(model, dtype, port)
     folder = model["hf" if system == "ministream" else "llama"]
     name = served_name(folder)
-    return engine.server_command(Path(folder), HOST, port, name, dtype, 1, None, []), name, folder
+    return engine.server_command(Path(folder), HOST, port, name, engine.EngineSettings(dtype=dtype)), name, folder
 
 
 def _llamacpp_command(model: dict, dtype: str, port: int) -> tuple[list[str], str, str]:

@@ -111,7 +111,8 @@ def _vllm_worker(spec: dict) -> dict:
     """In its own process: the engine, the timers, then REPEATS pairs of (PROMPT + NEW, PROMPT + 1) requests."""
     from ..run.generate import vllm_engine, vllm_generate
 
-    llm = vllm_engine(Path(spec["model_dir"]), spec["dtype"], max_model_len=PROMPT + NEW + 8, **spec["overrides"])
+    settings = engine.EngineSettings(dtype=spec["dtype"], max_model_len=PROMPT + NEW + 8)
+    llm = vllm_engine(Path(spec["model_dir"]), settings, **spec["overrides"])
     from vllm.platforms import current_platform
 
     llm.collective_rpc(_install_timers)

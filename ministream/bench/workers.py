@@ -85,12 +85,10 @@ def _worker(spec: dict) -> dict:
         # "eager": True or False forces it; absent, the engine default (engine.py), recorded either way
         eager = spec["eager"] if spec.get("eager") is not None else engine.eager()
         result["enforce_eager"] = eager
-        llm = vllm_engine(
-            Path(spec["model_dir"]),
-            spec["dtype"],
-            max_model_len=spec["prompt_len"] + spec["new_tokens"],
-            enforce_eager=eager,
+        settings = engine.EngineSettings(
+            dtype=spec["dtype"], max_model_len=spec["prompt_len"] + spec["new_tokens"], enforce_eager=eager
         )
+        llm = vllm_engine(Path(spec["model_dir"]), settings)
         result["start_s"] = time.perf_counter() - t
         result["env"] = {k: os.environ.get(k) for k in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE")}
         from vllm.platforms import current_platform

@@ -47,7 +47,7 @@ def generate(llm, job: dict, lora) -> tuple[list[dict], float]:
 
 
 def run_job(job: dict) -> dict:
-    from ..run.engine import lora_settings
+    from ..run.engine import EngineSettings, lora_settings
     from ..run.generate import vllm_engine
 
     overrides: dict = {}
@@ -60,7 +60,7 @@ def run_job(job: dict) -> dict:
         overrides.update(lora_settings([job["lora"]["rank"]]))  # the settings every LoRA engine here gets
         lora = LoRARequest(job["lora"]["name"], 1, job["lora"]["path"])
     start = time.monotonic()
-    llm = vllm_engine(Path(job["folder"]), job["dtype"], job["tp"], **overrides)
+    llm = vllm_engine(Path(job["folder"]), EngineSettings(dtype=job["dtype"], tp=job["tp"]), **overrides)
     try:
         ready = time.monotonic() - start
         outputs, _ = generate(llm, job, lora)

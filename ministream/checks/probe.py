@@ -54,7 +54,7 @@ def main(jobs_file: str, out_file: str) -> None:
         os.sched_setaffinity(0, cores)
         os.environ[engine.BIND] = engine.core_binding(job["tp"], cores)
         try:
-            llm = vllm_engine(Path(job["folder"]), job["dtype"], job["tp"])
+            llm = vllm_engine(Path(job["folder"]), engine.EngineSettings(dtype=job["dtype"], tp=job["tp"]))
             outputs = vllm_generate(llm, job["prompt_ids"], job["max_tokens"], job["top_k"])
             done.append(
                 {

@@ -27,6 +27,7 @@ from ..fork.release import DISTRIBUTIONS
 from ..paths import PATCH_SETS
 from ..spec import ARCH, MODEL_FILE_IN_TREE, MODEL_TYPE, TORCH_DTYPES, TrainConfig
 from . import engine
+from .engine import SERVE_DEFAULTS, EngineSettings
 from .folder import Finding, Folder, examine
 
 # what the checks of the installed vLLM read of a folder, when its own config.json is refused (examine says why)
@@ -282,18 +283,11 @@ def check_plugin(plugin: dict, dist: str | None) -> Finding:
     )
 
 
-def check_memory(
-    folder: Folder,
-    cfg: TrainConfig,
-    dtype: str | None,
-    max_model_len: int | None,
-    memory_gib: float | None,
-    kv_cache_gib: float | None,
-) -> list[Finding]:
-    """Weights and one sequence of max_model_len against the memory and the KV cache an engine gets: on the
-    CPU the cache `ministream serve` would choose now (engine.py), unless --kv-cache-gib says."""
+def check_memory(folder: Folder, cfg: TrainConfig, settings: EngineSettings, memory_gib: float | None) -> list[Finding]:
+    """Weights and one sequence of max_model_len against the memory and the KV cache an engine run as `settings`
+    say gets: on the CPU the cache `ministream serve` would choose now (engine.py), unless --kv-cache-gib says."""
     config, found = folder.config, []
-    dtype = dtype or config.get("dtype") or config.get("torch_dtype")
+    dtype = settings.dtype or config.get("dtype") or config.get("torch_dtype")
     if dtype not in TORCH_DTYPES:
         found.append(
             Finding(
@@ -307,12 +301,12 @@ def check_memory(
     size = TORCH_DTYPES[dtype].itemsize
     weights = folder.parameters * size
     per_token = kv_bytes_per_token(cfg, size)
-    length = max_model_len or cfg.max_seq_len
+    length = settings.max_model_len or cfg.max_seq_len
     gpu = _gpu_memory()
     total = memory_gib * 2**30 if memory_gib else (gpu or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     kv_space = (
-        kv_cache_gib * 2**30
-        if kv_cache_gib
+        settings.kv_cache_gib * 2**30
+        if settings.kv_cache_gib
         else 0.9 * total - weights
         if gpu or memory_gib
         else engine.kv_cache_bytes()
@@ -358,11 +352,12 @@ def kv_bytes_per_token(cfg: TrainConfig, size: int) -> int:
     return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * size
 
 
-def check_settings(max_model_len: int | None, memory_gib: float | None, kv_cache_gib: float | None) -> None:
+def check_settings(settings: EngineSettings, memory_gib: float | None) -> None:
     """doctor's own flags, each a positive finite number where given: MiniStreamError naming the flag."""
+    max_model_len = settings.max_model_len
     if max_model_len is not None and (type(max_model_len) is not int or max_model_len < 1):
         raise MiniStreamError(f"--max-model-len {max_model_len}: must be a positive number of tokens")
-    for name, gib in (("--memory-gib", memory_gib), ("--kv-cache-gib", kv_cache_gib)):
+    for name, gib in (("--memory-gib", memory_gib), ("--kv-cache-gib", settings.kv_cache_gib)):
         if gib is not None and not (isinstance(gib, (int, float)) and math.isfinite(gib) and gib > 0):
             raise MiniStreamError(f"{name} {gib}: must be a positive, finite number of GiB")
 
@@ -378,18 +373,18 @@ def _gpu_memory() -> int | None:
 def doctor(
     folder: Path,
     vllm_dir: Path | None = None,
-    dtype: str | None = None,
-    max_model_len: int | None = None,
+    settings: EngineSettings = SERVE_DEFAULTS,
     memory_gib: float | None = None,
-    kv_cache_gib: float | None = None,
 ) -> list[Finding]:
-    check_settings(max_model_len, memory_gib, kv_cache_gib)
+    """The findings on `folder` and the vLLM package folder `vllm_dir` (default: the installed one), its memory
+    judged for an engine run as `settings` say (default: serve's) on `memory_gib` (default: the GPU's, else RAM)."""
+    check_settings(settings, memory_gib)
     seen = examine(folder)  # a folder that cannot be read at all: FolderError, one line (exit 2)
     vllm_dir = vllm_dir or installed_vllm_dir()
     found = installed_vllm_findings(seen.folder.config if seen.train else FORMAT_NAMES, vllm_dir)
     found += seen.found
     if seen.train:  # the memory a folder needs is known only from settings config.json holds
-        found += check_memory(seen.folder, seen.train, dtype, max_model_len, memory_gib, kv_cache_gib)
+        found += check_memory(seen.folder, seen.train, settings, memory_gib)
     return found
 
 
@@ -434,18 +429,12 @@ def _cpu_build() -> bool:
         return False
 
 
-def run_doctor(
-    model: Path,
-    vllm_dir: Path | None = None,
-    dtype: str | None = None,
-    max_model_len: int | None = None,
-    memory_gib: float | None = None,
-    kv_cache_gib: float | None = None,
-) -> int:
-    """`ministream doctor`: one line per finding, then the count; 1 if any is an error."""
+def run_doctor(model: Path, **judged) -> int:
+    """`ministream doctor`: doctor's findings (`judged`: its vllm_dir, settings, memory_gib), one line each, then
+    the count; 1 if any is an error."""
     if not model.is_dir():
         raise MiniStreamError(f"{model}: no such folder; MODEL is the converted folder (make convert)")
-    found = doctor(model, vllm_dir, dtype, max_model_len, memory_gib, kv_cache_gib)
+    found = doctor(model, **judged)
     for f in found:
         print(f)
     errors = sum(f.level == "error" for f in found)

@@ -1,6 +1,8 @@
-"""Engine settings for this machine, chosen in one place: KV cache, core binding, compiled or eager,
-context length and seed, for the offline engines (generate, verify, bench), the server (serve) and the
-figure doctor judges a folder against.
+"""How an engine runs, said once: the settings every command that starts one (generate, verify, serve, the
+benchmarks' engines) or judges one (doctor) takes (EngineSettings), their command-line options
+(add_engine_options), and what this machine adds to them, chosen in one place: KV cache, core binding,
+compiled or eager, context length and seed, for the offline engines, the server and the figure doctor judges a
+folder against.
 
 On a machine without a GPU: the model gets every core (vLLM keeps one for its front end otherwise,
 about half the speed on 2 cores), one core per rank under tensor parallelism, and a KV cache of a
@@ -8,9 +10,12 @@ quarter of the memory available (1 to 64 GiB, split among the ranks) instead of 
 memory. With a GPU, vLLM's own defaults. Settings the user put in the environment always win.
 """
 
+import argparse
+import dataclasses
 import json
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from packaging.version import Version
@@ -29,6 +34,90 @@ BIND, KV_CACHE = "VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE"  # vLLM's
 LOCAL_RANK_BIND = Version("0.20")
 # vLLM reports usage to its authors unless told not to: nothing this project starts phones home
 NO_USAGE_STATS = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+
+
+# --- the settings: how an engine runs, and the options that say it ----------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineSettings:
+    """How an engine runs, as a command says it (vLLM says the same with EngineArgs). The defaults are what
+    `ministream serve` runs without options, vLLM's own; what this machine adds (its cores, the CPU KV cache)
+    is engine_env's, and an offline engine caps the context (llm_kwargs)."""
+
+    dtype: str | None = None  # weights and activations; None: vLLM's "auto", the folder's torch_dtype
+    tp: int = 1  # tensor_parallel_size
+    pp: int = 1  # pipeline_parallel_size (serve: with --nnodes, over the nodes)
+    max_model_len: int | None = None  # longest prompt + output, in tokens; None: the model's
+    enforce_eager: bool = False  # eager asked for; else compiled (eager())
+    kv_cache_gib: float | None = None  # the CPU KV cache; None: VLLM_CPU_KVCACHE_SPACE, else kv_cache_gib()
+    seed: int = SEED  # no option: every engine samples from the same seed
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "EngineSettings":
+        """What a parsed command line says: the options add_engine_options gave its parser; the rest default."""
+        return cls(**{name: getattr(args, name) for name in getattr(args, "engine_options", ())})
+
+
+SERVE_DEFAULTS = EngineSettings()  # serve without options, what doctor judges unless told
+OFFLINE_DTYPE = "float32"  # an offline engine compared with the reference model (which has no "auto")
+
+
+def add_engine_options(
+    parser: argparse.ArgumentParser, kind: str, names: Sequence[str], benchmark: dict | None = None
+) -> None:
+    """EngineSettings' fields `names` as options of a command of `kind` (engine_options: their flags, defaults
+    and help, as that kind of command says them), recorded for EngineSettings.from_args. benchmark: a
+    benchmark's settings, whose values a "bench" option's help names as its default."""
+    table = engine_options()
+    for name in names:
+        if kind not in table[name]:
+            raise ValueError(f"a {kind} command has no --{name.replace('_', '-')}: say it in engine_options first")
+        spec = dict(table[name][kind])
+        if benchmark is not None and "help" in spec:
+            spec["help"] = spec["help"].format(**benchmark)
+        parser.add_argument("--" + name.replace("_", "-"), **spec)
+    parser.set_defaults(engine_options=(*(parser.get_default("engine_options") or ()), *names))
+
+
+def engine_options() -> dict[str, dict[str, dict]]:
+    """Each option once: for each kind of command that has it, its argparse keywords. The kinds: "offline", an
+    engine compared with the reference model (generate, verify: OFFLINE_DTYPE unless asked); "server", vLLM's
+    server (serve: vLLM's defaults); "judge", the engine serve would get, judged without starting it (doctor);
+    "bench", a benchmark's engines (bench, bench-serve: the benchmark's own settings are the defaults)."""
+    from ..spec import DTYPES
+
+    eager_help = "vLLM without torch.compile (default: compiled, see docs/bench.md, 'Compiled or eager')"
+    return {
+        "dtype": {
+            "offline": dict(default=OFFLINE_DTYPE, choices=list(DTYPES)),
+            "server": dict(help="weights/activations dtype (default: vLLM's auto, the folder's torch_dtype)"),
+            "judge": dict(choices=list(DTYPES), help="dtype to serve in (default: config.json's)"),
+            # what every system of a benchmark runs: the reference server and llama.cpp too
+            "bench": dict(choices=["bfloat16", "float32"], help="default: {dtype}"),
+        },
+        "tp": {
+            "offline": dict(type=int, default=1, help="vLLM tensor_parallel_size"),
+            "server": dict(type=int, default=1, help="tensor_parallel_size"),
+        },
+        "pp": {"server": dict(type=int, default=1, help="pipeline_parallel_size (with --nnodes: over the nodes)")},
+        "max_model_len": {
+            "server": dict(type=int, help="longest prompt + output, in tokens (default: the model's)"),
+            "judge": dict(type=int, help="context to serve (default: max_position_embeddings)"),
+        },
+        "enforce_eager": {kind: dict(action="store_true", help=eager_help) for kind in ("offline", "server")},
+        "kv_cache_gib": {
+            "judge": dict(
+                type=float,
+                help="KV cache size (default on CPU: VLLM_CPU_KVCACHE_SPACE, else what `ministream serve` would "
+                "choose now)",
+            ),
+            # whole GiB: what vLLM reads from VLLM_CPU_KVCACHE_SPACE, which the benchmark's engines get
+            "bench": dict(
+                type=int, help="VLLM_CPU_KVCACHE_SPACE for every engine (default: what `ministream serve` would choose)"
+            ),
+        },
+    }
 
 
 def has_gpu() -> bool:
@@ -141,15 +230,16 @@ def offline_max_model_len(model: Path, asked: int | None = None) -> int:
     return min(config.get("max_position_embeddings", OFFLINE_MAX_MODEL_LEN), asked or OFFLINE_MAX_MODEL_LEN)
 
 
-def llm_kwargs(model: Path, dtype: str, tp: int = 1, max_model_len: int | None = None, **overrides) -> dict:
+def llm_kwargs(model: Path, settings: EngineSettings, **overrides) -> dict:
     """`LLM(...)`'s arguments for a converted folder; overrides (a caller's reason) replace ours."""
     return {
         "model": str(model),
-        "dtype": dtype,
-        "tensor_parallel_size": tp,
-        "max_model_len": offline_max_model_len(model, max_model_len),
-        "seed": SEED,
-        "enforce_eager": eager(),
+        "dtype": settings.dtype or "auto",
+        "tensor_parallel_size": settings.tp,
+        "max_model_len": offline_max_model_len(model, settings.max_model_len),
+        "seed": settings.seed,
+        "enforce_eager": eager(settings.enforce_eager),
+        **({"pipeline_parallel_size": settings.pp} if settings.pp > 1 else {}),
         **overrides,
     }
 
@@ -194,15 +284,7 @@ def lora_server_args(adapters: list[tuple[str, Path, int]]) -> list[str]:
 
 
 def server_command(
-    model: Path,
-    host: str,
-    port: int,
-    name: str,
-    dtype: str | None,
-    tp: int,
-    max_model_len: int | None,
-    extra: list[str],
-    enforce_eager: bool = False,
+    model: Path, host: str, port: int, name: str, settings: EngineSettings, extra: Sequence[str] = ()
 ) -> list[str]:
     """vLLM's OpenAI server from this interpreter's environment (the patched vLLM of `make install`).
 
@@ -223,15 +305,15 @@ def server_command(
         "--port",
         str(port),
         "--tensor-parallel-size",
-        str(tp),
+        str(settings.tp),
         "--seed",
-        str(SEED),
+        str(settings.seed),
     ]
-    if dtype:
-        cmd += ["--dtype", dtype]
-    if max_model_len:
-        cmd += ["--max-model-len", str(max_model_len)]
-    if eager(enforce_eager):
+    if settings.dtype:
+        cmd += ["--dtype", settings.dtype]
+    if settings.max_model_len:
+        cmd += ["--max-model-len", str(settings.max_model_len)]
+    if eager(settings.enforce_eager):
         cmd += ["--enforce-eager"]
     return cmd + list(extra)
 

@@ -4,6 +4,7 @@ Both engines get identical prompt token ids (tokenized once with the folder's to
 so any difference in the outputs is the models', never the tokenizers'.
 """
 
+import dataclasses
 import functools
 import json
 import sys
@@ -79,14 +80,15 @@ def reference_generate(
     return [model.generate([p], max_tokens, stop_ids=stop_ids, logprobs=logprobs)[0] for p in prompt_ids]
 
 
-def vllm_engine(model: Path, dtype: str = "float32", tp: int = 1, max_model_len: int | None = None, **overrides):
-    """The installed vLLM's offline engine on a converted folder, with this machine's settings (engine.py)."""
-    engine.use_defaults(tp)
+def vllm_engine(model: Path, settings: engine.EngineSettings, **overrides):
+    """The installed vLLM's offline engine on a converted folder, run as `settings` say, on this machine's
+    defaults (engine.py); overrides: LLM(...)'s arguments for a caller's reason."""
+    engine.use_defaults(settings.tp)
     try:
         from vllm import LLM
     except ImportError:
         raise MiniStreamError("vllm is not installed in this environment: run `make install` first") from None
-    return LLM(**engine.llm_kwargs(model, dtype, tp, max_model_len, **overrides))
+    return LLM(**engine.llm_kwargs(model, settings, **overrides))
 
 
 def vllm_generate(
@@ -124,22 +126,21 @@ def lora_requests(adapters: list[Path | None]) -> list:
 
 def generate(
     model: Path,
+    settings: engine.EngineSettings,
     raw: Path | None = None,
     engines: str = "both",
     prompts: list[str] | None = None,
     max_tokens: int = 32,
-    dtype: str = "float32",
-    tp: int = 1,
     logprobs: int = 0,
     stop_at_eos: bool = False,
     json_path: Path | None = None,
-    enforce_eager: bool = False,
 ) -> dict:
     """`ministream generate`: the same prompt ids through the reference model and/or vLLM, printed side by
-    side; engines is "both", "reference" or "vllm"."""
+    side; engines is "both", "reference" or "vllm". Both run in settings.dtype."""
     config = check_servable(model)  # before the reference model loads or vLLM starts (a minute)
+    dtype = settings.dtype or engine.OFFLINE_DTYPE  # the reference model has no "auto"
     if engines in ("both", "vllm"):
-        engine.check_tp(tp)
+        engine.check_tp(settings.tp)
     prompts = prompts or DEFAULT_PROMPTS
     ids = tokenize(model, prompts)
     results: dict[str, Any] = {"prompts": prompts, "prompt_ids": ids, "dtype": dtype, "max_tokens": max_tokens}
@@ -152,7 +153,7 @@ def generate(
         results["reference_seconds"] = time.time() - t
     if engines in ("both", "vllm"):
         t = time.time()
-        llm = vllm_engine(model, dtype, tp, **({"enforce_eager": True} if enforce_eager else {}))
+        llm = vllm_engine(model, dataclasses.replace(settings, dtype=dtype))
         results["vllm_start_seconds"] = time.time() - t
         t = time.time()
         results["vllm"] = vllm_generate(llm, ids, max_tokens, logprobs, ignore_eos=not stop_at_eos)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .. import MiniStreamError, __version__
-from .engine import has_gpu
+from .engine import EngineSettings, has_gpu
 
 FIRST_RELEASE = "0.11.1"  # vLLM's first with --nnodes for its multiprocessing executor (PR #23691)
 # ... and on a CPU: 0.11 and 0.12 size a node's shared-memory broadcaster by torch.cuda.device_count(), 0 there
@@ -83,13 +83,13 @@ def model_digest(model: Path) -> str:
     return h.hexdigest()
 
 
-def card(model: Path, dtype: str | None, tp: int, pp: int, nnodes: int, vllm_version: str | None) -> dict:
+def card(model: Path, settings: EngineSettings, nnodes: int, vllm_version: str | None) -> dict:
     """What every node of one server must agree on."""
     return {
         "model": model_digest(model),
-        "dtype": dtype or "auto",
-        "tensor_parallel_size": tp,
-        "pipeline_parallel_size": pp,
+        "dtype": settings.dtype or "auto",
+        "tensor_parallel_size": settings.tp,
+        "pipeline_parallel_size": settings.pp,
         "nnodes": nnodes,
         "vllm": vllm_version,
         "ministream": __version__,

@@ -234,31 +234,28 @@ def exposure_warning(host: str, env: dict) -> str | None:
 
 def serve(
     model: Path,
+    settings: engine.EngineSettings = engine.SERVE_DEFAULTS,
     host: str = "127.0.0.1",
     port: int = 8000,
     name: str | None = None,
-    dtype: str | None = None,
-    tp: int = 1,
-    max_model_len: int | None = None,
     extra: Sequence[str] = (),
     stop_timeout: float = STOP_TIMEOUT,
     api_key: str | None = None,
-    enforce_eager: bool = False,
-    pp: int = 1,
     cluster: nodes.Plan | None = None,
     loras: Sequence[str] = (),
 ) -> int:
     """Run the server until it exits or this process gets SIGTERM/SIGINT; its exit status.
 
-    cluster: this process is one node of a server over cluster.nnodes machines (nodes.py); rank 0 serves
-    the API, the others run headless. api_key goes to vLLM through its environment (VLLM_API_KEY), never
-    on a command line `ps` shows. loras: NAME=DIR, PEFT adapters served beside the model under their names."""
+    settings: how its engine runs (--dtype, --tp, --pp, --max-model-len, --enforce-eager). cluster: this process
+    is one node of a server over cluster.nnodes machines (nodes.py); rank 0 serves the API, the others run
+    headless. api_key goes to vLLM through its environment (VLLM_API_KEY), never on a command line `ps` shows.
+    loras: NAME=DIR, PEFT adapters served beside the model under their names."""
     config = check_servable(model)  # a folder vLLM can read, and what this machine has, before minutes of start
-    check_max_model_len(max_model_len, config, model)
+    check_max_model_len(settings.max_model_len, config, model)
     adapters = check_loras(loras, config, model, name or served_name(model))
     if not stop_timeout > 0:  # NaN too
         raise MiniStreamError(f"--stop-timeout {stop_timeout}: give a number of seconds above 0 (default 30)")
-    nnodes = cluster.nnodes if cluster else 1
+    nnodes, tp, pp = cluster.nnodes if cluster else 1, settings.tp, settings.pp
     if pp < 1 or (tp * pp) % nnodes:
         raise MiniStreamError(
             f"--tp {tp} x --pp {pp} = {tp * pp} ranks cannot be spread evenly over --nnodes {nnodes}: "
@@ -285,7 +282,7 @@ def serve(
         print(warning, file=sys.stderr, flush=True)
     if adapters:
         extra = [*engine.lora_server_args(adapters), *extra]
-    cmd = engine.server_command(model, host, port, name, dtype, tp, max_model_len, list(extra), enforce_eager)
+    cmd = engine.server_command(model, host, port, name, settings, extra)
     if cluster:
         cmd = engine.node_command(cmd, pp, nnodes, cluster.rank, cluster.master_addr, cluster.master_port)
     elif pp > 1:
@@ -295,7 +292,7 @@ def serve(
     print(f"ministream serve: {shown} {' '.join(cmd)}", flush=True)
     peers: dict = {}
     if cluster:
-        mine = nodes.card(model, dtype, tp, pp, nnodes, release)
+        mine = nodes.card(model, settings, nnodes, release)
         peers = nodes.gather(cluster, mine) if cluster.rank == 0 else {0: nodes.join(cluster, mine)}
     if headless and cluster:
         print(f"ministream serve: node {cluster.rank} of {nnodes}, headless: node 0 serves the API", flush=True)

@@ -28,7 +28,7 @@ import os
 import re
 import shutil
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -36,7 +36,7 @@ import torch
 from .. import MiniStreamError, __version__
 from ..atomic import check_output, mark_made
 from ..spec import FORMAT_VERSION, QKV, hf_names
-from .engine import OFFLINE_MAX_MODEL_LEN
+from .engine import OFFLINE_DTYPE, OFFLINE_MAX_MODEL_LEN, EngineSettings
 from .folder import EMBED, FINAL_NORM, HEAD, Folder, check_servable, name_differences, natural, open_folder
 from .prompts import context_prompts
 
@@ -225,8 +225,9 @@ def read_golden(path: Path) -> dict:
 # --- vLLM, with the debug switch on ---------------------------------------------------------
 
 
-def vllm_outputs(model: Path, golden: dict, dump_dir: Path) -> list[dict]:
-    """The installed vLLM on the golden prompt ids, every prompt's prefill dumped into dump_dir."""
+def vllm_outputs(model: Path, golden: dict, dump_dir: Path, settings: EngineSettings) -> list[dict]:
+    """The installed vLLM on the golden prompt ids, every prompt's prefill dumped into dump_dir: run as
+    `settings` say, in the golden file's dtype, with what the dump needs."""
     from .generate import vllm_engine, vllm_generate
 
     if dump_dir.is_dir():  # the last run's dumps go; anything else there is not ours to delete
@@ -245,9 +246,12 @@ def vllm_outputs(model: Path, golden: dict, dump_dir: Path) -> list[dict]:
         # that the dumped pass holds each prompt's layers (a prompt split across steps is dumped in part)
         llm = vllm_engine(
             model,
-            golden["dtype"],
-            max_model_len=max(max(map(len, ids)) + golden["max_tokens"], OFFLINE_MAX_MODEL_LEN),
-            enforce_eager=True,
+            replace(
+                settings,
+                dtype=golden["dtype"],
+                max_model_len=max(max(map(len, ids)) + golden["max_tokens"], OFFLINE_MAX_MODEL_LEN),
+                enforce_eager=True,
+            ),
             enable_prefix_caching=False,
             max_num_batched_tokens=max(sum(map(len, ids)), STEP_TOKENS),
         )
@@ -460,7 +464,7 @@ def _same(a, b) -> bool:
 def verify(
     model: Path,
     raw: Path | None,
-    dtype: str,
+    settings: EngineSettings,
     prompts: list[str],
     out: Path,
     max_tokens: int = 32,
@@ -471,11 +475,13 @@ def verify(
     context: dict | None = None,
 ) -> bool:
     """Golden file, vLLM's outputs, the rule for the dtype; on failure the layer-by-layer diagnosis. True: pass.
-    context: builtin_prompts' record of the prompts far from position 0."""
+    settings: the engine's, in settings.dtype (the golden file's, where one is read); context: builtin_prompts'
+    record of the prompts far from position 0."""
     model, out = Path(model), Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    dtype = settings.dtype or OFFLINE_DTYPE  # the reference model has no "auto"
     golden = golden_for(model, raw or model, prompts, dtype, max_tokens, top_k, golden_path, out, log, context)
-    got = run_vllm(model, golden, out)
+    got = run_vllm(model, golden, out, settings)
     passed = report_comparison(model, golden, got, log)
     findings = folder_findings(model, raw) if raw else []
     if passed:
@@ -511,10 +517,10 @@ def golden_for(
     return golden
 
 
-def run_vllm(model: Path, golden: dict, out: Path) -> list[dict]:
+def run_vllm(model: Path, golden: dict, out: Path, settings: EngineSettings) -> list[dict]:
     """vLLM's outputs on the golden prompt ids, also written to out/vllm-<dtype>.json."""
     try:
-        got = vllm_outputs(model, golden, out / "dump")
+        got = vllm_outputs(model, golden, out / "dump", settings)
     except MiniStreamError:
         raise
     except Exception as e:  # vLLM refused the folder: the doctor names why
@@ -607,7 +613,7 @@ def report_folder(model: Path, raw: Path | None, findings: list[str], log) -> No
 def run_verify(
     model: Path,
     raw: Path | None,
-    dtype: str,
+    settings: EngineSettings,
     prompts_file: Path | None,
     out: Path | None,
     max_tokens: int = 32,
@@ -623,7 +629,7 @@ def run_verify(
     # never where an input lies, nor around one
     check_output(out, force=True, inputs=[model, *([raw] if raw else [])])
     try:
-        ok = verify(model, raw, dtype, prompts, out, max_tokens, top_k, golden_path, threshold, context=context)
+        ok = verify(model, raw, settings, prompts, out, max_tokens, top_k, golden_path, threshold, context=context)
     finally:
         if Path(out).is_dir():
             mark_made(out)  # verify's results: `make clean` may remove them (fork/clean.py)
