@@ -184,13 +184,15 @@ def _lint_imports(package: Path, cwd: Path) -> subprocess.CompletedProcess:
 PLANTED = {
     "function-level import from a floor above": ("fork/patch.py", "run import engine", "fork.patch -> ministream.run"),
     "run looking up to the benchmarks": ("run/serve.py", "bench import machine", "run.serve -> ministream.bench"),
+    "pristine looking up at patch": ("fork/pristine.py", "fork import patch", "fork.pristine -> ministream.fork.patch"),
 }
 
 
 @pytest.mark.parametrize("planted", [*PLANTED, "none"])
 def test_the_floors_contract_refuses_an_upward_import_at_any_depth(planted, tmp_path):
-    """The layers contract that `make lint` holds: checkpoint -> fork -> run -> bench -> checks -> cli, none looking
-    up, imports inside functions included; a copy of the package with one planted import must fail it."""
+    """The layers contracts that `make lint` holds: checkpoint -> fork -> run -> bench -> checks -> cli, and within
+    fork/ release -> pristine -> patch, none looking up, imports inside functions included; a copy of the package
+    with one planted import must fail them."""
     package = tmp_path / "pkg"
     shutil.copytree(
         PACKAGE,
@@ -204,7 +206,7 @@ def test_the_floors_contract_refuses_an_upward_import_at_any_depth(planted, tmp_
     r = _lint_imports(package, tmp_path)
     if planted == "none":
         assert r.returncode == 0, r.stdout + r.stderr
-        assert "Contracts: 1 kept, 0 broken." in r.stdout
+        assert "Contracts: 2 kept, 0 broken." in r.stdout
     else:
         assert r.returncode != 0 and f"ministream.{arrow}" in r.stdout, r.stdout + r.stderr
 

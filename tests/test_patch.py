@@ -24,17 +24,7 @@ import torch
 
 from ministream import MiniStreamError
 from ministream.fork.cpu import CLI_FILES, PLATFORM_FILE
-from ministream.fork.patch import (
-    DEVICE_TRAILER,
-    IDENTITY as OURS,
-    LLAMA,
-    MINISTREAM,
-    SUBJECT,
-    applied_hash,
-    default_device,
-    extract_sdist,
-    patch_tree,
-)
+from ministream.fork.patch import DEVICE_TRAILER, LLAMA, MINISTREAM, SUBJECT, applied_hash, default_device, patch_tree
 from ministream.fork.patchset import (
     added_files,
     apply_to_files,
@@ -43,6 +33,7 @@ from ministream.fork.patchset import (
     patch_set_hash,
     supported_versions,
 )
+from ministream.fork.pristine import IDENTITY as OURS, extract_sdist
 from ministream.fork.registry import CONFIG_PY as CONFIG, CONFIGS_INIT_PY as CONFIGS, REGISTRY_PY as REGISTRY
 from ministream.fork.release import release_sdist, release_wheel, sdist_files
 from ministream.paths import APPLY_SCRIPT, MODEL_FILE, PATCH_SETS

