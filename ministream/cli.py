@@ -11,15 +11,20 @@ from . import MiniStreamError
 # --- the training side ----------------------------------------------------------------------
 
 
+def command(sub, name: str, doc: str | None, help: str):
+    """A subcommand whose --help shows its module's docstring as written."""
+    return sub.add_parser(name, help=help, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
 def add_checkpoint(sub) -> None:
     from .checkpoint import demo
     from .spec import LORA_TABLE
 
-    p = sub.add_parser(
+    p = command(
+        sub,
         "checkpoint",
-        help="write a format-1 training checkpoint (tests, demo, benchmarks)",
-        description=demo.__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        demo.__doc__,
+        "write a format-1 training checkpoint (tests, demo, benchmarks)",
     )
     p.add_argument("--preset", default="tiny", choices=list(demo.PRESETS))
     p.add_argument("--out", type=Path, required=True, help="folder to write model.pt and tokenizer.json into")
@@ -138,11 +143,11 @@ def add_convert(sub) -> None:
 def add_gguf(sub) -> None:
     from .checkpoint import gguf
 
-    p = sub.add_parser(
+    p = command(
+        sub,
         "gguf",
-        help="converted folder or training checkpoint -> one GGUF file for llama.cpp",
-        description=gguf.__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        gguf.__doc__,
+        "converted folder or training checkpoint -> one GGUF file for llama.cpp",
     )
     p.add_argument("src", type=Path, help="converted HF-style folder, or training checkpoint folder (model.pt)")
     p.add_argument("out", type=Path, help="the .gguf file to write (whole, or not at all)")
@@ -157,11 +162,11 @@ def add_gguf(sub) -> None:
 def add_convert_lora(sub) -> None:
     from .checkpoint import lora
 
-    p = sub.add_parser(
+    p = command(
+        sub,
         "convert-lora",
-        help="the trainer's LoRA adapter.pt -> a PEFT adapter folder vLLM serves (--lora-modules, serve --lora)",
-        description=lora.__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        lora.__doc__,
+        "the trainer's LoRA adapter.pt -> a PEFT adapter folder vLLM serves (--lora-modules, serve --lora)",
     )
     p.add_argument("adapter", type=Path, help="the adapter's folder (adapter.pt), or adapter.pt")
     p.add_argument("out", type=Path, help="output folder (written whole, or not at all)")
@@ -196,9 +201,7 @@ def _ignore_config_key(p) -> None:
 
 def _for_release(sub, name: str, module, help: str) -> argparse.ArgumentParser:
     """A subcommand about one vLLM release: its help, the module's docstring, the version argument."""
-    p = sub.add_parser(
-        name, help=help, description=module.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = command(sub, name, module.__doc__, help)
     p.add_argument("version", help="vLLM release, e.g. 0.32.0")
     return p
 
@@ -254,11 +257,11 @@ def add_patch(sub) -> None:
 def add_port(sub) -> None:
     from .fork import port
 
-    p = sub.add_parser(
+    p = command(
+        sub,
         "port",
-        help="carry the patch set of vLLM FROM onto release TO (three-way merge)",
-        description=port.__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        port.__doc__,
+        "carry the patch set of vLLM FROM onto release TO (three-way merge)",
     )
     p.add_argument("source", metavar="FROM", nargs="?", help="a supported vLLM release, e.g. 0.32.0")
     p.add_argument("target", metavar="TO", nargs="?", help="the release to write patches/vTO/ for, e.g. 0.33.0")
@@ -287,11 +290,11 @@ def add_port(sub) -> None:
 def add_releases(sub) -> None:
     from .fork import pypi
 
-    p = sub.add_parser(
+    p = command(
+        sub,
         "releases",
-        help="the vLLM releases on PyPI, which have a patch set, and the make port for each that has none",
-        description=pypi.__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        pypi.__doc__,
+        "the vLLM releases on PyPI, which have a patch set, and the make port for each that has none",
     )
     p.add_argument("--index-url", help="the package index to read (default: PIP_INDEX_URL, else PyPI's)")
     p.set_defaults(func=lambda a: pypi.releases_command(a.index_url))
@@ -301,11 +304,11 @@ def add_matrix(sub) -> None:
     from .checks import matrix
     from .paths import BUILD
 
-    p = sub.add_parser(
+    p = command(
+        sub,
         "matrix",
-        help="check every supported vLLM version's patch set (static)",
-        description=matrix.__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        matrix.__doc__,
+        "check every supported vLLM version's patch set (static)",
     )
     p.add_argument("--versions", help="comma-separated vLLM releases (default: all of patches/versions.json)")
     p.add_argument("--out", type=Path, default=BUILD, help="where matrix.json and matrix.md go (default: %(default)s)")
@@ -515,11 +518,11 @@ def add_verify(sub) -> None:
     from .run import verify
     from .run.engine import EngineSettings, add_engine_options
 
-    p = sub.add_parser(
+    p = command(
+        sub,
         "verify",
-        help="golden outputs from the reference model vs the installed vLLM; layer by layer on failure",
-        description=verify.__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        verify.__doc__,
+        "golden outputs from the reference model vs the installed vLLM; layer by layer on failure",
     )
     p.add_argument("model", type=Path, help="converted HF-style folder")
     p.add_argument(
@@ -581,11 +584,11 @@ def add_bench(sub) -> None:
 
     default_configs = bench.FULL["configs"]
     assert isinstance(default_configs, list)
-    p = sub.add_parser(
+    p = command(
+        sub,
         "bench",
-        help="throughput, latency and memory: patched vLLM vs LLaMA, the reference model, core binding; tooling costs",
-        description=bench.__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        bench.__doc__,
+        "throughput, latency and memory: patched vLLM vs LLaMA, the reference model, core binding; tooling costs",
     )
     p.add_argument("--out", type=Path, default=bench.DEFAULT_OUT, help="output folder (default: %(default)s)")
     p.add_argument("--quick", action="store_true", help="smoke run: reference bf16, batches 1 and 8, 16 new tokens")
@@ -615,12 +618,12 @@ def add_bench_serve(sub) -> None:
 
     quick_rates, full_rates = benchserve.QUICK["rates"], benchserve.FULL["rates"]
     assert isinstance(quick_rates, list) and isinstance(full_rates, list)
-    p = sub.add_parser(
+    p = command(
+        sub,
         "bench-serve",
-        help="serving load with vLLM's benchmark client: ministream serve vs LLaMA "
+        benchserve.__doc__,
+        "serving load with vLLM's benchmark client: ministream serve vs LLaMA "
         "names vs the reference model one request at a time",
-        description=benchserve.__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--out", type=Path, default=benchserve.DEFAULT_OUT, help="output folder (default: %(default)s)")
     p.add_argument(
@@ -800,11 +803,11 @@ def _stop(signum, frame):
 def add_bench_nodes(sub) -> None:
     from .bench import benchnodes
 
-    p = sub.add_parser(
+    p = command(
+        sub,
         "bench-nodes",
-        help="TP=1 vs TP=2 on one node vs TP=2 over two nodes: throughput and TTFT at concurrency 1 and 32",
-        description=benchnodes.__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        benchnodes.__doc__,
+        "TP=1 vs TP=2 on one node vs TP=2 over two nodes: throughput and TTFT at concurrency 1 and 32",
     )
     p.add_argument("--out", type=Path, default=Path("build/bench"), help="output folder (default: %(default)s)")
     p.add_argument("--quick", action="store_true", help="smoke run: the tiny model, a few short requests")
@@ -815,11 +818,11 @@ def add_bench_nodes(sub) -> None:
 def add_bench_step(sub) -> None:
     from .bench import benchstep
 
-    p = sub.add_parser(
+    p = command(
+        sub,
         "bench-step",
-        help="one decode step at batch 1 taken apart: forward, logits, inputs, sampling, the rest (vLLM, llama.cpp)",
-        description=benchstep.__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        benchstep.__doc__,
+        "one decode step at batch 1 taken apart: forward, logits, inputs, sampling, the rest (vLLM, llama.cpp)",
     )
     p.add_argument("--out", type=Path, default=Path("build/bench/step"), help="output folder (default: %(default)s)")
     p.add_argument("--presets", type=lambda s: s.split(","), default=["reference"], help="default: reference")
@@ -834,11 +837,11 @@ def add_bench_step(sub) -> None:
 def add_clean(sub) -> None:
     from .fork import clean
 
-    p = sub.add_parser(
+    p = command(
+        sub,
         "clean",
-        help="remove what the tool made and can make again; refuse what holds your work",
-        description=clean.__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        clean.__doc__,
+        "remove what the tool made and can make again; refuse what holds your work",
     )
     p.add_argument("--force", action="store_true", help="remove build/vllm-*, dist/ and out/ whatever they hold")
     p.set_defaults(func=lambda a: clean.clean(Path("."), a.force))
