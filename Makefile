@@ -210,12 +210,11 @@ bench-serve: setup
 	$(MAKE) --no-print-directory install
 	$(MS) bench-serve --out '$(BENCH_OUT)' $(if $(BENCH_QUICK),--quick) $(BENCH_ARGS)
 
-# the quick tier, what CI runs (.ci/run): lint first, then every route end to end on 0.32.0
+# the quick tier, what CI runs (.ci/run): lint beside the install (mypy reads nothing pip writes: pyproject.toml),
+# then every route end to end on 0.32.0, vLLM's own tests (make vllm-tests) among them: tests/test_vllm_tests.py
 test: setup
-	$(MAKE) --no-print-directory lint
-	$(MAKE) --no-print-directory install DEVICE=cpu
+	$(MAKE) --no-print-directory -j2 --output-sync=target lint install DEVICE=cpu
 	$(PY) -m pytest -ra -m "not full" -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
-	$(MAKE) --no-print-directory vllm-tests DEVICE=cpu
 
 # the slow tier: older lines for real, the plugin's TP and server cases, Ray, the CPU image, vLLM's tests --compare,
 # the CUDA smoke of 0.32.0 and the newest release and gpu-proof's part that needs no GPU (tests/test_cuda_smoke.py)

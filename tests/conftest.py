@@ -64,12 +64,17 @@ def pytest_collection_modifyitems(items):
     """`make test` runs on two workers (pytest-xdist, --dist loadgroup). The tests that start vLLM engines (marked
     vllm) are one group, so one engine runs at a time, beside the tests that start none; with them goes every
     test sharing a module fixture of theirs (made once, in one worker). Every other test is in its module's
-    group, so its module fixtures are made once too: a module's refusals and conversions run beside the engines."""
+    group, so its module fixtures are made once too: a module's refusals and conversions run beside the engines.
+    A test that names its own group keeps it and runs first (vLLM's own tests, minutes of engines of their own:
+    started early, they run beside ours instead of after them)."""
+    items.sort(key=lambda item: not item.get_closest_marker("xdist_group"))  # stable: the rest keep their order
     shared: dict[str, set[str]] = {}  # module -> the module-scoped fixtures its engine tests use
     for item in items:
         if item.get_closest_marker("vllm"):
             shared.setdefault(item.module.__name__, set()).update(_module_fixtures(item))
     for item in items:
+        if item.get_closest_marker("xdist_group"):
+            continue
         name = item.module.__name__
         engines = item.get_closest_marker("vllm") or _module_fixtures(item) & shared.get(name, set())
         item.add_marker(pytest.mark.xdist_group("engines" if engines else name))
