@@ -27,6 +27,8 @@ LORA_ARGS ?=
 # gguf: the file llama.cpp reads, from MODEL (a converted folder or a training checkpoint)
 GGUF ?= $(MODEL).gguf
 GGUF_DTYPE ?= f32
+SCHEME ?= w8a8
+QUANTIZED ?= $(MODEL)-$(SCHEME)
 # install: ZENTORCH=0 leaves out zentorch (AMD CPUs with AVX-512: vLLM's ZenCpuPlatform, fork/zentorch.py)
 ZENTORCH ?=
 # install, cuda-smoke: NEAREST_PINS=1 installs the nearest published version where the release pins one that no
@@ -65,7 +67,7 @@ BENCH_ARGS ?=
 # the rest beside them; 0 runs everything in one process
 TEST_WORKERS ?= 2
 
-.PHONY: help setup lint format demo test test-full checkpoint convert gguf generate patch wheel install vllm-tests cuda-smoke gpu-proof plugin bench bench-serve clean port matrix serve image image-prereqs test-image verify doctor
+.PHONY: help setup lint format demo test test-full checkpoint convert gguf quantize generate patch wheel install vllm-tests cuda-smoke gpu-proof plugin bench bench-serve clean port matrix serve image image-prereqs test-image verify doctor
 
 help:
 	@echo "make setup                         create $(VENV)/ (torch $(TORCH_VERSION), CPU build without a GPU)"
@@ -80,6 +82,7 @@ help:
 	@echo "make convert-lora ADAPTER=dir BASE=dir OUT=dir  the trainer's LoRA adapter.pt -> a PEFT adapter folder vLLM"
 	@echo "                                   serves (serve --lora NAME=OUT); BASE: the converted folder or RAW [LORA_ARGS=--force]"
 	@echo "make gguf MODEL=dir [GGUF=file]    one GGUF file for llama.cpp (default MODEL.gguf) [GGUF_DTYPE=f32|bf16|f16]"
+	@echo "make quantize MODEL=dir [SCHEME=w8a8|w4a16] [QUANTIZED=dir]  int8/int4 weights for vLLM (default MODEL-SCHEME)"
 	@echo "make generate MODEL=dir            greedy text from the reference model and the installed vLLM"
 	@echo "make patch VLLM_VERSION=x          vLLM x's source tree (its sdist) + the MiniStream patch set in build/vllm-x/"
 	@echo "                                   [VLLM_SRC=checkout: patch that git checkout instead] [VLLM_GIT_URL=repo]"
@@ -146,6 +149,10 @@ convert-lora: setup
 gguf: setup
 	$(MS) gguf '$(MODEL)' '$(GGUF)' --dtype $(GGUF_DTYPE)
 
+# SCHEME=w8a8|w4a16: MODEL's linear weights quantized into QUANTIZED (compressed-tensors, what vLLM reads)
+quantize: setup
+	$(MS) quantize '$(MODEL)' '$(QUANTIZED)' --scheme $(SCHEME)
+
 generate: setup
 	$(MS) generate '$(MODEL)'
 
@@ -211,10 +218,11 @@ bench-serve: setup
 	$(MS) bench-serve --out '$(BENCH_OUT)' $(if $(BENCH_QUICK),--quick) $(BENCH_ARGS)
 
 # the quick tier, what CI runs (.ci/run): lint beside the install (mypy reads nothing pip writes: pyproject.toml),
-# then every route end to end on 0.32.0, vLLM's own tests (make vllm-tests) among them: tests/test_vllm_tests.py
+# then every route end to end on 0.32.0, then vLLM's own tests (their example models trained once: demo.py's cache)
 test: setup
 	$(MAKE) --no-print-directory -j2 --output-sync=target lint install DEVICE=cpu
 	$(PY) -m pytest -ra -m "not full" -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+	$(MAKE) --no-print-directory vllm-tests DEVICE=cpu
 
 # the slow tier: older lines for real, the plugin's TP and server cases, Ray, the CPU image, vLLM's tests --compare,
 # the CUDA smoke of 0.32.0 and the newest release and gpu-proof's part that needs no GPU (tests/test_cuda_smoke.py)

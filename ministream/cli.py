@@ -159,6 +159,27 @@ def add_gguf(sub) -> None:
     )
 
 
+def add_quantize(sub) -> None:
+    from .checkpoint import quantize
+
+    p = command(
+        sub,
+        "quantize",
+        quantize.__doc__,
+        "converted folder -> a folder of int8 or int4 weights vLLM reads (compressed-tensors)",
+    )
+    p.add_argument("src", type=Path, help="converted HF-style folder (`ministream convert`)")
+    p.add_argument("out", type=Path, help="the folder to write (whole, or not at all)")
+    p.add_argument(
+        "--scheme",
+        required=True,
+        choices=list(quantize.SCHEMES),
+        help="w8a8: int8 weights and activations; w4a16: int4 weights in groups of 128, activations as they are",
+    )
+    p.add_argument("--force", action="store_true", help="replace a non-empty output folder")
+    p.set_defaults(func=lambda a: quantize.quantize(a.src, a.out, a.scheme, a.force) and 0)
+
+
 def add_convert_lora(sub) -> None:
     from .checkpoint import lora
 
@@ -877,6 +898,7 @@ def build_parser() -> argparse.ArgumentParser:
         add_convert,
         add_convert_lora,
         add_gguf,  # the training side
+        add_quantize,
         add_patch,
         add_port,
         add_releases,

@@ -23,6 +23,7 @@ from ministream.checkpoint.convert import convert
 from ministream.checkpoint.demo import make_checkpoint
 from ministream.fork import plugin
 from ministream.fork.release import release_wheel
+from ministream.paths import CACHE
 from ministream.run import server
 
 # Engines started by tests stay lean (a user's setting, which wins over engine.py's quarter of the memory):
@@ -64,17 +65,12 @@ def pytest_collection_modifyitems(items):
     """`make test` runs on two workers (pytest-xdist, --dist loadgroup). The tests that start vLLM engines (marked
     vllm) are one group, so one engine runs at a time, beside the tests that start none; with them goes every
     test sharing a module fixture of theirs (made once, in one worker). Every other test is in its module's
-    group, so its module fixtures are made once too: a module's refusals and conversions run beside the engines.
-    A test that names its own group keeps it and runs first (vLLM's own tests, minutes of engines of their own:
-    started early, they run beside ours instead of after them)."""
-    items.sort(key=lambda item: not item.get_closest_marker("xdist_group"))  # stable: the rest keep their order
+    group, so its module fixtures are made once too: a module's refusals and conversions run beside the engines."""
     shared: dict[str, set[str]] = {}  # module -> the module-scoped fixtures its engine tests use
     for item in items:
         if item.get_closest_marker("vllm"):
             shared.setdefault(item.module.__name__, set()).update(_module_fixtures(item))
     for item in items:
-        if item.get_closest_marker("xdist_group"):
-            continue
         name = item.module.__name__
         engines = item.get_closest_marker("vllm") or _module_fixtures(item) & shared.get(name, set())
         item.add_marker(pytest.mark.xdist_group("engines" if engines else name))
@@ -120,16 +116,22 @@ def made_once(tmp_path_factory, kind: str, name: str, make) -> Path:
     return out
 
 
+def trained(out: Path, preset: str) -> None:
+    """A test model: trained once for this run and `make vllm-tests` after it (whose example models are the same
+    presets), and for the next run on this checkout, in build/cache/trained (demo.trained_file)."""
+    make_checkpoint(out, preset, log=quiet, cache=CACHE)
+
+
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory) -> Path:
     """Trained MHA model, tied embeddings, head_dim = d_model / n_heads."""
-    return made_once(tmp_path_factory, "ckpt", "tiny", lambda out: make_checkpoint(out, "tiny", log=quiet))
+    return made_once(tmp_path_factory, "ckpt", "tiny", lambda out: trained(out, "tiny"))
 
 
 @pytest.fixture(scope="session")
 def tiny_gqa(tmp_path_factory) -> Path:
     """Trained GQA model (4 query heads, 2 kv heads), untied head, head_dim 64 != d_model / n_heads = 32."""
-    return made_once(tmp_path_factory, "ckpt", "tiny-gqa", lambda out: make_checkpoint(out, "tiny-gqa", log=quiet))
+    return made_once(tmp_path_factory, "ckpt", "tiny-gqa", lambda out: trained(out, "tiny-gqa"))
 
 
 @pytest.fixture(scope="session")

@@ -84,6 +84,22 @@ def test_same_seed_writes_the_same_weights(tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_a_cached_training_is_taken_again_and_a_change_trains_anew(tmp_path):
+    said = []
+    log = lambda *a, **k: said.append(" ".join(map(str, a)))  # noqa: E731
+    cache = tmp_path / "cache"
+    make_checkpoint(tmp_path / "a", "tiny", steps=3, log=log, cache=cache)
+    make_checkpoint(tmp_path / "b", "tiny", steps=3, log=log, cache=cache)
+    kept = list((cache / "trained").iterdir())
+    assert len(kept) == 1 and sum("the trained weights from" in s for s in said) == 1 and "step 3/3" in " ".join(said)
+    a, b = (torch.load(tmp_path / n / "model.pt", weights_only=True) for n in "ab")
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    assert a["optimizer"]["state"].keys() == b["optimizer"]["state"].keys()  # the trainer's state comes back too
+    make_checkpoint(tmp_path / "c", "tiny", steps=3, seed=1, log=quiet, cache=cache)  # another run: its own file
+    make_checkpoint(tmp_path / "d", "tiny", steps=4, log=quiet, cache=cache)
+    assert len(list((cache / "trained").iterdir())) == 3 and not list(cache.rglob(".*part*"))
+
+
 def test_refuses_to_overwrite_a_non_empty_folder(tmp_path):
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "keep.txt").write_text("mine")

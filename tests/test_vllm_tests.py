@@ -1,7 +1,6 @@
-"""`ministream vllm-tests`: its parts, and the whole of it on the source tree `make install` patched, against the
-installed patched vLLM (make test)."""
+"""`ministream vllm-tests`: its parts. The whole command runs in `make test` (make vllm-tests), on the
+patched 0.32.0 source tree against the installed patched vLLM."""
 
-import json
 import os
 import subprocess
 import sys
@@ -13,7 +12,6 @@ import pytest
 from ministream import MiniStreamError
 from ministream.checks import vllm_tests
 from ministream.checks.vllm_tests import example_models, hf_cache, outcomes
-from ministream.fork.install import installed_vllm
 
 ENTRY = """
     "MiniMaxM3SparseForCausalLM": _HfExamplesInfo(
@@ -132,19 +130,3 @@ def test_another_installed_version_is_refused(tmp_path):
         r"0\.32\.0\+ministream.*make install VLLM_VERSION=0\.31\.0",
     ):
         vllm_tests.run_vllm_tests("0.31.0", examples_tree(tmp_path), out=tmp_path / "out")
-
-
-@pytest.mark.vllm
-@pytest.mark.xdist_group("vllm-tests")  # beside our engines, not after them: conftest.py
-def test_vllms_own_tests_of_ministream_pass_on_the_tree_make_install_patched(tiny, tiny_gqa, tmp_path):
-    """`make vllm-tests` as `make test` runs it: tests/models' MiniStream cases (the registry, initialization) and
-    the patch set's generation test, from build/vllm-VERSION against the installed patched vLLM. Its example
-    models are this session's trained checkpoints of the same presets, converted, instead of two more trainings."""
-    installed = installed_vllm()
-    assert installed, "no vLLM installed: `make install` first (make test does)"
-    version = installed[0].split("+")[0]
-    rc = vllm_tests.run_vllm_tests(version, out=tmp_path, made={"tiny": tiny, "tiny-gqa": tiny_gqa})
-    results = json.loads((tmp_path / f"vllm-{version}.json").read_text())["results"]
-    assert rc == 0 and set(results.values()) == {"passed"}, results
-    ran = " ".join(results)
-    assert all(t in ran for t in ("test_can_initialize", "test_models_float32", "test_models_bfloat16")), ran

@@ -40,14 +40,20 @@ DEFAULT_SHARD_SIZE = "2GB"
 
 
 def read_folder(folder: str | Path) -> tuple[TrainConfig, dict]:
-    """Read a converted folder back into the train config and training-named tensors."""
+    """Read a converted folder back into the train config and training-named tensors; a quantized one's
+    linear weights dequantized, as vLLM computes with them."""
     from safetensors.torch import load_file
 
     folder = Path(folder)
-    cfg = train_config_from_hf(read_json(folder / "config.json"), f"{folder / 'config.json'}")
+    config = read_json(folder / "config.json")
+    cfg = train_config_from_hf(config, f"{folder / 'config.json'}")
     hf_state = {}
     for file in safetensors_files(folder):
         hf_state.update(load_file(file))
+    if "quantization_config" in config:  # `ministream quantize`'s: the weights vLLM computes with
+        from . import quantize
+
+        hf_state = quantize.dequantize_state(hf_state, cfg, quantize.scheme_name(config, folder / "config.json"))
     expected = {h for row in table(cfg) for h in row.hf}
     if set(hf_state) != expected:
         missing, extra = sorted(expected - set(hf_state)), sorted(set(hf_state) - expected)
@@ -65,6 +71,30 @@ def safetensors_files(folder: Path) -> list[Path]:
         if not (folder / name).exists():
             raise MiniStreamError(f"{folder / name}: no such file; the folder is incomplete, convert it again")
     return [folder / name for name in names]
+
+
+class LazyFolder:
+    """HF name -> tensor, read from the folder's safetensors files when asked (memory-mapped, one at a time)."""
+
+    def __init__(self, files: list[Path], shapes: dict):
+        from safetensors import safe_open
+
+        self.shapes, self.where = shapes, {}
+        for f in files:
+            handle = safe_open(str(f), framework="pt")
+            self.where.update({k: (f, handle) for k in handle.keys()})
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self.where:
+            raise MiniStreamError(f"the folder's safetensors files have no tensor {name!r}: convert it again")
+        file, handle = self.where[name]
+        t = handle.get_tensor(name)
+        if tuple(t.shape) != self.shapes[name]:
+            raise MiniStreamError(
+                f"{file}: {name} has shape {list(t.shape)}, config.json implies {list(self.shapes[name])}: "
+                "convert the folder again"
+            )
+        return t
 
 
 def _finite(name: str, t: torch.Tensor, out: torch.Tensor, allow_nonfinite: bool) -> None:

@@ -11,6 +11,7 @@ prefixes, blocks numbered from 1, no config entry, optimizer state, bfloat16 ten
 trainer saves one: random, seeded factors whose update is large enough to change the greedy outputs.
 """
 
+import hashlib
 import math
 import time
 from pathlib import Path
@@ -20,10 +21,11 @@ import torch
 import torch.nn.functional as F
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from .. import MiniStreamError
-from ..atomic import new_folder
+from .. import MiniStreamError, spec
+from ..atomic import new_file, new_folder
 from ..paths import CORPUS
 from ..spec import LORA_TABLE, TrainConfig, lora_table, renumber_block
+from . import reference
 from .format import ADAPTER_FILE, load, save_checkpoint
 from .reference import Block, MiniStream
 
@@ -131,9 +133,11 @@ def make_checkpoint(
     optimizer: bool = True,
     force: bool = False,
     log=print,
+    cache: Path | None = None,
     **overrides,
 ) -> TrainConfig:
-    """Write `out/model.pt` and `out/tokenizer.json`; returns the train config."""
+    """Write `out/model.pt` and `out/tokenizer.json`; returns the train config. cache: a folder where the trained
+    weights are kept (trained_file) and taken from the next time, instead of training the same model again."""
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
     _, tok_vocab, default_steps = PRESETS[preset]
@@ -148,7 +152,19 @@ def make_checkpoint(
     )
     model = MiniStream(cfg)
     init_weights(model, seed)
-    opt = train(model, tok, steps, seed, log=log) if steps else None
+    kept = trained_file(cache, preset, steps, seed, overrides) if cache is not None and steps else None
+    if kept is not None and kept.is_file():
+        log(f"checkpoint: the trained weights from {kept}")
+        saved = torch.load(kept, weights_only=True)
+        model.load_state_dict(saved["model"])
+        opt_state = saved["optimizer"]
+    else:
+        opt = train(model, tok, steps, seed, log=log) if steps else None
+        opt_state = opt.state_dict() if opt is not None else None
+        if kept is not None:
+            kept.parent.mkdir(parents=True, exist_ok=True)
+            with new_file(kept) as partial:
+                torch.save({"model": model.state_dict(), "optimizer": opt_state}, partial)
 
     state = {k: v.detach().to(getattr(torch, dtype)).contiguous() for k, v in model.state_dict().items()}
     if one_based:
@@ -156,8 +172,8 @@ def make_checkpoint(
     key_prefix = KEY_PREFIXES[prefix]
     state = {key_prefix + k: v for k, v in state.items()}
     extra: dict[str, Any] = {"step": steps}
-    if optimizer and opt is not None:
-        extra["optimizer"] = opt.state_dict()
+    if optimizer and opt_state is not None:
+        extra["optimizer"] = opt_state
     with new_folder(out, force) as tmp:
         save_checkpoint(tmp / "model.pt", state, None if bare else cfg, extra)
         tok.save(str(tmp / "tokenizer.json"))
@@ -166,6 +182,16 @@ def make_checkpoint(
         f"{dtype}) and {out}/tokenizer.json"
     )
     return cfg
+
+
+def trained_file(cache: Path, preset: str, steps: int, seed: int, overrides: dict) -> Path:
+    """Where `cache` keeps one training run's weights: named by everything the run depends on, the code that
+    trains (this module, the reference model, spec), the corpus and torch's version included, so a change to
+    any of them trains anew."""
+    h = hashlib.sha256(repr((preset, steps, seed, sorted(overrides.items()), torch.__version__)).encode())
+    for source in (Path(__file__), Path(reference.__file__), Path(spec.__file__), CORPUS):
+        h.update(source.read_bytes())
+    return Path(cache) / "trained" / f"{preset}-{h.hexdigest()[:16]}.pt"
 
 
 def make_adapter(

@@ -20,7 +20,7 @@ import torch
 from .. import MiniStreamError, __version__
 from ..atomic import check_apart, check_space, disk_full, new_file
 from ..spec import TrainConfig, gguf_tensors, hf_shapes, raw_to_hf, train_config_from_hf
-from .convert import safetensors_files
+from .convert import LazyFolder, safetensors_files
 from .format import load_checkpoint, read_json, resolve_config
 
 # --dtype -> (torch dtype of the matrices, gguf file type); 1-D tensors (the norms) stay f32, as llama.cpp's
@@ -107,7 +107,7 @@ def _read(src: Path, ignore_config_keys: Iterable[str] = (), log=print):
                 "(config.json): drop the flag"
             )
         cfg = train_config_from_hf(read_json(src / "config.json"), str(src / "config.json"))
-        tensors: Any = _LazyFolder(safetensors_files(src), hf_shapes(cfg))
+        tensors: Any = LazyFolder(safetensors_files(src), hf_shapes(cfg))
         settings = src / "tokenizer_config.json"
         template = read_json(settings).get("chat_template") if settings.is_file() else None
         tok = src / "tokenizer.json"
@@ -125,30 +125,6 @@ def _read(src: Path, ignore_config_keys: Iterable[str] = (), log=print):
     if not tok.is_file():
         raise MiniStreamError(f"{tok}: no such file; the GGUF file carries the tokenizer, so the folder must hold it")
     return cfg, tensors, tok, template
-
-
-class _LazyFolder:
-    """HF name -> tensor, read from the folder's safetensors files when asked (memory-mapped, one at a time)."""
-
-    def __init__(self, files: list[Path], shapes: dict):
-        from safetensors import safe_open
-
-        self.shapes, self.where = shapes, {}
-        for f in files:
-            handle = safe_open(str(f), framework="pt")
-            self.where.update({k: (f, handle) for k in handle.keys()})
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        if name not in self.where:
-            raise MiniStreamError(f"the folder's safetensors files have no tensor {name!r}: convert it again")
-        file, handle = self.where[name]
-        t = handle.get_tensor(name)
-        if tuple(t.shape) != self.shapes[name]:
-            raise MiniStreamError(
-                f"{file}: {name} has shape {list(t.shape)}, config.json implies {list(self.shapes[name])}: "
-                "convert the folder again"
-            )
-        return t
 
 
 def _file_dtype(t: torch.Tensor, matrices: torch.dtype) -> torch.dtype:

@@ -36,7 +36,7 @@ from ..checkpoint.demo import make_adapter, make_checkpoint
 from ..checkpoint.lora import convert_lora
 from ..fork.patchset import patch_set_dir
 from ..fork.wheel import build_wheel
-from ..paths import BUILD, DIST
+from ..paths import BUILD, CACHE, DIST
 from ..run.verify import compare, make_golden
 from . import cuda_smoke
 from .environments import PACKAGE_COPY, StageFailed, _run_env, _tail, package_copy, package_python
@@ -90,7 +90,7 @@ def models(root: Path = MODELS, log=print) -> dict[str, Path]:
         if not (folder / "hf" / "config.json").is_file():
             log(f"making the proof model {name} (preset {preset}) in {folder}")
             with new_folder(folder, force=True) as tmp:
-                make_checkpoint(tmp / "raw", preset, log=lambda *a, **k: None, **overrides)
+                make_checkpoint(tmp / "raw", preset, log=lambda *a, **k: None, cache=CACHE, **overrides)
                 convert(tmp / "raw", tmp / "hf", log=lambda *a, **k: None)
         made[name] = folder
     twin(made["reference"])

@@ -35,7 +35,7 @@ from ..fork.install import installed_vllm
 from ..fork.patch import applied_hash
 from ..fork.release import release_wheel
 from ..fork.wheel import LOCAL_LABEL
-from ..paths import BUILD
+from ..paths import BUILD, CACHE
 from ..spec import ARCH
 
 EXAMPLES = "tests/models/registry.py"
@@ -71,9 +71,8 @@ def _quiet(*args, **kwargs):
     pass
 
 
-def hf_cache(repos: list[str], home: Path, log=print, made: dict[str, Path] | None = None) -> Path:
-    """A Hugging Face cache (HF_HOME) holding each example model, made once: checkpoint + convert. made:
-    {preset: a raw checkpoint `make_checkpoint` already trained for it}, converted instead of training again."""
+def hf_cache(repos: list[str], home: Path, log=print) -> Path:
+    """A Hugging Face cache (HF_HOME) holding each example model, made once: checkpoint + convert."""
     for repo in repos:
         entry = home / "hub" / f"models--{repo.replace('/', '--')}"
         if (entry / "refs" / "main").is_file():
@@ -83,10 +82,8 @@ def hf_cache(repos: list[str], home: Path, log=print, made: dict[str, Path] | No
         preset = match["preset"]
         log(f"making the example model {repo} (preset {preset}) in {home}")
         with tempfile.TemporaryDirectory(dir=home.parent if home.parent.exists() else None) as tmp:
-            raw = (made or {}).get(preset) or Path(tmp) / "raw"
-            if not raw.exists():
-                make_checkpoint(raw, preset, log=_quiet)
-            convert(raw, Path(tmp) / "hf", log=_quiet)
+            make_checkpoint(Path(tmp) / "raw", preset, log=_quiet, cache=CACHE)
+            convert(Path(tmp) / "raw", Path(tmp) / "hf", log=_quiet)
             # a snapshot is named by a commit hash; ours is the content's, so it is the same each time
             h = hashlib.sha1()
             for f in sorted((Path(tmp) / "hf").iterdir()):
@@ -102,11 +99,8 @@ def hf_cache(repos: list[str], home: Path, log=print, made: dict[str, Path] | No
 
 
 def _environment(home: Path, device: str, extra: dict | None = None) -> dict:
-    # not this process's pytest-xdist worker identity, where one runs us (tests/test_vllm_tests.py): the
-    # tree's pytest is a session of its own
-    mine = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_XDIST_", "PYTEST_CURRENT_TEST"))}
     env = dict(
-        mine,
+        os.environ,
         HF_HOME=str(home.resolve()),
         HF_HUB_OFFLINE="1",
         TRANSFORMERS_OFFLINE="1",
@@ -178,14 +172,9 @@ def _check_installed(version: str, tree: Path) -> str:
 
 
 def run_vllm_tests(
-    version: str,
-    tree: Path | None = None,
-    compare: bool = False,
-    out: Path = BUILD / "vllm-tests",
-    made: dict[str, Path] | None = None,
+    version: str, tree: Path | None = None, compare: bool = False, out: Path = BUILD / "vllm-tests"
 ) -> int:
-    """`ministream vllm-tests VERSION`: the exit status (1 when a MiniStream case fails or is skipped). made:
-    checkpoints already trained, by preset (hf_cache)."""
+    """`ministream vllm-tests VERSION`: the exit status (1 when a MiniStream case fails or is skipped)."""
     tree = Path(tree) if tree else BUILD / f"vllm-{version}"
     if not patchset.is_source_tree(tree):
         raise MiniStreamError(
@@ -194,7 +183,7 @@ def run_vllm_tests(
         )
     device = _check_installed(version, tree)
     out.mkdir(parents=True, exist_ok=True)
-    home = hf_cache(example_models(tree), out / "hf-home", made=made)
+    home = hf_cache(example_models(tree), out / "hf-home")
     env = _environment(home, device)
     files = [*TEST_FILES, *_generation_tests(tree)]
     results = pytest_run(tree.resolve(), [*files, "-k", SELECT], env, out.resolve() / "ministream.xml")

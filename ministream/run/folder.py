@@ -196,6 +196,20 @@ _TRAIN_KINDS = {
     "tie_word_embeddings": "bool", "bos_token_id": "int", "eos_token_id": "int",
 }  # fmt: skip
 
+
+def quantized(v, _c):
+    from ..checkpoint import quantize
+
+    try:
+        quantize.scheme_name({"quantization_config": v}, "config.json")
+    except MiniStreamError:
+        return (
+            f"not one of `ministream quantize`'s schemes ({', '.join(quantize.SCHEMES)}), whose tensors this "
+            "check knows; quantize the converted folder with it"
+        )
+    return None
+
+
 # Every key config.json may hold, with the values it may have. Any other key is refused: vLLM applies
 # what it knows (rope_scaling, sliding_window, quantization_config, ...), and a table of what it ignores
 # would be wrong by the next release.
@@ -229,6 +243,7 @@ CONFIG_KEYS: dict[str, Rule] = {
     "attention_dropout": number,  # dropout is off at inference, in vLLM always
     "pretraining_tp": exactly(1),  # transformers splits its matmuls in that many slices
     "rope_scaling": exactly(None),  # transformers 4 wrote null: plain RoPE
+    "quantization_config": quantized,  # `ministream quantize`'s; its tensors: quantized_view
 }
 # absent, these leave vLLM a default that is not the format's, or no model at all
 REQUIRED_KEYS = ["architectures", "model_type"] + [
@@ -314,6 +329,9 @@ def examine(folder: Path) -> Examined:
         raise FolderError("weights", f"no *.safetensors in {folder}", "convert again (make convert)")
     config = settings(config)
     cfg, found = config_findings(config, folder / "config.json")
+    if "quantization_config" in config:
+        tensors, quantized = quantized_view(config, tensors)
+        found += quantized
     size, tok = tokenizer_findings(folder)
     f = Folder(folder, config, tensors, size)
     if cfg is not None:  # the tensors are compared with settings only when config.json holds them
@@ -327,14 +345,67 @@ def examine(folder: Path) -> Examined:
     return Examined(f, cfg, found)
 
 
-def check_servable(folder: Path) -> dict:
+def quantized_view(config: dict, tensors: dict[str, Tensor]) -> tuple[dict[str, Tensor], list[Finding]]:
+    """A quantized folder's tensors as the other checks read them: the tensors that stand for each linear weight
+    (quantize.stored: names, shapes, dtypes for the folder's scheme) checked, then replaced by one tensor of
+    the weight's own shape. A scheme `ministream quantize` does not write is an error: nothing here could say
+    whether vLLM would read its weights right."""
+    from ..checkpoint import quantize
+
+    fix = "quantize the converted folder with `ministream quantize` (make quantize)"
+    try:
+        scheme = quantize.scheme_name(config, "config.json")
+        want = spec.hf_shapes(spec.train_config_from_hf(config))
+    except MiniStreamError:
+        return tensors, []  # config_findings names what is wrong with config.json
+    view, found = dict(tensors), [Finding("ok", "quantization", f"{scheme} (compressed-tensors)")]
+    for name, shape in want.items():
+        if not quantize.LINEAR.match(name):
+            continue
+        stem, parts = name.removesuffix(".weight"), quantize.stored(shape, scheme)
+        have = {local: view.pop(f"{stem}.{local}", None) for local in parts}
+        for local, t in have.items():
+            if t is None:
+                found.append(Finding("error", "quantization", f"{stem}.{local} is missing ({scheme})", fix))
+            elif (t.shape, t.dtype) != parts[local]:
+                s, code = parts[local]
+                found.append(
+                    Finding(
+                        "error",
+                        "quantization",
+                        f"{t.file.name}: {stem}.{local} is {list(t.shape)} {t.dtype}, {scheme} makes it {list(s)} "
+                        f"{code}",
+                        fix,
+                    )
+                )
+        present = [t for t in have.values() if t is not None]
+        if present:
+            view[name] = Tensor(tuple(shape), "F32", present[0].file)
+    return view, found
+
+
+def check_servable(folder: Path, dtype: str | None = None) -> dict:
     """What `serve`, `generate` and `verify` need of a folder before vLLM spends a minute starting: examine's
-    check without an error. The config; FolderError naming the file and key otherwise (the first error)."""
+    check without an error, and a dtype (the engine's --dtype, else config.json's) the folder's weights run in.
+    The config; FolderError naming the file and key otherwise (the first error)."""
     seen = examine(folder)
     if seen.errors:
         first = seen.errors[0]
         raise FolderError(first.topic, first.text, first.fix)
-    return seen.folder.config
+    config = seen.folder.config
+    runs_in = dtype if dtype not in (None, "auto") else config.get("dtype") or config.get("torch_dtype")
+    if runs_in == "float32" and "quantization_config" in config:
+        from ..checkpoint.quantize import needs_16_bits, scheme_name
+
+        scheme = scheme_name(config, "config.json")
+        if needs_16_bits(scheme):
+            raise FolderError(
+                "dtype",
+                f"{folder} is quantized {scheme}, whose int4 kernels take 16-bit activations only (vLLM 0.32: "
+                "cpu_gemm_wna16 and zentorch's WOQ linear fail on float32 at the first step, Marlin on GPUs too)",
+                "run it with --dtype bfloat16 (or float16)",
+            )
+    return config
 
 
 def shape_differences(config: dict, tensors: dict[str, Tensor]) -> list[str]:

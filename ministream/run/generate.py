@@ -137,8 +137,8 @@ def generate(
 ) -> dict:
     """`ministream generate`: the same prompt ids through the reference model and/or vLLM, printed side by
     side; engines is "both", "reference" or "vllm". Both run in settings.dtype."""
-    config = check_servable(model)  # before the reference model loads or vLLM starts (a minute)
     dtype = settings.dtype or engine.OFFLINE_DTYPE  # the reference model has no "auto"
+    config = check_servable(model, dtype)  # before the reference model loads or vLLM starts (a minute)
     if engines in ("both", "vllm"):
         engine.check_tp(settings.tp)
     prompts = prompts or DEFAULT_PROMPTS

@@ -250,7 +250,8 @@ def serve(
     is one node of a server over cluster.nnodes machines (nodes.py); rank 0 serves the API, the others run
     headless. api_key goes to vLLM through its environment (VLLM_API_KEY), never on a command line `ps` shows.
     loras: NAME=DIR, PEFT adapters served beside the model under their names."""
-    config = check_servable(model)  # a folder vLLM can read, and what this machine has, before minutes of start
+    # a folder vLLM can read in this dtype, and what this machine has, before minutes of start
+    config = check_servable(model, settings.dtype)
     check_max_model_len(settings.max_model_len, config, model)
     adapters = check_loras(loras, config, model, name or served_name(model))
     if not stop_timeout > 0:  # NaN too

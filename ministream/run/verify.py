@@ -18,6 +18,8 @@
 The rule for the dtype: fp32: token ids identical. bf16/fp16: vLLM's own rule (tests/models/utils.py
 check_logprobs_close): the sequences may part at one token, provided at that first difference each
 side's token is among the other side's top-k logprobs; after it the continuations are not compared.
+A quantized folder (`ministream quantize`): the reference model on its weights dequantized, what vLLM
+multiplies by, under vLLM's rule (w8a8 also rounds the activations, which the reference does not).
 """
 
 import glob
@@ -480,7 +482,17 @@ def verify(
     model, out = Path(model), Path(out)
     out.mkdir(parents=True, exist_ok=True)
     dtype = settings.dtype or OFFLINE_DTYPE  # the reference model has no "auto"
+    scheme = quantized_scheme(model)
+    if scheme:
+        if raw:
+            raise MiniStreamError(
+                f"{model} is quantized ({scheme}): verify holds it to the reference model on its own weights, "
+                "dequantized, which is what vLLM computes with; drop --raw (verify the converted folder it came "
+                "from with --raw)"
+            )
+        log(f"{model}: quantized {scheme}: the reference model runs on its weights, dequantized")
     golden = golden_for(model, raw or model, prompts, dtype, max_tokens, top_k, golden_path, out, log, context)
+    golden.setdefault("quantization", scheme)
     got = run_vllm(model, golden, out, settings)
     passed = report_comparison(model, golden, got, log)
     findings = folder_findings(model, raw) if raw else []
@@ -491,6 +503,14 @@ def verify(
     report_layers(raw or model, golden, out / "dump", threshold or THRESHOLDS[golden["dtype"]], log)
     report_folder(model, raw, findings, log)
     return False
+
+
+def quantized_scheme(model: Path) -> str | None:
+    """The `ministream quantize` scheme of a folder (check_servable has accepted it), None when not quantized."""
+    from ..checkpoint.quantize import scheme_name
+
+    config = json.loads((Path(model) / "config.json").read_text())
+    return scheme_name(config, Path(model) / "config.json") if "quantization_config" in config else None
 
 
 def golden_for(
@@ -536,7 +556,7 @@ def report_comparison(model: Path, golden: dict, got: list[dict], log) -> bool:
     """One line per prompt, the totals and the rule's verdict; True if the rule passes."""
     from .generate import detokenize
 
-    exact = golden["dtype"] == "float32"
+    exact = golden["dtype"] == "float32" and not golden.get("quantization")
     passed, rows = compare(golden["outputs"], got, exact=exact)
     for r, prompt, want, have in zip(rows, prompt_names(golden), golden["outputs"], got):
         if r.identical:
@@ -555,7 +575,8 @@ def report_comparison(model: Path, golden: dict, got: list[dict], log) -> bool:
         f"{max((r.max_logprob_diff for r in rows), default=0.0):.3g}"
     )
     rule = "identical token ids" if exact else f"first difference within each other's top-{golden['top_k']}"
-    log(f"rule for {golden['dtype']} ({rule}): {'PASS' if passed else 'FAIL'}")
+    what = " ".join(filter(None, [golden["dtype"], golden.get("quantization")]))
+    log(f"rule for {what} ({rule}): {'PASS' if passed else 'FAIL'}")
     return passed
 
 
@@ -622,7 +643,7 @@ def run_verify(
     threshold: float | None = None,
 ) -> int:
     """`ministream verify`: 0 if the rule for the dtype passes, else 1 (after the diagnosis)."""
-    check_servable(model)  # MODEL is a converted folder, before the reference model runs
+    check_servable(model, settings.dtype or OFFLINE_DTYPE)  # a folder to verify, before the reference model runs
     prompts, context = (read_prompts(prompts_file), None) if prompts_file else builtin_prompts(model, max_tokens)
     out = out or Path("out/verify") / Path(model).resolve().name
     # verify rewrites its files in `out` run after run (so a full one is fine) and empties out/dump:

@@ -1,0 +1,209 @@
+"""Quantize a converted folder's linear weights into compressed-tensors' format, the one vLLM reads on CPU and
+GPU (`quantization_config` in config.json, quant_method compressed-tensors): round to nearest, no calibration.
+
+    w8a8    int8 weights, one scale per output row; vLLM quantizes the activations to int8 per token at run time
+    w4a16   int4 weights, one scale per group of 128 inputs (symmetric); activations stay in the model's dtype
+
+The scheme, the packing and the config are the compressed-tensors library's own (its presets W8A8 and W4A16 and
+its compressors), so what vLLM unpacks is what the library packed. Each projection keeps its own scales, under
+its own name (q_proj, k_proj, v_proj, gate_proj, up_proj): vLLM fuses them by the model's
+packed_modules_mapping. The embedding, the head and the norms stay as they are (`ignore`: lm_head).
+`dequantized` gives back the weights vLLM computes with, for the reference model to be held to.
+"""
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import torch
+
+from .. import MiniStreamError
+from ..atomic import check_space, disk_full, new_folder
+from ..spec import TrainConfig, hf_shapes, train_config_from_hf
+from .convert import LazyFolder, safetensors_files
+from .format import read_json
+
+# --scheme -> (the compressed-tensors preset, its compression format)
+SCHEMES = {"w8a8": ("W8A8", "int-quantized"), "w4a16": ("W4A16", "pack-quantized")}
+LINEAR = re.compile(r"^model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight$")
+WEIGHT_FILES = re.compile(r"^model(-\d+-of-\d+)?\.safetensors(\.index\.json)?$")
+
+
+def scheme_of(name: str):
+    """The compressed-tensors QuantizationScheme of `--scheme name`, and its compressor class."""
+    if name not in SCHEMES:
+        raise MiniStreamError(f"--scheme {name}: choose one of {', '.join(SCHEMES)}")
+    from compressed_tensors.compressors import IntQuantizationCompressor, PackedQuantizationCompressor
+    from compressed_tensors.quantization import preset_name_to_scheme
+
+    preset, fmt = SCHEMES[name]
+    compressor = PackedQuantizationCompressor if fmt == "pack-quantized" else IntQuantizationCompressor
+    return preset_name_to_scheme(preset, ["Linear"]), compressor
+
+
+def stored(shape: tuple[int, ...], name: str) -> dict[str, tuple[tuple[int, ...], str]]:
+    """What stands for one linear weight of `shape` [out, in] in a `--scheme name` folder: local name -> (shape,
+    safetensors code). The scales are float32 whatever the folder's dtype: quantize computes them so."""
+    rows, inputs = shape
+    group = scheme_of(name)[0].weights.group_size
+    if not group:
+        return {"weight": ((rows, inputs), "I8"), "weight_scale": ((rows, 1), "F32")}
+    return {
+        "weight_packed": ((rows, inputs // 8), "I32"),  # eight 4-bit values per int32, along the inputs
+        "weight_scale": ((rows, inputs // group), "F32"),
+        "weight_shape": ((2,), "I64"),
+    }
+
+
+def needs_16_bits(name: str) -> bool:
+    """Weight-only int4: vLLM's kernels (CPU and GPU) multiply in bfloat16 or float16, never float32."""
+    return SCHEMES[name][1] == "pack-quantized"
+
+
+def quantization_config(name: str) -> dict:
+    """config.json's quantization_config for `--scheme name`, written by the library."""
+    from compressed_tensors.quantization import QuantizationConfig
+
+    scheme, _ = scheme_of(name)
+    fmt = SCHEMES[name][1]
+    config = QuantizationConfig(
+        config_groups={"group_0": scheme}, format=fmt, quantization_status="compressed", ignore=["lm_head"]
+    )
+    return config.model_dump(mode="json", exclude_none=True)
+
+
+def check_shapes(cfg: TrainConfig, name: str, source: str) -> None:
+    """Refuse, by tensor and size, a shape the scheme cannot group: every input size a multiple of the group."""
+    scheme, _ = scheme_of(name)
+    group = scheme.weights.group_size
+    if not group:
+        return
+    for tensor, shape in hf_shapes(cfg).items():
+        if LINEAR.match(tensor) and shape[1] % group:
+            raise MiniStreamError(
+                f"{source}: {tensor} has {shape[1]} inputs, not a multiple of {name}'s group of {group}: "
+                f"this model cannot be quantized {name}; use --scheme w8a8 (one scale per row)"
+            )
+
+
+def compress(weight: torch.Tensor, name: str) -> dict[str, torch.Tensor]:
+    """One linear weight [out, in] quantized: the tensors that replace `weight` (local names: weight or
+    weight_packed, weight_scale, weight_shape), in float32 scales."""
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    scheme, compressor = scheme_of(name)
+    args, w = scheme.weights, weight.float()
+    if args.group_size:
+        view = w.view(w.shape[0], -1, args.group_size)
+        low, high = view.amin(-1), view.amax(-1)
+    else:
+        low, high = w.amin(1, keepdim=True), w.amax(1, keepdim=True)
+    scale, zero = calculate_qparams(low, high, args)
+    out = compressor.compress({"weight": w, "weight_scale": scale, "weight_zero_point": zero}, scheme)
+    return {k: v.contiguous() for k, v in out.items() if v is not None}
+
+
+def decompress(local: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    """The float weight that `compress`'s tensors stand for: what vLLM multiplies by (before activations)."""
+    scheme, compressor = scheme_of(name)
+    return compressor.decompress(dict(local), scheme)["weight"]
+
+
+def dequantized(hf_state: dict[str, torch.Tensor], name: str) -> dict[str, torch.Tensor]:
+    """The HF-named state with every linear weight quantized and back: the weights of a `quantize`d folder as
+    vLLM reads them, for the reference model (spec.hf_to_raw, then MiniStream)."""
+    return {k: decompress(compress(t, name), name) if LINEAR.match(k) else t for k, t in hf_state.items()}
+
+
+def dequantize_state(raw: dict[str, torch.Tensor], cfg: TrainConfig, name: str) -> dict[str, torch.Tensor]:
+    """The HF-named float weights vLLM computes with, from the tensors of a folder `quantize` wrote
+    (convert.read_folder: the reference model of a quantized folder)."""
+    state = {k: v for k, v in raw.items() if not LINEAR.match(k.rsplit(".", 1)[0] + ".weight")}
+    for tensor in hf_shapes(cfg):
+        if LINEAR.match(tensor):
+            stem = tensor.removesuffix(".weight")
+            local = {k.removeprefix(stem + "."): v for k, v in raw.items() if k.startswith(stem + ".")}
+            if not local:
+                raise MiniStreamError(f"the quantized folder has no tensors of {stem}: quantize it again")
+            state[tensor] = decompress(local, name)
+    return state
+
+
+def scheme_name(config: dict, source: Path | str) -> str:
+    """The --scheme a quantized config.json was written with, refused by name where it is not one of ours."""
+    q = config.get("quantization_config")
+    if not isinstance(q, dict):
+        raise MiniStreamError(f"{source}: no quantization_config: the folder is not quantized")
+    for name in SCHEMES:
+        if q.get("quant_method") == "compressed-tensors" and _same_groups(q, quantization_config(name)):
+            return name
+    raise MiniStreamError(
+        f"{source}: quantization_config ({q.get('quant_method')}, format {q.get('format')}) is none of "
+        f"`ministream quantize`'s schemes ({', '.join(SCHEMES)}): quantize the converted folder again"
+    )
+
+
+def _same_groups(have: dict, want: dict) -> bool:
+    strip = lambda q: json.dumps({k: q.get(k) for k in ("format", "config_groups", "ignore")}, sort_keys=True)  # noqa: E731
+    return strip(have) == strip(want)
+
+
+def quantize(src: str | Path, out: str | Path, scheme: str, force: bool = False, log=print) -> Path:
+    """Write `out`: the converted folder `src` with its linear weights quantized by `scheme`; every other file
+    copied as it is. `src` is never written; `out` appears whole or not at all (atomic.new_folder)."""
+    src, out = Path(src), Path(out)
+    scheme_of(scheme)  # the name first: the cheapest refusal
+    if not (src / "config.json").is_file():
+        raise MiniStreamError(
+            f"{src}: no config.json; quantize takes a converted folder: `ministream convert CHECKPOINT DIR` first"
+        )
+    config = read_json(src / "config.json")
+    if "quantization_config" in config:
+        method = (
+            config["quantization_config"].get("quant_method", "?")
+            if isinstance(config["quantization_config"], dict)
+            else "?"
+        )
+        raise MiniStreamError(
+            f"{src}/config.json: the folder is quantized already ({method}); quantize the converted folder it came "
+            "from (rounding twice loses more)"
+        )
+    cfg = train_config_from_hf(config, str(src / "config.json"))
+    check_shapes(cfg, scheme, str(src / "config.json"))
+    files = safetensors_files(src)
+    tensors = LazyFolder(files, hf_shapes(cfg))
+    what = f"quantizing {src} to {out}"
+    check_space(out.parent if out.parent.exists() else Path("."), sum(f.stat().st_size for f in files), what)
+    from safetensors.torch import save_file
+
+    try:
+        with new_folder(out, force, inputs=[src]) as tmp:
+            state: dict[str, torch.Tensor] = {}
+            for name in hf_shapes(cfg):
+                if name not in tensors.where and name == "lm_head.weight" and cfg.tie_embeddings:
+                    continue  # tied: read from the embedding
+                t = tensors[name]
+                if LINEAR.match(name):
+                    stem = name.removesuffix(".weight")
+                    state.update({f"{stem}.{k}": v for k, v in compress(t, scheme).items()})
+                else:
+                    state[name] = t.contiguous()
+            save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+            for f in sorted(src.iterdir()):
+                # not the weights, config.json, nor the tools' own dotfiles (the made-by record, locks)
+                if f.is_file() and f.name != "config.json" and not WEIGHT_FILES.match(f.name) and f.name[0] != ".":
+                    shutil.copy2(f, tmp / f.name)
+            written = {**config, "quantization_config": quantization_config(scheme)}
+            if needs_16_bits(scheme) and config.get("dtype", config.get("torch_dtype")) == "float32":
+                # what vLLM's "auto" runs the folder in: a dtype its int4 kernels take
+                written.update({k: "bfloat16" for k in ("dtype", "torch_dtype") if k in config})
+            (tmp / "config.json").write_text(json.dumps(written, indent=2) + "\n")
+    except OSError as e:
+        raise disk_full(e, out, f"while {what}") or e from None
+    size = (out / "model.safetensors").stat().st_size
+    log(
+        f"quantize: wrote {out} ({scheme}: {sum(1 for n in hf_shapes(cfg) if LINEAR.match(n))} linear weights, "
+        f"{size / 2**20:.1f} MiB from {sum(f.stat().st_size for f in files) / 2**20:.1f} MiB)"
+    )
+    return out

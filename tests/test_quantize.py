@@ -1,0 +1,132 @@
+"""`ministream quantize`: a converted folder's linear weights in compressed-tensors' int8 (w8a8) and int4 (w4a16)
+formats, read back by the library and by vLLM, which is held to the reference model on the weights it computes
+with (the folder's own, dequantized: `verify`)."""
+
+import dataclasses
+import json
+import subprocess
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from ministream import MiniStreamError
+from ministream.checkpoint.convert import read_folder
+from ministream.checkpoint.quantize import LINEAR, check_shapes
+from ministream.spec import train_config_from_hf
+
+from conftest import one_line_error
+
+SCHEMES = ["w8a8", "w4a16"]
+GROUP = {"w8a8": None, "w4a16": 128}  # inputs per scale: a whole row, or groups of 128
+
+
+def quantized(cli, src, out, scheme):
+    r = cli("quantize", src, out, "--scheme", scheme)
+    assert r.returncode == 0, r.stderr
+    return out
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_each_linear_weight_is_within_half_a_step_of_its_value_and_nothing_else_changes(
+    scheme, cli, tiny_gqa_hf, tmp_path
+):
+    out = quantized(cli, tiny_gqa_hf, tmp_path / scheme, scheme)
+    before, after = load_file(tiny_gqa_hf / "model.safetensors"), load_file(out / "model.safetensors")
+    _, want = read_folder(tiny_gqa_hf)
+    cfg, got = read_folder(out)  # the library's decompression of what quantize wrote
+    assert set(got) == set(want)
+    linears = [n for n in before if LINEAR.match(n)]
+    assert len(linears) == 7 * cfg.n_layers
+    for name in before:
+        if name not in linears:
+            assert torch.equal(after[name], before[name]), name  # embedding, head, norms as they were
+    hf_after = {}
+    for name in linears:
+        stem = name.removesuffix(".weight")
+        scale = after[f"{stem}.weight_scale"]
+        w = before[name]
+        rows, inputs = w.shape
+        assert scale.shape == (rows, inputs // (GROUP[scheme] or inputs)), (name, scale.shape)
+        if scheme == "w8a8":
+            assert after[name].dtype == torch.int8
+        else:
+            assert after[f"{stem}.weight_packed"].dtype == torch.int32
+            assert after[f"{stem}.weight_packed"].shape == (rows, inputs // 8)  # eight 4-bit values per int32
+            assert after[f"{stem}.weight_shape"].tolist() == [rows, inputs]
+        hf_after[name] = scale.repeat_interleave(GROUP[scheme] or inputs, dim=1)
+    # round to nearest: no weight moved more than half its step, and the largest of each group sits on the grid
+    from ministream.checkpoint.quantize import dequantize_state, scheme_name
+
+    config = json.loads((out / "config.json").read_text())
+    deq = dequantize_state(after, cfg, scheme_name(config, "config.json"))
+    for name in linears:
+        step, err = hf_after[name], (deq[name] - before[name]).abs()
+        assert bool((err <= step / 2 + 1e-6).all()), name
+        assert float(err.max()) > 0, name  # it was rounded at all
+    q = config["quantization_config"]
+    assert (q["quant_method"], q["ignore"]) == ("compressed-tensors", ["lm_head"])
+    assert q["format"] == {"w8a8": "int-quantized", "w4a16": "pack-quantized"}[scheme]
+    for f in tiny_gqa_hf.iterdir():
+        if f.name not in ("config.json", "model.safetensors") and not f.name.startswith("."):
+            assert (out / f.name).read_bytes() == f.read_bytes(), f.name
+    assert (out / "model.safetensors").stat().st_size < (tiny_gqa_hf / "model.safetensors").stat().st_size
+
+
+def test_what_quantize_cannot_take_is_refused_by_name_and_nothing_is_written(cli, tiny_hf, tree, tmp_path):
+    before = tree(tiny_hf)
+    assert "convert" in one_line_error(cli("quantize", tmp_path, tmp_path / "q", "--scheme", "w8a8"))
+    once = quantized(cli, tiny_hf, tmp_path / "once", "w8a8")
+    assert "quantized already" in one_line_error(cli("quantize", once, tmp_path / "twice", "--scheme", "w4a16"))
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "keep.txt").write_text("mine")
+    assert "full" in one_line_error(cli("quantize", tiny_hf, tmp_path / "full", "--scheme", "w8a8"))
+    assert (tmp_path / "full" / "keep.txt").read_text() == "mine"
+    r = cli("quantize", tiny_hf, tmp_path / "x", "--scheme", "int3")
+    assert r.returncode == 2 and "w8a8" in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "twice").exists() and not (tmp_path / "x").exists()
+    assert tree(tiny_hf) == before
+
+
+def test_a_shape_the_groups_cannot_split_is_refused_naming_the_tensor(tiny_hf):
+    cfg = train_config_from_hf(json.loads((tiny_hf / "config.json").read_text()))
+    check_shapes(cfg, "w4a16", "config.json")  # 128 and 384 inputs: whole groups
+    odd = dataclasses.replace(cfg, d_ff=320)
+    with pytest.raises(MiniStreamError, match=r"down_proj.weight has 320 inputs, not a multiple of w4a16's group"):
+        check_shapes(odd, "w4a16", "config.json")
+    check_shapes(odd, "w8a8", "config.json")  # one scale per row: any shape
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize(
+    "route, scheme",
+    [
+        ("patched wheel", "w8a8"),
+        pytest.param("patched wheel", "w4a16", marks=pytest.mark.full),
+        pytest.param("plugin", "w8a8", marks=pytest.mark.full),
+        pytest.param("plugin", "w4a16", marks=pytest.mark.full),
+    ],
+)
+def test_vllm_computes_the_quantized_folder_as_the_reference_model_on_its_weights(
+    route, scheme, route_python, cli, tiny_gqa_hf, tmp_path
+):
+    """verify on the quantized folder: the golden file from the reference model on the folder's weights,
+    dequantized (what vLLM multiplies by); vLLM through compressed-tensors' int kernels, not a fallback."""
+    out = quantized(cli, tiny_gqa_hf, tmp_path / scheme, scheme)
+    dtype = {"w8a8": "float32", "w4a16": "bfloat16"}[scheme]  # int4 kernels take 16-bit activations only
+    python, env = route_python(route)
+    command = [python, "-m", "ministream.cli", "verify", out, "--dtype", dtype, "--out", tmp_path / "verify"]
+    r = subprocess.run([str(c) for c in command], capture_output=True, text=True, env=env, timeout=1800)
+    assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
+    text = r.stdout + r.stderr
+    assert f"quantized {scheme}" in text and f"rule for {dtype} {scheme}" in text and "PASS" in text, text[-2000:]
+    assert {"w8a8": "W8A8Int8", "w4a16": "WNA16"}[scheme] in text, text[-4000:]  # vLLM's log: the int kernels ran
+
+
+def test_int4_weights_in_float32_are_refused_before_vllm_starts_and_auto_runs_them_in_bfloat16(cli, tiny_hf, tmp_path):
+    out = quantized(cli, tiny_hf, tmp_path / "w4a16", "w4a16")
+    config = json.loads((out / "config.json").read_text())
+    assert config["dtype"] == config["torch_dtype"] == "bfloat16"
+    for command in (["verify", out, "--dtype", "float32"], ["generate", out, "--engine", "vllm", "--dtype", "float32"]):
+        line = one_line_error(cli(*command, "--prompt", "x") if command[0] == "generate" else cli(*command), rc=2)
+        assert "16-bit activations" in line and "--dtype bfloat16" in line, line
