@@ -42,7 +42,8 @@ TO ?=
 VERSIONS ?=
 VLLM_GIT_URL ?=
 MODEL ?= $(OUT)
-# vllm-tests: COMPARE=1 also runs the other cases of vLLM's test files before and after the patch
+# vllm-tests: COMPARE=1 also runs the other cases of vLLM's test files before and after the patch; QUICK=1 leaves
+# the extra example model's fp32 generation case out (make test)
 COMPARE ?=
 # verify: a prompt file (one a line, or a JSON list)
 PROMPTS ?=
@@ -81,7 +82,7 @@ help:
 	@echo "make convert RAW=dir OUT=dir       training checkpoint -> HF-style folder [DTYPE=bfloat16] [CONVERT_ARGS=--force]"
 	@echo "make convert-lora ADAPTER=dir BASE=dir OUT=dir  the trainer's LoRA adapter.pt -> a PEFT adapter folder vLLM"
 	@echo "                                   serves (serve --lora NAME=OUT); BASE: the converted folder or RAW [LORA_ARGS=--force]"
-	@echo "make gguf MODEL=dir [GGUF=file]    one GGUF file for llama.cpp (default MODEL.gguf) [GGUF_DTYPE=f32|bf16|f16]"
+	@echo "make gguf MODEL=dir [GGUF=file]    one GGUF file for llama.cpp (default MODEL.gguf) [GGUF_DTYPE=f32|bf16|f16|q8_0|q4_0]"
 	@echo "make quantize MODEL=dir [SCHEME=w8a8|w4a16] [QUANTIZED=dir]  int8/int4 weights for vLLM (default MODEL-SCHEME)"
 	@echo "make generate MODEL=dir            greedy text from the reference model and the installed vLLM"
 	@echo "make patch VLLM_VERSION=x          vLLM x's source tree (its sdist) + the MiniStream patch set in build/vllm-x/"
@@ -191,7 +192,7 @@ gpu-proof: setup
 	$(MS) gpu-proof $(VLLM_VERSION) $(if $(filter 1,$(NEAREST_PINS)),--nearest-pins) $(if $(filter 1,$(PREPARE)),--prepare-only)
 
 vllm-tests: install
-	$(MS) vllm-tests $(VLLM_VERSION) $(if $(VLLM_SRC),--tree '$(VLLM_SRC)') $(if $(COMPARE),--compare)
+	$(MS) vllm-tests $(VLLM_VERSION) $(if $(VLLM_SRC),--tree '$(VLLM_SRC)') $(if $(COMPARE),--compare) $(if $(filter 1,$(QUICK)),--quick)
 
 # RAW goes to the reference model when given, or when MODEL is the default (the demo's folders)
 verify: setup
@@ -222,7 +223,7 @@ bench-serve: setup
 test: setup
 	$(MAKE) --no-print-directory -j2 --output-sync=target lint install DEVICE=cpu
 	$(PY) -m pytest -ra -m "not full" -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
-	$(MAKE) --no-print-directory vllm-tests DEVICE=cpu
+	$(MAKE) --no-print-directory vllm-tests DEVICE=cpu QUICK=1
 
 # the slow tier: older lines for real, the plugin's TP and server cases, Ray, the CPU image, vLLM's tests --compare,
 # the CUDA smoke of 0.32.0 and the newest release and gpu-proof's part that needs no GPU (tests/test_cuda_smoke.py)

@@ -149,10 +149,18 @@ def add_gguf(sub) -> None:
         gguf.__doc__,
         "converted folder or training checkpoint -> one GGUF file for llama.cpp",
     )
-    p.add_argument("src", type=Path, help="converted HF-style folder, or training checkpoint folder (model.pt)")
-    p.add_argument("out", type=Path, help="the .gguf file to write (whole, or not at all)")
-    p.add_argument("--dtype", default="f32", choices=list(gguf.DTYPES), help="the matrices' type (norms stay f32)")
-    p.add_argument("--force", action="store_true", help="replace an existing file")
+    _src_out(
+        p,
+        "converted HF-style folder, or training checkpoint folder (model.pt)",
+        "the .gguf file to write (whole, or not at all)",
+        "replace an existing file",
+    )
+    p.add_argument(
+        "--dtype",
+        default="f32",
+        choices=[*gguf.DTYPES, *gguf.QUANTS],
+        help="the matrices' type: f32, bf16, f16, or llama.cpp's block-quantized q8_0 and q4_0 (norms stay f32)",
+    )
     _ignore_config_key(p)
     p.set_defaults(
         func=lambda a: gguf.export(a.src, a.out, a.dtype, a.force, ignore_config_keys=a.ignore_config_key) and 0
@@ -168,15 +176,13 @@ def add_quantize(sub) -> None:
         quantize.__doc__,
         "converted folder -> a folder of int8 or int4 weights vLLM reads (compressed-tensors)",
     )
-    p.add_argument("src", type=Path, help="converted HF-style folder (`ministream convert`)")
-    p.add_argument("out", type=Path, help="the folder to write (whole, or not at all)")
+    _src_out(p, "converted HF-style folder (`ministream convert`)", "the folder to write (whole, or not at all)")
     p.add_argument(
         "--scheme",
         required=True,
         choices=list(quantize.SCHEMES),
         help="w8a8: int8 weights and activations; w4a16: int4 weights in groups of 128, activations as they are",
     )
-    p.add_argument("--force", action="store_true", help="replace a non-empty output folder")
     p.set_defaults(func=lambda a: quantize.quantize(a.src, a.out, a.scheme, a.force) and 0)
 
 
@@ -204,6 +210,13 @@ def add_convert_lora(sub) -> None:
             lora.convert_lora(a.adapter, a.out, a.base, a.force, ignore_config_keys=a.ignore_config_key) and 0
         )
     )
+
+
+def _src_out(p, src: str, out: str, force: str = "replace a non-empty output folder") -> None:
+    """The positional SRC and OUT of a command that writes one output from one input, and its --force."""
+    p.add_argument("src", type=Path, help=src)
+    p.add_argument("out", type=Path, help=out)
+    p.add_argument("--force", action="store_true", help=force)
 
 
 def _ignore_config_key(p) -> None:
@@ -452,7 +465,12 @@ def add_vllm_tests(sub) -> None:
         default=BUILD / "vllm-tests",
         help="reports and the example models' HF cache (default: %(default)s)",
     )
-    p.set_defaults(func=lambda a: vllm_tests.run_vllm_tests(a.version, a.tree, a.compare, a.out))
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="leave the extra example model's fp32 generation case to a full run (make test; vllm_tests.QUICK)",
+    )
+    p.set_defaults(func=lambda a: vllm_tests.run_vllm_tests(a.version, a.tree, a.compare, a.out, a.quick))
 
 
 def add_cuda_smoke(sub) -> None:

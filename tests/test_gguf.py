@@ -121,6 +121,40 @@ def test_half_types_cast_the_matrices_and_keep_the_norms_f32(dtype, torch_dtype,
     assert got["output_norm.weight"].dtype == torch.float32 and got["blk.0.attn_norm.weight"].dtype == torch.float32
 
 
+# llama.cpp's block types: (values per block, the levels the block's largest |value| spans, the most a value
+# may move, in steps): q8_0 steps by amax/127 and rounds to the nearest; q4_0 steps by amax/8 with 16 levels
+# (-8..7), so the side opposite the block's largest value loses its top level: up to a whole step there
+BLOCKS = {"q8_0": (32, 127, 0.5), "q4_0": (32, 8, 1.0)}
+# and the step is stored in fp16, off by up to 2^-11 of itself: times a level of up to `levels`
+
+
+@pytest.mark.parametrize("dtype", BLOCKS)
+def test_block_quantized_types_hold_each_value_within_its_step_and_keep_the_norms_f32(
+    dtype, cli, tiny_gqa_hf, tmp_path
+):
+    from gguf.quants import dequantize
+
+    exact = tensors(export(cli, tiny_gqa_hf, tmp_path / "f32.gguf"))
+    reader = export(cli, tiny_gqa_hf, tmp_path / "q.gguf", "--dtype", dtype)
+    assert field(reader, "general.file_type") == {"q8_0": 7, "q4_0": 2}[dtype]
+    size, levels, most = BLOCKS[dtype]
+    seen = set()
+    for t in reader.tensors:
+        want = exact[t.name]
+        if want.dim() == 1:
+            assert t.tensor_type.name == "F32" and torch.equal(torch.from_numpy(np.array(t.data).copy()), want)
+            continue
+        assert t.tensor_type.name == dtype.upper(), t.name
+        got = torch.from_numpy(dequantize(np.array(t.data), t.tensor_type)).reshape(want.shape)
+        blocks, err = want.reshape(-1, size), (got - want).reshape(-1, size).abs()
+        steps, fp16 = blocks.abs().amax(1, keepdim=True) / levels, levels * 2**-11
+        assert bool((err <= steps * (most + fp16) + 1e-7).all()), (t.name, float((err / steps).max()))
+        assert float((err <= steps * (0.5 + fp16) + 1e-7).float().mean()) > 0.95, t.name  # rounded, mostly
+        seen.add(t.name)
+    assert {"token_embd.weight", "blk.0.attn_q.weight", "blk.1.ffn_down.weight"} <= seen
+    assert (tmp_path / "q.gguf").stat().st_size < (tmp_path / "f32.gguf").stat().st_size / {"q8_0": 3, "q4_0": 5}[dtype]
+
+
 def test_a_tokenizer_llama_cpp_would_split_differently_is_refused_by_name(cli, tiny_hf, tmp_path):
     hf = tmp_path / "hf"
     shutil.copytree(tiny_hf, hf)

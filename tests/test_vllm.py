@@ -76,7 +76,8 @@ def runs(cli, tmp_path_factory, request):
 )
 def test_vllm_matches_the_reference_model(folder, dtype, request, runs):
     hf = request.getfixturevalue(folder)
-    got, _ = runs(folder, dtype, "compiled" if dtype == "float32" else "eager")
+    got, log = runs(folder, dtype, "compiled" if dtype == "float32" else "eager")
+    assert (COMPILED in log) == (dtype == "float32"), "fp32 runs the compiled default here, bf16 eager"
     want = reference_run(hf, dtype)
     assert len(got) == len(DEFAULT_PROMPTS) >= 8
     assert all(len(g["ids"]) == MAX_TOKENS for g in got)
@@ -87,8 +88,11 @@ def test_vllm_matches_the_reference_model(folder, dtype, request, runs):
     assert max(r.max_logprob_diff for r in rows) < (1e-3 if dtype == "float32" else 0.5), report
 
 
-# the MHA model's eager engine in make test-full: the GQA model has every variant, and each start costs 30 s
-@pytest.mark.parametrize("folder", [pytest.param("tiny_hf", marks=pytest.mark.full), "tiny_gqa_hf"])
+# make test-full: in make test the compiled fp32 run equals the reference model (above, its log showing the
+# compiled path), and so do eager engines (the MHA model: test_verify.py, test_sampling.py; the GQA model:
+# test_plugin.py)
+@pytest.mark.full
+@pytest.mark.parametrize("folder", ["tiny_hf", "tiny_gqa_hf"])
 def test_the_compiled_default_gives_the_eager_tokens_in_fp32(folder, request, runs):
     hf = request.getfixturevalue(folder)
     (compiled, compiled_log), (eager, eager_log) = runs(folder, "float32", "compiled"), runs(folder, "float32", "eager")

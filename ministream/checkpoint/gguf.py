@@ -10,6 +10,7 @@ from the safetensors files (or the loaded checkpoint) to the file one tensor at 
 """
 
 import json
+import math
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,10 @@ from .format import load_checkpoint, read_json, resolve_config
 # --dtype -> (torch dtype of the matrices, gguf file type); 1-D tensors (the norms) stay f32, as llama.cpp's
 # converter keeps them: its CPU kernels want f32 norm weights.
 DTYPES = {"f32": (torch.float32, 0), "f16": (torch.float16, 1), "bf16": (torch.bfloat16, 32)}
+# the block-quantized types llama.cpp users run, made by the gguf package's own quantizers (gguf.quants, the code
+# llama.cpp's convert_hf_to_gguf.py --outtype q8_0 runs): every matrix, embedding and head included; the
+# norms f32. --dtype -> (GGMLQuantizationType name, gguf file type)
+QUANTS = {"q8_0": ("Q8_0", 7), "q4_0": ("Q4_0", 2)}
 
 # GPT-2's split (tokenizers' ByteLevel with use_regex) and LLaMA 3's (a Split with this regex, then
 # ByteLevel without): llama.cpp's pre-tokenizers of the same rules, llama-vocab.cpp. Other tokenizers are
@@ -50,8 +55,8 @@ def export(
     """Write `out` (a .gguf file) from `src`: a converted folder (config.json) or a training checkpoint folder
     (`ignore_config_keys`: as convert's, for a training checkpoint's train config)."""
     src, out = Path(src), Path(out)
-    if dtype not in DTYPES:
-        raise MiniStreamError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
+    if dtype not in DTYPES and dtype not in QUANTS:
+        raise MiniStreamError(f"--dtype {dtype}: choose one of {', '.join([*DTYPES, *QUANTS])}")
     if out.exists() and (out.is_dir() or not force):
         raise MiniStreamError(
             f"{out} exists: give another name, or --force to replace the file"
@@ -61,19 +66,33 @@ def export(
     check_apart(out, [src])  # --force never replaces a file the export reads
     cfg, tensors, tok_file, chat_template = _read(src, ignore_config_keys, log)
     vocab = tokenizer_metadata(json.loads(tok_file.read_text()), cfg, tok_file)
-    matrices, file_type = DTYPES[dtype]
+    import gguf
+
+    matrices, file_type = DTYPES[dtype] if dtype in DTYPES else (torch.float32, QUANTS[dtype][1])
+    quant = getattr(gguf.GGMLQuantizationType, QUANTS[dtype][0]) if dtype in QUANTS else None
     # the header from the shapes alone (meta tensors), so the weights are read once, while they are written
     shapes = {name: torch.empty(shape, device="meta") for name, shape in hf_shapes(cfg).items()}
     header = [(name, _file_dtype(t, matrices), t.shape) for name, t in gguf_tensors(cfg, shapes)]
+    if quant is not None:
+        block = gguf.GGML_QUANT_SIZES[quant][0]
+        for name, _, shape in header:
+            if len(shape) == 2 and shape[-1] % block:
+                raise MiniStreamError(
+                    f"{src}: {name} has rows of {shape[-1]} values, not a multiple of {dtype}'s block of {block}: "
+                    "llama.cpp cannot hold it in that type; export f32, bf16 or f16"
+                )
     what = f"exporting {src} to {out}"
     check_space(out.parent, sum(d.itemsize * s.numel() for _, d, s in header), what)
-    import gguf
 
     try:
         with new_file(out) as partial:
             w = gguf.GGUFWriter(str(partial), "llama")
             _metadata(w, cfg, src, file_type, vocab, chat_template)
             for name, dt, shape in header:
+                if quant is not None and len(shape) == 2:
+                    byte_shape = gguf.quant_shape_to_byte_shape(tuple(shape), quant)
+                    w.add_tensor_info(name, byte_shape, np.dtype(np.uint8), math.prod(byte_shape), quant)
+                    continue
                 bf16 = dt == torch.bfloat16  # travels as its bits in uint16
                 w.add_tensor_info(
                     name,
@@ -86,6 +105,9 @@ def export(
             w.write_kv_data_to_file()
             w.write_ti_data_to_file()
             for _, t in gguf_tensors(cfg, tensors):
+                if quant is not None and t.dim() == 2:
+                    w.write_tensor_data(gguf.quants.quantize(t.float().contiguous().numpy(), quant))
+                    continue
                 t = t.to(_file_dtype(t, matrices)).contiguous()
                 w.write_tensor_data(t.view(torch.uint16).numpy() if t.dtype == torch.bfloat16 else t.numpy())
             w.close()

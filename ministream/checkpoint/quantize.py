@@ -180,9 +180,7 @@ def quantize(src: str | Path, out: str | Path, scheme: str, force: bool = False,
     try:
         with new_folder(out, force, inputs=[src]) as tmp:
             state: dict[str, torch.Tensor] = {}
-            for name in hf_shapes(cfg):
-                if name not in tensors.where and name == "lm_head.weight" and cfg.tie_embeddings:
-                    continue  # tied: read from the embedding
+            for name in hf_shapes(cfg):  # a tied head has no tensor of its own: not in hf_shapes either
                 t = tensors[name]
                 if LINEAR.match(name):
                     stem = name.removesuffix(".weight")

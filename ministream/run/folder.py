@@ -204,8 +204,8 @@ def quantized(v, _c):
         quantize.scheme_name({"quantization_config": v}, "config.json")
     except MiniStreamError:
         return (
-            f"not one of `ministream quantize`'s schemes ({', '.join(quantize.SCHEMES)}), whose tensors this "
-            "check knows; quantize the converted folder with it"
+            f"vLLM would apply it, and it is not one of `ministream quantize`'s schemes "
+            f"({', '.join(quantize.SCHEMES)}), whose tensors this check knows"
         )
     return None
 
