@@ -82,6 +82,9 @@ def test_what_quantize_cannot_take_is_refused_by_name_and_nothing_is_written(cli
     (tmp_path / "full" / "keep.txt").write_text("mine")
     assert "full" in one_line_error(cli("quantize", tiny_hf, tmp_path / "full", "--scheme", "w8a8"))
     assert (tmp_path / "full" / "keep.txt").read_text() == "mine"
+    # gguf reads a folder's stored tensors as weights: a quantized folder's int8 values would be another model
+    assert "quantized" in one_line_error(cli("gguf", once, tmp_path / "once.gguf"))
+    assert not (tmp_path / "once.gguf").exists()
     r = cli("quantize", tiny_hf, tmp_path / "x", "--scheme", "int3")
     assert r.returncode == 2 and "w8a8" in r.stderr and "Traceback" not in r.stderr
     assert not (tmp_path / "twice").exists() and not (tmp_path / "x").exists()

@@ -128,7 +128,13 @@ def _read(src: Path, ignore_config_keys: Iterable[str] = (), log=print):
                 f"--ignore-config-key is for a training checkpoint's train config; {src} is a converted folder "
                 "(config.json): drop the flag"
             )
-        cfg = train_config_from_hf(read_json(src / "config.json"), str(src / "config.json"))
+        config = read_json(src / "config.json")
+        if "quantization_config" in config:  # its stored integers read as weights would be another model
+            raise MiniStreamError(
+                f"{src}/config.json: the folder is quantized (`ministream quantize`); export the converted folder it "
+                "came from (--dtype q8_0 or q4_0 make llama.cpp's own quantized types)"
+            )
+        cfg = train_config_from_hf(config, str(src / "config.json"))
         tensors: Any = LazyFolder(safetensors_files(src), hf_shapes(cfg))
         settings = src / "tokenizer_config.json"
         template = read_json(settings).get("chat_template") if settings.is_file() else None

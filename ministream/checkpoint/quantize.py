@@ -8,7 +8,7 @@ The scheme, the packing and the config are the compressed-tensors library's own 
 its compressors), so what vLLM unpacks is what the library packed. Each projection keeps its own scales, under
 its own name (q_proj, k_proj, v_proj, gate_proj, up_proj): vLLM fuses them by the model's
 packed_modules_mapping. The embedding, the head and the norms stay as they are (`ignore`: lm_head).
-`dequantized` gives back the weights vLLM computes with, for the reference model to be held to.
+`dequantize_state` gives back the weights vLLM computes with, for the reference model to be held to.
 """
 
 import json
@@ -108,12 +108,6 @@ def decompress(local: dict[str, torch.Tensor], name: str) -> torch.Tensor:
     """The float weight that `compress`'s tensors stand for: what vLLM multiplies by (before activations)."""
     scheme, compressor = scheme_of(name)
     return compressor.decompress(dict(local), scheme)["weight"]
-
-
-def dequantized(hf_state: dict[str, torch.Tensor], name: str) -> dict[str, torch.Tensor]:
-    """The HF-named state with every linear weight quantized and back: the weights of a `quantize`d folder as
-    vLLM reads them, for the reference model (spec.hf_to_raw, then MiniStream)."""
-    return {k: decompress(compress(t, name), name) if LINEAR.match(k) else t for k, t in hf_state.items()}
 
 
 def dequantize_state(raw: dict[str, torch.Tensor], cfg: TrainConfig, name: str) -> dict[str, torch.Tensor]:
