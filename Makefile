@@ -143,7 +143,7 @@ convert: setup
 	$(MS) convert '$(RAW)' '$(OUT)' $(if $(DTYPE),--dtype $(DTYPE)) $(CONVERT_ARGS)
 
 # OUT as for convert, but never its default (the base folder itself): out/$(PRESET)/lora unless given
-.PHONY: convert-lora
+.PHONY: convert-lora test-models
 convert-lora: setup
 	$(MS) convert-lora '$(ADAPTER)' '$(if $(filter command line environment,$(origin OUT)),$(OUT),out/$(PRESET)/lora)' --base '$(BASE)' $(LORA_ARGS)
 
@@ -218,12 +218,18 @@ bench-serve: setup
 	$(MAKE) --no-print-directory install
 	$(MS) bench-serve --out '$(BENCH_OUT)' $(if $(BENCH_QUICK),--quick) $(BENCH_ARGS)
 
-# the quick tier, what CI runs (.ci/run): lint beside the install (mypy reads nothing pip writes: pyproject.toml),
-# then every route end to end on 0.32.0, then vLLM's own tests (their example models trained once: demo.py's cache)
+# the quick tier, what CI runs (.ci/run): lint, the install and the test models side by side (the install keeps
+# one core busy; mypy reads nothing pip writes: pyproject.toml), then every route end to end on 0.32.0, then
+# vLLM's own tests (their example models are the test models: demo.py's cache)
 test: setup
-	$(MAKE) --no-print-directory -j2 --output-sync=target lint install DEVICE=cpu
+	$(MAKE) --no-print-directory -j2 --output-sync=target lint install test-models DEVICE=cpu
 	$(PY) -m pytest -ra -m "not full" -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 	$(MAKE) --no-print-directory vllm-tests DEVICE=cpu QUICK=1
+
+# the two test models (presets tiny, tiny-gqa) trained into build/cache/trained, where the suite's fixtures and
+# `make vllm-tests` take them from (demo.trained_file: named by all a training run depends on)
+test-models: setup
+	$(foreach p,tiny tiny-gqa,$(MS) checkpoint --preset $(p) --out build/cache/test-models/$(p) --force --cache &&) true
 
 # the slow tier: older lines for real, the plugin's TP and server cases, Ray, the CPU image, vLLM's tests --compare,
 # the CUDA smoke of 0.32.0 and the newest release and gpu-proof's part that needs no GPU (tests/test_cuda_smoke.py)

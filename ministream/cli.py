@@ -18,6 +18,7 @@ def command(sub, name: str, doc: str | None, help: str):
 
 def add_checkpoint(sub) -> None:
     from .checkpoint import demo
+    from .paths import CACHE
     from .spec import LORA_TABLE
 
     p = command(
@@ -45,6 +46,14 @@ def add_checkpoint(sub) -> None:
     p.add_argument("--bare", action="store_true", help="a bare state dict, with no config entry")
     p.add_argument("--no-optimizer", dest="optimizer", action="store_false", help="leave out optimizer state")
     p.add_argument("--force", action="store_true", help="replace a non-empty --out")
+    p.add_argument(
+        "--cache",
+        type=Path,
+        nargs="?",
+        const=CACHE,
+        help="keep the run's weights in CACHE/trained, named by all it depends on, and take them from there "
+        "next time instead of training (default without a value: %(const)s)",
+    )
     g = p.add_argument_group("LoRA adapter", "--adapter BASE: write a LoRA adapter.pt for BASE into --out instead")
     g.add_argument("--adapter", type=Path, metavar="BASE", help="the training checkpoint the adapter is for")
     g.add_argument("--rank", type=int, default=8, help="the adapter's r (default: %(default)s)")
@@ -79,6 +88,7 @@ def add_checkpoint(sub) -> None:
                 head_dim=a.head_dim,
                 vocab_size=a.vocab_size,
                 tie_embeddings=a.tie_embeddings,
+                cache=a.cache,
             )
             and 0
         )
@@ -907,44 +917,56 @@ def main(argv=None):
                 signal.signal(s, handler)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The `ministream` command's parser: every subcommand, each with its `func`."""
+ADDERS = (
+    add_checkpoint,
+    add_convert,
+    add_convert_lora,
+    add_gguf,  # the training side
+    add_quantize,
+    add_patch,
+    add_port,
+    add_releases,
+    add_matrix,
+    add_wheel,
+    add_plugin,
+    add_install,
+    add_vllm_tests,
+    add_cuda_smoke,
+    add_gpu_proof,
+    add_image,
+    add_clean,  # the vLLM side
+    add_generate,
+    add_verify,
+    add_doctor,
+    add_serve,
+    add_serve_bench,
+    add_bench,
+    add_bench_serve,
+    add_bench_nodes,
+    add_bench_step,
+)  # using an engine
+
+
+def _name(add) -> str:
+    return add.__name__.removeprefix("add_").replace("_", "-")
+
+
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The `ministream` command's parser, each subcommand with its `func`: only the one argv names where it
+    names one (each subcommand's module is imported for its docstring, and torch or git with some: 1-2 s a
+    call), every one for `--help` or a name it does not know (argparse then lists them)."""
     parser = argparse.ArgumentParser(prog="ministream", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (
-        add_checkpoint,
-        add_convert,
-        add_convert_lora,
-        add_gguf,  # the training side
-        add_quantize,
-        add_patch,
-        add_port,
-        add_releases,
-        add_matrix,
-        add_wheel,
-        add_plugin,
-        add_install,
-        add_vllm_tests,
-        add_cuda_smoke,
-        add_gpu_proof,
-        add_image,
-        add_clean,  # the vLLM side
-        add_generate,
-        add_verify,
-        add_doctor,
-        add_serve,
-        add_serve_bench,
-        add_bench,
-        add_bench_serve,
-        add_bench_nodes,
-        add_bench_step,
-    ):  # using an engine
-        add(sub)
+    argv = sys.argv[1:] if argv is None else argv
+    chosen = argv[0] if argv and argv[0] in {_name(add) for add in ADDERS} else None
+    for add in ADDERS:
+        if chosen in (None, _name(add)):
+            add(sub)
     return parser
 
 
 def _run(argv) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser(argv).parse_args(argv)
     try:
         return args.func(args) or 0
     except MiniStreamError as e:

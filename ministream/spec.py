@@ -6,15 +6,18 @@ table, read forwards to convert and backwards to restore (torchtitan's adapter, 
 so `raw -> HF -> raw` is provably lossless.
 """
 
+from __future__ import annotations
+
 import dataclasses
 import math
 import re
 from dataclasses import dataclass
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from . import MiniStreamError
+
+if TYPE_CHECKING:  # torch is imported where a tensor is touched: doctor, patch and matrix never need it (1.5 s)
+    import torch
 
 # --- names --------------------------------------------------------------------------------------
 ARCH = "MiniStreamForCausalLM"  # config.json architectures[0]; vLLM's and transformers' class
@@ -23,10 +26,19 @@ CONFIG_CLASS = "MiniStreamConfig"  # the config class registered for MODEL_TYPE
 MODEL_FILE_IN_TREE = f"vllm/model_executor/models/{MODEL_TYPE}.py"  # where the model file goes in a vLLM tree
 FORMAT_VERSION = 1  # the training checkpoint format this package reads
 
-# dtype name -> (torch dtype, safetensors code)
-DTYPES = {"float32": (torch.float32, "F32"), "bfloat16": (torch.bfloat16, "BF16"), "float16": (torch.float16, "F16")}
-TORCH_DTYPES = {name: t for name, (t, _) in DTYPES.items()}
-SAFETENSORS_CODES = {t: code for t, code in DTYPES.values()}
+# dtype name -> safetensors code; TORCH_DTYPES (name -> torch dtype) and SAFETENSORS_CODES (torch dtype -> code)
+# are made on first use, below
+DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in ("TORCH_DTYPES", "SAFETENSORS_CODES"):  # the import system asks for __path__ and others
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import torch
+
+    if name == "TORCH_DTYPES":
+        return {n: getattr(torch, n) for n in DTYPES}
+    return {getattr(torch, n): code for n, code in DTYPES.items()}
 
 
 # --- the train config ---------------------------------------------------------------------------
@@ -85,7 +97,7 @@ class TrainConfig:
                 )
 
     @classmethod
-    def from_dict(cls, d: dict, source: str = "train config") -> "TrainConfig":
+    def from_dict(cls, d: dict, source: str = "train config") -> TrainConfig:
         """Checked value by value, each error naming its key, before anything is sized from them."""
         missing = sorted(REQUIRED_FIELDS - {k for k, v in d.items() if v is not None})
         if missing:
@@ -333,6 +345,8 @@ def raw_to_hf(cfg: TrainConfig, state: dict):
 
 def hf_to_raw(cfg: TrainConfig, hf_state: dict) -> dict:
     """The inverse of raw_to_hf: concatenating the split rows restores each training tensor."""
+    import torch
+
     return {
         row.raw: torch.cat([hf_state[h] for h in row.hf], dim=0) if row.split else hf_state[row.hf[0]]
         for row in table(cfg)
@@ -420,6 +434,8 @@ def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def _difference(a: torch.Tensor, b: torch.Tensor) -> str | None:
     """How two tensors differ, None when they are equal bit for bit."""
+    import torch
+
     if a.shape != b.shape:
         return f"shape {list(a.shape)} against {list(b.shape)}"
     if a.dtype != b.dtype:
@@ -561,6 +577,8 @@ def lora_to_peft(rows: list[LoraRow], state: dict):
 
 def peft_to_lora(rows: list[LoraRow], peft: dict) -> dict:
     """The inverse of lora_to_peft for the rows `peft` holds: B's parts concatenated, the one A they share."""
+    import torch
+
     state = {}
     for row in rows:
         if row.peft_a[0] not in peft:

@@ -152,7 +152,8 @@ def make_checkpoint(
     )
     model = MiniStream(cfg)
     init_weights(model, seed)
-    kept = trained_file(cache, preset, steps, seed, overrides) if cache is not None and steps else None
+    given = {k: v for k, v in overrides.items() if v is not None}  # the CLI passes each option, None when unset
+    kept = trained_file(cache, preset, steps, seed, given) if cache is not None and steps else None
     if kept is not None and kept.is_file():
         log(f"checkpoint: the trained weights from {kept}")
         saved = torch.load(kept, weights_only=True)

@@ -25,7 +25,7 @@ from ..fork.internals import cpu_needs_triton
 from ..fork.registry import CONFIGS_INIT_PY, Registries, read_package
 from ..fork.release import DISTRIBUTIONS
 from ..paths import PATCH_SETS
-from ..spec import ARCH, MODEL_FILE_IN_TREE, MODEL_TYPE, TORCH_DTYPES, TrainConfig
+from ..spec import ARCH, MODEL_FILE_IN_TREE, MODEL_TYPE, TrainConfig
 from . import engine
 from .engine import SERVE_DEFAULTS, EngineSettings
 from .folder import Finding, Folder, examine
@@ -286,6 +286,8 @@ def check_plugin(plugin: dict, dist: str | None) -> Finding:
 def check_memory(folder: Folder, cfg: TrainConfig, settings: EngineSettings, memory_gib: float | None) -> list[Finding]:
     """Weights and one sequence of max_model_len against the memory and the KV cache an engine run as `settings`
     say gets: on the CPU the cache `ministream serve` would choose now (engine.py), unless --kv-cache-gib says."""
+    from ..spec import TORCH_DTYPES  # torch, here only
+
     config, found = folder.config, []
     dtype = settings.dtype or config.get("dtype") or config.get("torch_dtype")
     if dtype not in TORCH_DTYPES:
