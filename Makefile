@@ -143,7 +143,7 @@ convert: setup
 	$(MS) convert '$(RAW)' '$(OUT)' $(if $(DTYPE),--dtype $(DTYPE)) $(CONVERT_ARGS)
 
 # OUT as for convert, but never its default (the base folder itself): out/$(PRESET)/lora unless given
-.PHONY: convert-lora test-models
+.PHONY: convert-lora test-models bench-accuracy
 convert-lora: setup
 	$(MS) convert-lora '$(ADAPTER)' '$(if $(filter command line environment,$(origin OUT)),$(OUT),out/$(PRESET)/lora)' --base '$(BASE)' $(LORA_ARGS)
 
@@ -213,6 +213,13 @@ bench: setup
 	$(MS) bench --out '$(BENCH_OUT)' $(if $(BENCH_QUICK),--quick) $(BENCH_ARGS)
 	$(MS) bench-nodes --out '$(BENCH_OUT)' $(if $(BENCH_QUICK),--quick)
 
+# every width (fp32, bf16, int8, 4-bit) on vLLM and llama.cpp against the full-precision reference model: greedy
+# ids, vLLM's top-k rule and perplexity on held-out text (docs/quantize.md); ACCURACY_ARGS: folders, --presets,
+# --systems, --text
+bench-accuracy: setup
+	$(MAKE) --no-print-directory install
+	$(MS) bench-accuracy --out '$(BENCH_OUT)/accuracy' $(or $(ACCURACY_ARGS),--presets tiny,tiny-gqa,reference)
+
 # BENCH_ARGS: any `ministream bench-serve` option (--rates, --systems, --num-prompts, ...)
 bench-serve: setup
 	$(MAKE) --no-print-directory install
@@ -227,9 +234,10 @@ test: setup
 	$(MAKE) --no-print-directory vllm-tests DEVICE=cpu QUICK=1
 
 # the two test models (presets tiny, tiny-gqa) trained into build/cache/trained, where the suite's fixtures and
-# `make vllm-tests` take them from (demo.trained_file: named by all a training run depends on)
+# `make vllm-tests` take them from (demo.trained_file: named by all a training run depends on); on one thread, the
+# core the install leaves (two threads beside it took 80 s a model, against 30 s alone: measured in docs/testing.md)
 test-models: setup
-	$(foreach p,tiny tiny-gqa,$(MS) checkpoint --preset $(p) --out build/cache/test-models/$(p) --force --cache &&) true
+	$(foreach p,tiny tiny-gqa,OMP_NUM_THREADS=1 $(MS) checkpoint --preset $(p) --out build/cache/test-models/$(p) --force --cache &&) true
 
 # the slow tier: older lines for real, the plugin's TP and server cases, Ray, the CPU image, vLLM's tests --compare,
 # the CUDA smoke of 0.32.0 and the newest release and gpu-proof's part that needs no GPU (tests/test_cuda_smoke.py)

@@ -193,7 +193,17 @@ def add_quantize(sub) -> None:
         choices=list(quantize.SCHEMES),
         help="w8a8: int8 weights and activations; w4a16: int4 weights in groups of 128, activations as they are",
     )
-    p.set_defaults(func=lambda a: quantize.quantize(a.src, a.out, a.scheme, a.force) and 0)
+    _heldout_text(p)
+    p.set_defaults(func=lambda a: quantize.quantize(a.src, a.out, a.scheme, a.force, text=a.text) and 0)
+
+
+def _heldout_text(p) -> None:
+    p.add_argument(
+        "--text",
+        type=Path,
+        help="held-out text for the perplexity the quantized widths are held to: text of the model's own kind it "
+        "never trained on (default: ministream/data/heldout.txt, of the demo corpus's kind)",
+    )
 
 
 def add_convert_lora(sub) -> None:
@@ -883,6 +893,32 @@ def add_bench_step(sub) -> None:
     p.set_defaults(func=lambda a: benchstep.bench_step(a.out, a.presets, a.dtypes, a.variants, a.note))
 
 
+def add_bench_accuracy(sub) -> None:
+    from .bench import accuracy
+
+    p = command(
+        sub,
+        "bench-accuracy",
+        accuracy.__doc__,
+        "every width on vLLM and llama.cpp against the full-precision reference: greedy ids and perplexity",
+    )
+    p.add_argument("folders", type=Path, nargs="*", help="converted float32 folders (and/or --presets)")
+    p.add_argument(
+        "--out", type=Path, default=Path("build/bench/accuracy"), help="output folder (default: %(default)s)"
+    )
+    p.add_argument(
+        "--presets",
+        type=lambda s: [x for x in s.split(",") if x],
+        default=[],
+        help="demo presets to make and measure, e.g. tiny,tiny-gqa,reference",
+    )
+    p.add_argument(
+        "--systems", type=lambda s: s.split(","), default=list(accuracy.SYSTEMS), help=", ".join(accuracy.SYSTEMS)
+    )
+    _heldout_text(p)
+    p.set_defaults(func=lambda a: accuracy.bench_accuracy(a.out, a.folders, a.presets, a.systems, a.text))
+
+
 def add_clean(sub) -> None:
     from .fork import clean
 
@@ -944,6 +980,7 @@ ADDERS = (
     add_bench_serve,
     add_bench_nodes,
     add_bench_step,
+    add_bench_accuracy,
 )  # using an engine
 
 

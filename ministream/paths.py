@@ -22,6 +22,7 @@ MODEL_FILE = shipped("fork", "models", "ministream.py")  # the hand-made model f
 APPLY_SCRIPT = shipped("fork", "apply_patch.sh")  # applies a patch set to a vLLM tree
 DOCKER = shipped("fork", "docker")  # Dockerfiles and their scripts
 CORPUS = shipped("data", "corpus.txt")  # the demo models' training text
+HELDOUT = shipped("data", "heldout.txt")  # text of the same kind the demo models never trained on (perplexity)
 
 # Outputs, relative to the current folder (the checkout's root under `make`).
 BUILD = Path("build")  # build/vllm-X/ (patched trees), build/cache/ (release artifacts), build/bench/

@@ -3,7 +3,9 @@ formats, read back by the library and by vLLM, which is held to the reference mo
 with (the folder's own, dequantized: `verify`)."""
 
 import dataclasses
+import hashlib
 import json
+import re
 import subprocess
 
 import pytest
@@ -12,7 +14,10 @@ from safetensors.torch import load_file
 
 from ministream import MiniStreamError
 from ministream.checkpoint.convert import read_folder
-from ministream.checkpoint.quantize import LINEAR, check_shapes
+from ministream.checkpoint.perplexity import chunks, folder_perplexity
+from ministream.checkpoint.quantize import LINEAR, RECORD, check_shapes
+from ministream.paths import HELDOUT
+from ministream.run.verify import PERPLEXITY_BOUND, RULES
 from ministream.spec import train_config_from_hf
 
 from conftest import one_line_error
@@ -71,6 +76,14 @@ def test_each_linear_weight_is_within_half_a_step_of_its_value_and_nothing_else_
         if f.name not in ("config.json", "model.safetensors") and not f.name.startswith("."):
             assert (out / f.name).read_bytes() == f.read_bytes(), f.name
     assert (out / "model.safetensors").stat().st_size < (tiny_gqa_hf / "model.safetensors").stat().st_size
+    # what the rounding cost, for verify's rule: the reference model's perplexity on held-out text, source and
+    # dequantized; within the width's bound on the test model (vLLM's side: the engine test below)
+    record = json.loads((out / RECORD).read_text())
+    ppl = record["perplexity"]
+    assert (record["scheme"], record["source"]) == (scheme, str(tiny_gqa_hf.resolve()))
+    assert ppl["sha256"] == hashlib.sha256(HELDOUT.read_bytes()).hexdigest() and ppl["scored"] > 500
+    assert ppl["source"] == pytest.approx(folder_perplexity(tiny_gqa_hf, chunks(tiny_gqa_hf)), rel=1e-9)
+    assert ppl["quantized"] != ppl["source"] and abs(ppl["quantized"] / ppl["source"] - 1) < PERPLEXITY_BOUND[scheme]
 
 
 def test_what_quantize_cannot_take_is_refused_by_name_and_nothing_is_written(cli, tiny_hf, tree, tmp_path):
@@ -89,6 +102,10 @@ def test_what_quantize_cannot_take_is_refused_by_name_and_nothing_is_written(cli
     assert r.returncode == 2 and "w8a8" in r.stderr and "Traceback" not in r.stderr
     assert not (tmp_path / "twice").exists() and not (tmp_path / "x").exists()
     assert tree(tiny_hf) == before
+    # verify holds a quantized folder to its source's perplexity, which only quantize's record knows
+    (once / RECORD).unlink()
+    line = one_line_error(cli("verify", once, "--out", tmp_path / "v"), rc=2)
+    assert RECORD in line and "quantize the converted folder again" in line, line
 
 
 def test_a_shape_the_groups_cannot_split_is_refused_naming_the_tensor(tiny_hf):
@@ -123,6 +140,11 @@ def test_vllm_computes_the_quantized_folder_as_the_reference_model_on_its_weight
     assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
     text = r.stdout + r.stderr
     assert f"quantized {scheme}" in text and f"rule for {dtype} {scheme}" in text and "PASS" in text, text[-2000:]
+    # and the width's rule: vLLM's perplexity on held-out text against the full-precision model's
+    assert re.search(rf"perplexity on \d+ tokens of heldout.txt: vLLM on the {scheme} folder [0-9.]+", text), text[
+        -2000:
+    ]
+    assert f"rule for {scheme} ({RULES[scheme]}): PASS on perplexity" in text, text[-2000:]
     assert {"w8a8": "W8A8Int8", "w4a16": "WNA16"}[scheme] in text, text[-4000:]  # vLLM's log: the int kernels ran
 
 

@@ -94,7 +94,7 @@ def prepare_model(preset: str, models: Path) -> dict:
     the same safetensors (symlinked) with config.json's architecture and model_type set to LLaMA's."""
     raw, hf, llama = models / preset / "raw", models / preset / "hf", models / preset / "llama"
     if not (raw / "model.pt").is_file():
-        run = timed_command([_ms(), "checkpoint", "--preset", preset, "--out", raw, "--force"])
+        run = timed_command([_ms(), "checkpoint", "--preset", preset, "--out", raw, "--force", "--cache"])
         if "error" in run:
             raise MiniStreamError(f"making the {preset} checkpoint failed: {run['error']}")
     convert = timed_command([_ms(), "convert", raw, hf, "--dtype", "float32", "--force"])

@@ -27,7 +27,7 @@ from .machine import cpu_model
 
 VERSION = "0.3.36"  # llama-cpp-python, pinned in releases.json; its vendor/llama.cpp is what is built
 HOME = BUILD / "llamacpp"
-TARGETS = ["llama-server", "llama-bench", "llama-tokenize"]
+TARGETS = ["llama-server", "llama-bench", "llama-tokenize", "llama-perplexity"]
 # Release, tuned for this CPU (-march=native: what a user building llama.cpp here gets), static binaries,
 # nothing that reaches the network
 CMAKE_FLAGS = [
@@ -226,3 +226,41 @@ def gguf_of(folder: str | Path, dtype: str) -> Path:
     gguf = Path(folder).parent / f"{Path(folder).name}-{GGUF_DTYPES[dtype]}.gguf"
     export(folder, gguf, GGUF_DTYPES[dtype], force=True)
     return gguf
+
+
+def greedy_with_logprobs(url: str, ids: list[int], max_tokens: int, top_k: int) -> dict:
+    """verify's shape of an answer: {"ids": greedy ids, "logprobs": per new token {id: logprob} of the top_k},
+    the log-probabilities llama.cpp's sampler saw before sampling (post_sampling_probs false)."""
+    body = {
+        "prompt": ids,
+        "n_predict": max_tokens,
+        "temperature": 0,
+        "top_k": 1,
+        "ignore_eos": True,
+        "cache_prompt": False,
+        "n_probs": top_k,
+        "post_sampling_probs": False,
+    }
+    answer = _post(f"{url}/completion", body)
+    steps = answer.get("completion_probabilities") or []
+    got: dict[str, list] = {
+        "ids": [int(s["id"]) for s in steps],
+        "logprobs": [{int(t["id"]): float(t["logprob"]) for t in s["top_logprobs"]} for s in steps],
+    }
+    if len(got["ids"]) != max_tokens:
+        raise MiniStreamError(
+            f"llama-server answered {len(got['ids'])} tokens with their log-probabilities, not {max_tokens}"
+        )
+    return got
+
+
+def perplexity(home: Path, gguf: Path, text: Path, n_ctx: int, threads: int = 2) -> float:
+    """llama-perplexity's final estimate on `text` with chunks of n_ctx tokens (run/perplexity.py's method)."""
+    cmd = [home / "bin" / "llama-perplexity", "-m", gguf, "-f", text, "-c", n_ctx, "-b", n_ctx, "-t", threads]
+    done = subprocess.run([str(c) for c in cmd], capture_output=True, text=True)
+    said = done.stdout + done.stderr
+    found = re.search(r"Final estimate: PPL = ([0-9.]+)", said)
+    if done.returncode != 0 or not found:
+        tail = " | ".join(said.strip().splitlines()[-4:])
+        raise MiniStreamError(f"llama-perplexity on {gguf} failed (exit {done.returncode}): {tail[-800:]}")
+    return float(found.group(1))

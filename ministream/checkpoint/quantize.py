@@ -30,6 +30,9 @@ LINEAR = re.compile(r"^model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up
 WEIGHT_FILES = re.compile(r"^model(-\d+-of-\d+)?\.safetensors(\.index\.json)?$")
 
 
+RECORD = "ministream-quantize.json"  # beside config.json: the scheme, the source, what the rounding cost
+
+
 def scheme_of(name: str):
     """The compressed-tensors QuantizationScheme of `--scheme name`, and its compressor class."""
     if name not in SCHEMES:
@@ -143,7 +146,30 @@ def _same_groups(have: dict, want: dict) -> bool:
     return strip(have) == strip(want)
 
 
-def quantize(src: str | Path, out: str | Path, scheme: str, force: bool = False, log=print) -> Path:
+def loss_record(src: Path, out: Path, scheme: str, max_len: int, text: Path | None = None) -> dict:
+    """What the rounding cost, measured on the reference model: its perplexity on held-out text with the
+    source's weights and with the quantized folder's, dequantized (checkpoint/perplexity.py). verify holds
+    vLLM's perplexity on the folder to the source's by the scheme's rule."""
+    from .perplexity import chunks, folder_perplexity
+
+    c = chunks(src, text, max_len=max_len)
+    source, quantized = folder_perplexity(src, c), folder_perplexity(out, c)
+    return {
+        "scheme": scheme,
+        "source": str(src.resolve()),
+        "perplexity": c.record() | {"source": source, "quantized": quantized},
+    }
+
+
+def read_record(folder: Path) -> dict | None:
+    """A quantized folder's loss record (None: quantized elsewhere, or before the record existed)."""
+    path = Path(folder) / RECORD
+    return read_json(path) if path.is_file() else None
+
+
+def quantize(
+    src: str | Path, out: str | Path, scheme: str, force: bool = False, log=print, text: Path | None = None
+) -> Path:
     """Write `out`: the converted folder `src` with its linear weights quantized by `scheme`; every other file
     copied as it is. `src` is never written; `out` appears whole or not at all (atomic.new_folder)."""
     src, out = Path(src), Path(out)
@@ -191,11 +217,19 @@ def quantize(src: str | Path, out: str | Path, scheme: str, force: bool = False,
                 # what vLLM's "auto" runs the folder in: a dtype its int4 kernels take
                 written.update({k: "bfloat16" for k in ("dtype", "torch_dtype") if k in config})
             (tmp / "config.json").write_text(json.dumps(written, indent=2) + "\n")
+            record = loss_record(src, tmp, scheme, cfg.max_seq_len, text)
+            (tmp / RECORD).write_text(json.dumps(record, indent=2) + "\n")
     except OSError as e:
         raise disk_full(e, out, f"while {what}") or e from None
     size = (out / "model.safetensors").stat().st_size
     log(
         f"quantize: wrote {out} ({scheme}: {sum(1 for n in hf_shapes(cfg) if LINEAR.match(n))} linear weights, "
         f"{size / 2**20:.1f} MiB from {sum(f.stat().st_size for f in files) / 2**20:.1f} MiB)"
+    )
+    ppl = record["perplexity"]
+    log(
+        f"quantize: the reference model's perplexity on {ppl['scored']} tokens of {Path(ppl['text']).name}: "
+        f"{ppl['source']:.4f} -> {ppl['quantized']:.4f} ({ppl['quantized'] / ppl['source'] - 1:+.2%}); "
+        f"`ministream verify {out}` holds vLLM to the {scheme} rule (docs/quantize.md)"
     )
     return out

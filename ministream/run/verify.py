@@ -37,12 +37,34 @@ import torch
 
 from .. import MiniStreamError, __version__
 from ..atomic import check_output, mark_made
+from ..checkpoint.perplexity import Chunks
 from ..spec import FORMAT_VERSION, QKV, hf_names
 from .engine import OFFLINE_DTYPE, OFFLINE_MAX_MODEL_LEN, EngineSettings
 from .folder import EMBED, FINAL_NORM, HEAD, Folder, check_servable, name_differences, natural, open_folder
 from .prompts import context_prompts
 
 GOLDEN_VERSION = 1  # the golden file's own layout
+# Each width's rule against the full-precision model (docs/quantize.md, "The rules"): identical ids; the first
+# difference within each other's top-k; and for the quantized widths a bound on perplexity on held-out text.
+PERPLEXITY_BOUND = {"w8a8": 0.02, "w4a16": 0.08}
+RULES = {
+    "float32": "identical token ids",
+    "bfloat16": "first difference within each other's top-k",
+    "w8a8": f"first difference within each other's top-k, perplexity at most {PERPLEXITY_BOUND['w8a8']:.0%} above",
+    "w4a16": f"perplexity at most {PERPLEXITY_BOUND['w4a16']:.0%} above",
+}
+
+
+def rule_passes(width: str, identical: bool, within_top_k: bool, perplexity_change: float | None) -> bool:
+    """RULES[width] on a system's results against the full-precision reference model."""
+    if width == "float32":
+        return identical
+    if width == "bfloat16":
+        return within_top_k
+    fits = perplexity_change is not None and perplexity_change <= PERPLEXITY_BOUND[width]
+    return fits and (within_top_k or width != "w8a8")
+
+
 # cosine similarity below which a stage "diverges": fp32 agrees to ~1e-7; bf16 rounds each layer
 THRESHOLDS = {"float32": 0.9999, "bfloat16": 0.99, "float16": 0.995}
 DUMP_ENV = "MINISTREAM_DUMP_HIDDEN"
@@ -227,10 +249,14 @@ def read_golden(path: Path) -> dict:
 # --- vLLM, with the debug switch on ---------------------------------------------------------
 
 
-def vllm_outputs(model: Path, golden: dict, dump_dir: Path, settings: EngineSettings) -> list[dict]:
+def vllm_outputs(
+    model: Path, golden: dict, dump_dir: Path, settings: EngineSettings, chunks: Chunks | None = None
+) -> tuple[list[dict], float | None]:
     """The installed vLLM on the golden prompt ids, every prompt's prefill dumped into dump_dir: run as
-    `settings` say, in the golden file's dtype, with what the dump needs."""
+    `settings` say, in the golden file's dtype, with what the dump needs; and its perplexity of `chunks`
+    (held-out text) where given, on the same engine (None where not)."""
     from .generate import vllm_engine, vllm_generate
+    from .perplexity import vllm_perplexity
 
     if dump_dir.is_dir():  # the last run's dumps go; anything else there is not ours to delete
         if foreign := [p.name for p in dump_dir.iterdir() if not DUMP_FILE.fullmatch(p.name)]:
@@ -251,13 +277,19 @@ def vllm_outputs(model: Path, golden: dict, dump_dir: Path, settings: EngineSett
             replace(
                 settings,
                 dtype=golden["dtype"],
-                max_model_len=max(max(map(len, ids)) + golden["max_tokens"], OFFLINE_MAX_MODEL_LEN),
+                max_model_len=max(
+                    max(map(len, ids)) + golden["max_tokens"],
+                    OFFLINE_MAX_MODEL_LEN,
+                    len(chunks.ids[0]) + 1 if chunks else 0,
+                ),
                 enforce_eager=True,
             ),
             enable_prefix_caching=False,
             max_num_batched_tokens=max(sum(map(len, ids)), STEP_TOKENS),
         )
-        return vllm_generate(llm, ids, golden["max_tokens"], golden["top_k"])
+        outputs = vllm_generate(llm, ids, golden["max_tokens"], golden["top_k"])
+        # after the prompts: the dumps are matched to prompts by their token ids (dumped_states)
+        return outputs, vllm_perplexity(llm, chunks) if chunks else None
     finally:
         os.environ.pop(DUMP_ENV, None)
 
@@ -491,10 +523,13 @@ def verify(
                 "from with --raw)"
             )
         log(f"{model}: quantized {scheme}: the reference model runs on its weights, dequantized")
+    record, held_out = quantized_loss(model, scheme) if scheme else (None, None)
     golden = golden_for(model, raw or model, prompts, dtype, max_tokens, top_k, golden_path, out, log, context)
     golden.setdefault("quantization", scheme)
-    got = run_vllm(model, golden, out, settings)
+    got, perplexity = run_vllm(model, golden, out, settings, held_out)
     passed = report_comparison(model, golden, got, log)
+    if scheme and record and perplexity is not None:
+        passed = report_perplexity(scheme, record, perplexity, log) and passed
     findings = folder_findings(model, raw) if raw else []
     if passed:
         for f in findings:  # a difference these prompts do not feel (eps off by 10x, say) is still a bug
@@ -511,6 +546,43 @@ def quantized_scheme(model: Path) -> str | None:
 
     config = json.loads((Path(model) / "config.json").read_text())
     return scheme_name(config, Path(model) / "config.json") if "quantization_config" in config else None
+
+
+def quantized_loss(model: Path, scheme: str) -> tuple[dict, Chunks]:
+    """A quantized folder's record of what the rounding cost (`ministream quantize` writes it) and the chunks of
+    the held-out text it names, which must be the text it was measured on."""
+    from ..checkpoint.perplexity import chunks
+    from ..checkpoint.quantize import RECORD, read_record
+
+    record = read_record(model)
+    if record is None or "perplexity" not in record:
+        raise MiniStreamError(
+            f"{model}/{RECORD}: missing; the {scheme} rule holds vLLM's perplexity to the full-precision model's, "
+            "which `ministream quantize` records: quantize the converted folder again"
+        )
+    ppl = record["perplexity"]
+    text = Path(ppl["text"])
+    held_out = chunks(model, text, ppl["n_ctx"]) if text.is_file() else None
+    if held_out is None or held_out.record()["sha256"] != ppl["sha256"]:
+        raise MiniStreamError(
+            f"{model}/{RECORD}: the held-out text {text} it was measured on is missing or changed since; quantize "
+            "again (--text names the text)"
+        )
+    return record, held_out
+
+
+def report_perplexity(scheme: str, record: dict, perplexity: float, log) -> bool:
+    """vLLM's perplexity on the folder against the reference model's on the source folder, by the scheme's bound."""
+    ppl = record["perplexity"]
+    change = perplexity / ppl["source"] - 1
+    passed = change <= PERPLEXITY_BOUND[scheme]
+    log(
+        f"perplexity on {ppl['scored']} tokens of {Path(ppl['text']).name}: vLLM on the {scheme} folder "
+        f"{perplexity:.4f}, the reference model on the full-precision folder {ppl['source']:.4f} ({change:+.2%}; "
+        f"the reference model on the dequantized weights {ppl['quantized']:.4f})"
+    )
+    log(f"rule for {scheme} ({RULES[scheme]}): {'PASS' if passed else 'FAIL'} on perplexity")
+    return passed
 
 
 def golden_for(
@@ -537,10 +609,13 @@ def golden_for(
     return golden
 
 
-def run_vllm(model: Path, golden: dict, out: Path, settings: EngineSettings) -> list[dict]:
-    """vLLM's outputs on the golden prompt ids, also written to out/vllm-<dtype>.json."""
+def run_vllm(
+    model: Path, golden: dict, out: Path, settings: EngineSettings, chunks: Chunks | None = None
+) -> tuple[list[dict], float | None]:
+    """vLLM's outputs on the golden prompt ids, also written to out/vllm-<dtype>.json; its perplexity of
+    `chunks` where given."""
     try:
-        got = vllm_outputs(model, golden, out / "dump", settings)
+        got, perplexity = vllm_outputs(model, golden, out / "dump", settings, chunks)
     except MiniStreamError:
         raise
     except Exception as e:  # vLLM refused the folder: the doctor names why
@@ -548,8 +623,9 @@ def run_vllm(model: Path, golden: dict, out: Path, settings: EngineSettings) -> 
             f"vLLM could not serve {model} ({type(e).__name__}: {str(e).strip()[-300:]}); "
             f"run `ministream doctor {model}`"
         ) from e
-    (out / f"vllm-{golden['dtype']}.json").write_text(json.dumps({"model": str(model), "outputs": got}, indent=1))
-    return got
+    answer = {"model": str(model), "outputs": got} | ({"perplexity": perplexity} if chunks else {})
+    (out / f"vllm-{golden['dtype']}.json").write_text(json.dumps(answer, indent=1))
+    return got, perplexity
 
 
 def report_comparison(model: Path, golden: dict, got: list[dict], log) -> bool:

@@ -1,0 +1,234 @@
+"""bench-accuracy: every width on both engines, measured the same way against the full-precision reference.
+
+For one converted folder (float32), each system runs verify's prompts (DEFAULT_PROMPTS and those far into
+the context) greedily with its top-k log-probabilities, and scores the held-out text (run/perplexity.py,
+llama-perplexity's method). Against the reference model in float32 on the same folder:
+
+- exact: prompts whose greedy token ids equal the reference model's, all of them;
+- first divergence: the new token at which a prompt first differs (the mean, max_tokens where none);
+- top-k rule: prompts whose first difference lies within each other's top-k (vLLM's check_logprobs_close);
+- perplexity on the held-out text, and its change against the reference model's.
+
+Systems: vLLM in float32 and bfloat16 and on `ministream quantize` folders (w8a8 in float32, w4a16 in
+bfloat16: vLLM 0.32's CPU int4 kernels need it), llama.cpp on `ministream gguf` files (f32, bf16, q8_0,
+q4_0). Each vLLM system runs in a process of its own (one engine each); llama.cpp is llama-server for the
+prompts and llama-perplexity for the text. Results: accuracy.json and accuracy.md in --out, with the
+machine and the command.
+"""
+
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from .. import MiniStreamError
+from ..atomic import check_output, write_json
+from ..checkpoint.perplexity import Chunks, chunks, folder_perplexity
+from ..run.verify import builtin_prompts, compare, make_golden, rule_passes
+from . import llamacpp
+from .machine import machine, machine_line
+
+# name -> (engine, dtype the engine runs in, what it runs: a quantize scheme or a GGUF type; None: the folder)
+SYSTEMS = {
+    "vllm float32": ("vllm", "float32", None),
+    "vllm bfloat16": ("vllm", "bfloat16", None),
+    "vllm w8a8": ("vllm", "float32", "w8a8"),
+    "vllm w4a16": ("vllm", "bfloat16", "w4a16"),
+    "llama.cpp f32": ("llama.cpp", "float32", "f32"),
+    "llama.cpp bf16": ("llama.cpp", "bfloat16", "bf16"),
+    "llama.cpp q8_0": ("llama.cpp", "float32", "q8_0"),
+    "llama.cpp q4_0": ("llama.cpp", "float32", "q4_0"),
+}
+# the width each system is held to (verify.RULES)
+WIDTH = {"f32": "float32", "bf16": "bfloat16", "q8_0": "w8a8", "q4_0": "w4a16"}
+MAX_TOKENS, TOP_K = 32, 5
+
+
+def width(name: str) -> str:
+    _, dtype, what = SYSTEMS[name]
+    return WIDTH.get(what, what) if what else dtype  # type: ignore[arg-type]
+
+
+def bench_accuracy(
+    out: Path, folders: list[Path], presets: list[str], systems: list[str] | None = None, text: Path | None = None
+) -> int:
+    """`ministream bench-accuracy`: each folder, and each preset's model (made once under out/models), through
+    every system; out/accuracy.md holds one table per model."""
+    from .bench import prepare_model
+
+    systems = systems or list(SYSTEMS)
+    if unknown := [s for s in systems if s not in SYSTEMS]:
+        raise MiniStreamError(f"unknown system(s) {', '.join(unknown)}: choose from {', '.join(SYSTEMS)}")
+    out = Path(out)
+    check_output(out, force=True, inputs=folders)  # a results folder, written again each run
+    models = [(Path(f).resolve().name, Path(f)) for f in folders]
+    models += [(p, Path(prepare_model(p, out / "models")["hf"])) for p in presets]
+    tables = []
+    for name, folder in models:
+        result = run_accuracy(folder, out / name, systems, text)
+        tables.append(f"### {name}\n\n{table(result)}")
+    (out / "accuracy.md").write_text("\n".join(tables))
+    print(f"bench-accuracy: wrote {out}/accuracy.md")
+    return 0
+
+
+def run_accuracy(folder: Path, out: Path, systems: list[str], text: Path | None = None, log=print) -> dict:
+    """One converted float32 folder through `systems`; out/accuracy.json and accuracy.md."""
+    folder, out = Path(folder).resolve(), Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    config = json.loads((folder / "config.json").read_text())
+    if "quantization_config" in config:
+        raise MiniStreamError(f"{folder} is quantized: give the converted full-precision folder it came from")
+    prompts, context = builtin_prompts(folder, MAX_TOKENS)
+    golden = make_golden(folder, folder, prompts, "float32", MAX_TOKENS, TOP_K, context)
+    (out / "golden-float32.json").write_text(json.dumps(golden))
+    c = chunks(folder, text, max_len=config.get("max_position_embeddings"))
+    ref_ppl = folder_perplexity(folder, c)
+    log(f"reference model, float32: perplexity {ref_ppl:.4f} on {c.scored} tokens of {text}")
+    rows = [{"system": "reference float32", "width": "float32", "perplexity": ref_ppl}]
+    with tempfile.TemporaryDirectory(dir=out, prefix=".work-") as work:
+        for name in systems:
+            engine, dtype, what = SYSTEMS[name]
+            got, ppl = (_vllm if engine == "vllm" else _llamacpp)(folder, Path(work), dtype, what, golden, c)
+            row = _row(name, golden, got, ppl, ref_ppl)
+            log(_line(row))
+            rows.append(row)
+    result = {
+        "folder": str(folder),
+        "text": c.text,
+        "n_ctx": len(c.ids[0]),
+        "scored_tokens": c.scored,
+        "prompts": len(prompts),
+        "max_tokens": MAX_TOKENS,
+        "top_k": TOP_K,
+        "machine": machine(),
+        "command": " ".join(sys.argv),
+        "rows": rows,
+    }
+    write_json(out / "accuracy.json", result)
+    (out / "accuracy.md").write_text(table(result))
+    log(f"wrote {out}/accuracy.json and accuracy.md")
+    return result
+
+
+def _row(name: str, golden: dict, got: list[dict], ppl: float, ref_ppl: float) -> dict:
+    _, results = compare(golden["outputs"], got, exact=False)
+    n = len(results)
+    firsts = [r.first_difference if r.first_difference is not None else MAX_TOKENS for r in results]
+    row: dict = {
+        "system": name,
+        "width": width(name),
+        "exact": sum(r.identical for r in results),
+        "top_k_rule": sum(r.within_top_k for r in results),
+        "prompts": n,
+        "mean_first_divergence": sum(firsts) / n,
+        "perplexity": ppl,
+        "perplexity_change": ppl / ref_ppl - 1,
+    }
+    row["rule"] = rule_passes(row["width"], row["exact"] == n, row["top_k_rule"] == n, row["perplexity_change"])
+    return row
+
+
+def _line(row: dict) -> str:
+    return (
+        f"{row['system']}: exact {row['exact']}/{row['prompts']}, top-{TOP_K} rule {row['top_k_rule']}/"
+        f"{row['prompts']}, first divergence at {row['mean_first_divergence']:.1f} on average, perplexity "
+        f"{row['perplexity']:.4f} ({row['perplexity_change']:+.2%}); {row['width']} rule: "
+        f"{'PASS' if row['rule'] else 'FAIL'}"
+    )
+
+
+def table(result: dict) -> str:
+    lines = [
+        "| system | width's rule | exact ids | top-k rule | mean first divergence | perplexity | change |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in result["rows"]:
+        if "exact" not in r:
+            lines.append(f"| {r['system']} (the reference) | | | | | {r['perplexity']:.4f} | |")
+            continue
+        lines.append(
+            f"| {r['system']} | {r['width']}: {'PASS' if r['rule'] else 'FAIL'} | {r['exact']}/{r['prompts']} "
+            f"| {r['top_k_rule']}/{r['prompts']} | {r['mean_first_divergence']:.1f} of {result['max_tokens']} "
+            f"| {r['perplexity']:.4f} | {r['perplexity_change']:+.2%} |"
+        )
+    m = result["machine"]
+    lines += [
+        "",
+        f"{result['folder']}; {result['prompts']} prompts, {result['max_tokens']} greedy tokens each; perplexity "
+        f"on {result['scored_tokens']} tokens of {Path(result['text']).name} (n_ctx {result['n_ctx']}); "
+        f"{machine_line(m)}; `{result['command']}`",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+# --- vLLM: one process per system ------------------------------------------------------------------------
+
+
+def _vllm(folder: Path, work: Path, dtype: str, scheme: str | None, golden: dict, c: Chunks):
+    model = folder
+    if scheme:
+        from ..checkpoint.quantize import quantize
+
+        model = work / f"{folder.name}-{scheme}"
+        quantize(folder, model, scheme, force=True, log=lambda *a: None, text=Path(c.text))
+    job = work / "job.json"
+    write_json(job, {"model": str(model), "dtype": dtype, "golden": golden, "chunks": c.ids, "first": c.first})
+    done = subprocess.run(
+        [sys.executable, "-c", f"from {__name__} import _vllm_child; _vllm_child({str(job)!r})"],
+        capture_output=True,
+        text=True,
+    )
+    if done.returncode != 0:
+        raise MiniStreamError(f"vLLM on {model} in {dtype} failed: {done.stderr.strip()[-1500:]}")
+    answer = json.loads((work / "answer.json").read_text())
+    return answer["outputs"], answer["perplexity"]
+
+
+def _vllm_child(job_path: str) -> None:
+    """In its own process: one engine, the prompts and the held-out chunks."""
+    from ..run.engine import EngineSettings
+    from ..run.generate import vllm_engine, vllm_generate
+    from ..run.perplexity import vllm_perplexity
+
+    job = json.loads(Path(job_path).read_text())
+    golden, ids = job["golden"], job["golden"]["prompt_ids"]
+    longest = max(max(map(len, ids)) + golden["max_tokens"], len(job["chunks"][0]) + 1)
+    llm = vllm_engine(
+        Path(job["model"]),
+        EngineSettings(dtype=job["dtype"], max_model_len=longest, enforce_eager=True),
+        max_num_batched_tokens=max(longest, 2048),
+    )
+    outputs = vllm_generate(llm, ids, golden["max_tokens"], golden["top_k"])
+    ppl = vllm_perplexity(llm, Chunks(job["chunks"], job["first"], ""))
+    write_json(Path(job_path).with_name("answer.json"), {"outputs": outputs, "perplexity": ppl})
+
+
+# --- llama.cpp -----------------------------------------------------------------------------------------
+
+
+def _llamacpp(folder: Path, work: Path, dtype: str, gguf_type: str | None, golden: dict, c: Chunks):
+    from ..checkpoint.gguf import export
+
+    assert gguf_type, "every llama.cpp system names its GGUF type"
+    home = llamacpp.build()
+    gguf = work / f"{folder.name}-{gguf_type}.gguf"
+    export(folder, gguf, gguf_type, force=True)
+    ctx = max(max(map(len, golden["prompt_ids"])) + golden["max_tokens"], len(c.ids[0]))
+    outputs = []
+    with llamacpp.server(
+        gguf, _free_port(), threads=2, ctx_per_slot=ctx, log_file=work / "server.log", home=home
+    ) as url:
+        for ids in golden["prompt_ids"]:
+            outputs.append(llamacpp.greedy_with_logprobs(url, ids, golden["max_tokens"], golden["top_k"]))
+    ppl = llamacpp.perplexity(home, gguf, Path(c.text), len(c.ids[0]))
+    return outputs, ppl
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
