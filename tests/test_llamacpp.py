@@ -12,6 +12,7 @@ import pytest
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from ministream.bench import llamacpp
+from ministream.bench.accuracy import SYSTEMS, run_accuracy
 from ministream.checkpoint.gguf import LLAMA3_SPLIT
 from ministream.paths import CORPUS
 from ministream.run.generate import DEFAULT_PROMPTS, reference_generate, tokenize
@@ -47,27 +48,22 @@ def test_llama_cpp_gives_the_reference_models_greedy_tokens_in_f32(folder, reque
     assert not differ, f"{len(differ)} of {len(ids)} texts tokenize differently, first: {ids[differ[0]]}"
 
 
-@pytest.mark.parametrize("dtype", ["q8_0", "q4_0"])
-def test_llama_cpp_runs_block_quantized_files_within_vllms_rule_of_the_f32_reference(
-    dtype, home, cli, tiny_gqa_hf, tmp_path
+@pytest.mark.parametrize("folder", ["tiny_hf", "tiny_gqa_hf"])
+def test_every_width_on_both_engines_passes_its_rule_and_f32_scores_the_reference_models_perplexity(
+    folder, request, home, tmp_path
 ):
-    """The accuracy rule for a quantized width, as vLLM's for bf16: where llama.cpp's greedy ids first part from
-    the f32 reference model's, its token is among the reference's top 5 there (llama.cpp's side of the rule: its
-    server gives no logprobs); the continuation after is not compared."""
-    assert cli("gguf", tiny_gqa_hf, tmp_path / "m.gguf", "--dtype", dtype).returncode == 0
-    prompts = tokenize(tiny_gqa_hf, DEFAULT_PROMPTS)
-    want = reference_generate(tiny_gqa_hf, prompts, MAX_TOKENS, "float32", logprobs=5)
-    with llamacpp.server(tmp_path / "m.gguf", free_port(), 2, log_file=tmp_path / "server.log", home=home) as url:
-        got = [llamacpp.greedy(url, ids, MAX_TOKENS) for ids in prompts]
-    identical = 0
-    for i, (w, g) in enumerate(zip(want, got)):
-        part = next((t for t, (a, b) in enumerate(zip(w["ids"], g)) if a != b), None)
-        if part is None:
-            identical += 1
-            continue
-        assert g[part] in {int(k) for k in w["logprobs"][part]}, (dtype, i, part, g[part], w["logprobs"][part])
-    print(f"\nllama.cpp {dtype}: {identical}/{len(got)} prompts identical to the f32 reference for {MAX_TOKENS} tokens")
-    assert len(got) == len(prompts) and all(len(g) == MAX_TOKENS for g in got)
+    """bench-accuracy on both test models: each system against the full-precision reference model by its width's
+    rule (verify.RULES), and the methods agree: vLLM in float32 and llama.cpp on f32 files (llama-perplexity
+    itself) score the held-out text as the reference model does, to llama-perplexity's 4 printed decimals."""
+    result = run_accuracy(request.getfixturevalue(folder), tmp_path / "acc", list(SYSTEMS), log=print)
+    rows = {r["system"]: r for r in result["rows"]}
+    reference = rows["reference float32"]["perplexity"]
+    for name in ("vllm float32", "llama.cpp f32"):
+        assert rows[name]["perplexity"] == pytest.approx(reference, abs=6e-5 * reference), name
+    assert rows["vllm float32"]["exact"] == rows["llama.cpp f32"]["exact"] == result["prompts"]
+    failed = {n: r for n, r in rows.items() if "rule" in r and not r["rule"]}
+    assert not failed, failed
+    assert (tmp_path / "acc" / "accuracy.md").read_text().count("PASS") == len(SYSTEMS)
 
 
 def test_llama_3s_split_is_exported_as_llama_bpe_and_tokenizes_alike(home, cli, tiny_hf, tmp_path):

@@ -106,6 +106,7 @@ NEEDS: tuple[Need, ...] = (
 # environment, where running them is their proof.
 IMPORTS_SINCE = {
     "run/generate.py": "0.4.3",  # LLM, SamplingParams
+    "run/perplexity.py": "0.4.3",  # SamplingParams(prompt_logprobs=...)
     "bench/workers.py": "0.6.3",  # vllm.platforms.current_platform
     "bench/benchstep.py": BENCH_STEP,
     "run/vllm_cli.py": "0.7.3",  # vLLM's own command line (vllm/entrypoints/cli/main.py)
