@@ -43,6 +43,9 @@ SYSTEMS = {
 # the width each system is held to (verify.RULES)
 WIDTH = {"f32": "float32", "bf16": "bfloat16", "q8_0": "w8a8", "q4_0": "w4a16"}
 MAX_TOKENS, TOP_K = 32, 5
+# llama.cpp's KV cache in the dtype vLLM keeps it in for the same system (llama.cpp's default is f16), so that the
+# rows of one width differ by their engines' arithmetic and weights, not by a cache rounded by one of them only
+KV_CACHE = {"float32": "f32", "bfloat16": "bf16"}
 
 
 def width(name: str) -> str:
@@ -85,7 +88,7 @@ def run_accuracy(folder: Path, out: Path, systems: list[str], text: Path | None 
     (out / "golden-float32.json").write_text(json.dumps(golden))
     c = chunks(folder, text, max_len=config.get("max_position_embeddings"))
     ref_ppl = folder_perplexity(folder, c)
-    log(f"reference model, float32: perplexity {ref_ppl:.4f} on {c.scored} tokens of {text}")
+    log(f"reference model, float32: perplexity {ref_ppl:.4f} on {c.scored} tokens of {c.text}")
     rows = [{"system": "reference float32", "width": "float32", "perplexity": ref_ppl}]
     with tempfile.TemporaryDirectory(dir=out, prefix=".work-") as work:
         for name in systems:
@@ -146,7 +149,7 @@ def table(result: dict) -> str:
     ]
     for r in result["rows"]:
         if "exact" not in r:
-            lines.append(f"| {r['system']} (the reference) | | | | | {r['perplexity']:.4f} | |")
+            lines.append(f"| reference model, float32 | (the reference) | | | | {r['perplexity']:.4f} | |")
             continue
         lines.append(
             f"| {r['system']} | {r['width']}: {'PASS' if r['rule'] else 'FAIL'} | {r['exact']}/{r['prompts']} "
@@ -217,12 +220,20 @@ def _llamacpp(folder: Path, work: Path, dtype: str, gguf_type: str | None, golde
     export(folder, gguf, gguf_type, force=True)
     ctx = max(max(map(len, golden["prompt_ids"])) + golden["max_tokens"], len(c.ids[0]))
     outputs = []
-    with llamacpp.server(
-        gguf, _free_port(), threads=2, ctx_per_slot=ctx, log_file=work / "server.log", home=home
-    ) as url:
+    kv = KV_CACHE[dtype]
+    server = llamacpp.server(
+        gguf,
+        _free_port(),
+        threads=2,
+        ctx_per_slot=ctx,
+        log_file=work / "server.log",
+        home=home,
+        extra=("-ctk", kv, "-ctv", kv),
+    )
+    with server as url:
         for ids in golden["prompt_ids"]:
             outputs.append(llamacpp.greedy_with_logprobs(url, ids, golden["max_tokens"], golden["top_k"]))
-    ppl = llamacpp.perplexity(home, gguf, Path(c.text), len(c.ids[0]))
+    ppl = llamacpp.perplexity(home, gguf, Path(c.text), len(c.ids[0]), kv=kv)
     return outputs, ppl
 
 

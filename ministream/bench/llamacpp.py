@@ -254,13 +254,15 @@ def greedy_with_logprobs(url: str, ids: list[int], max_tokens: int, top_k: int) 
     return got
 
 
-def perplexity(home: Path, gguf: Path, text: Path, n_ctx: int, threads: int = 2) -> float:
-    """llama-perplexity's final estimate on `text` with chunks of n_ctx tokens (run/perplexity.py's method)."""
+def perplexity(home: Path, gguf: Path, text: Path, n_ctx: int, threads: int = 2, kv: str = "f16") -> float:
+    """llama-perplexity on `text` with chunks of n_ctx tokens (checkpoint/perplexity.py's method), its KV cache in
+    `kv`: the running estimate it prints after the last chunk to stdout ("[5]38.8701,"), which is its final
+    estimate; the "Final estimate" line goes through its log thread and was seen missing at exit."""
     cmd = [home / "bin" / "llama-perplexity", "-m", gguf, "-f", text, "-c", n_ctx, "-b", n_ctx, "-t", threads]
+    cmd += ["-ctk", kv, "-ctv", kv]
     done = subprocess.run([str(c) for c in cmd], capture_output=True, text=True)
-    said = done.stdout + done.stderr
-    found = re.search(r"Final estimate: PPL = ([0-9.]+)", said)
-    if done.returncode != 0 or not found:
-        tail = " | ".join(said.strip().splitlines()[-4:])
+    running = re.findall(r"\[(\d+)\]([0-9.]+|nan|inf),", done.stdout)
+    if done.returncode != 0 or not running:
+        tail = " | ".join((done.stdout + done.stderr).strip().splitlines()[-4:])
         raise MiniStreamError(f"llama-perplexity on {gguf} failed (exit {done.returncode}): {tail[-800:]}")
-    return float(found.group(1))
+    return float(running[-1][1])
