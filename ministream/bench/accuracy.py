@@ -25,6 +25,7 @@ from pathlib import Path
 from .. import MiniStreamError
 from ..atomic import check_output, write_json
 from ..checkpoint.perplexity import Chunks, chunks, folder_perplexity
+from ..run.server import free_port
 from ..run.verify import builtin_prompts, compare, make_golden, rule_passes
 from . import llamacpp
 from .machine import machine, machine_line
@@ -223,7 +224,7 @@ def _llamacpp(folder: Path, work: Path, dtype: str, gguf_type: str | None, golde
     kv = KV_CACHE[dtype]
     server = llamacpp.server(
         gguf,
-        _free_port(),
+        free_port(),
         threads=2,
         ctx_per_slot=ctx,
         log_file=work / "server.log",
@@ -235,11 +236,3 @@ def _llamacpp(folder: Path, work: Path, dtype: str, gguf_type: str | None, golde
             outputs.append(llamacpp.greedy_with_logprobs(url, ids, golden["max_tokens"], golden["top_k"]))
     ppl = llamacpp.perplexity(home, gguf, Path(c.text), len(c.ids[0]), kv=kv)
     return outputs, ppl
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

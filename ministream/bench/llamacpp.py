@@ -191,9 +191,9 @@ def _post(url: str, body: dict, timeout: float = 600) -> dict:
         return json.load(r)
 
 
-def complete(url: str, ids: list[int], max_tokens: int) -> dict:
+def complete(url: str, ids: list[int], max_tokens: int, **extra) -> dict:
     """llama-server's whole answer (its "tokens" and "timings") for `max_tokens` greedy tokens after the
-    prompt `ids` (given as ids, EOS ignored, its prompt cache not used)."""
+    prompt `ids` (given as ids, EOS ignored, its prompt cache not used); extra: more of /completion's fields."""
     body = {
         "prompt": ids,
         "n_predict": max_tokens,
@@ -202,6 +202,7 @@ def complete(url: str, ids: list[int], max_tokens: int) -> dict:
         "ignore_eos": True,
         "cache_prompt": False,
         "return_tokens": True,
+        **extra,
     }
     return _post(f"{url}/completion", body)
 
@@ -231,17 +232,7 @@ def gguf_of(folder: str | Path, dtype: str) -> Path:
 def greedy_with_logprobs(url: str, ids: list[int], max_tokens: int, top_k: int) -> dict:
     """verify's shape of an answer: {"ids": greedy ids, "logprobs": per new token {id: logprob} of the top_k},
     the log-probabilities llama.cpp's sampler saw before sampling (post_sampling_probs false)."""
-    body = {
-        "prompt": ids,
-        "n_predict": max_tokens,
-        "temperature": 0,
-        "top_k": 1,
-        "ignore_eos": True,
-        "cache_prompt": False,
-        "n_probs": top_k,
-        "post_sampling_probs": False,
-    }
-    answer = _post(f"{url}/completion", body)
+    answer = complete(url, ids, max_tokens, n_probs=top_k, post_sampling_probs=False)
     steps = answer.get("completion_probabilities") or []
     got: dict[str, list] = {
         "ids": [int(s["id"]) for s in steps],
