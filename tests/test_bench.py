@@ -3,6 +3,8 @@ the one end-to-end run uses the tiny model and the reference system only (no vLL
 
 import json
 import os
+import shutil
+from pathlib import Path
 
 import pytest
 from hypothesis import given, strategies as st
@@ -40,6 +42,58 @@ def test_measure_times_each_batch_with_fresh_prompts_and_a_one_token_run():
     assert all(r["tokens_per_s"] > 0 and r["ttft_s"] >= 0 for r in rows)
     # warm-up, then per batch: a 1-token run (time to first token) and `repeats` full runs
     assert calls == [(2, 4), (1, 1), (1, 5), (1, 5), (4, 1), (4, 5), (4, 5)]
+
+
+def test_a_cell_is_the_median_repeat_and_the_range_of_all(monkeypatch):
+    """Repeats of 1 s, 4 s and 2 s: the median run's rate and the slowest and fastest runs' rates."""
+    from ministream.bench import workers
+
+    clock, durations = [0.0], iter([0.5, 0.5, 1.0, 4.0, 2.0])  # warm-up, time to first token, the three repeats
+
+    def generate(ids, n):
+        clock[0] += next(durations)
+        return [{"ids": [7] * n} for _ in ids]
+
+    monkeypatch.setattr(workers.time, "perf_counter", lambda: clock[0])
+    (row,) = measure(generate, {**SPEC, "batches": [2], "repeats": 3})
+    assert row["seconds"] == [1.0, 4.0, 2.0] and row["ttft_s"] == 0.5
+    assert row["tokens_per_s"] == pytest.approx(10 / 2.0)
+    assert row["tokens_per_s_range"] == pytest.approx([10 / 4.0, 10 / 1.0])
+
+
+@pytest.mark.parametrize(
+    "a, b, apart",
+    [
+        ([90, 110], [120, 130], True),
+        ([120, 130], [90, 110], True),
+        ([90, 121], [120, 130], False),
+        (None, [1, 2], None),
+    ],
+)
+def test_two_cells_are_told_apart_only_where_their_ranges_do_not_overlap(a, b, apart):
+    from ministream.bench.summary import beyond_spread
+
+    cell = lambda r: {"tokens_per_s_range": r}  # noqa: E731
+    assert beyond_spread(cell(a), cell(b)) is apart
+
+
+def test_a_ratio_is_marked_in_the_table_only_where_the_run_tells_its_systems_apart():
+    result = synthetic_result(0.5)  # ministream 0.5x llama.cpp's 200: apart, unless the ranges say otherwise
+    for run in result["runs"]:
+        for row in run.get("rows", []):
+            row["tokens_per_s_range"] = [0.9 * row["tokens_per_s"], 1.1 * row["tokens_per_s"]]
+    llama = next(r for r in result["runs"] if r["system"] == "llama")
+    result["summary"] = summarize(result)
+    row = result["summary"]["rows"][0]
+    assert row["beyond_spread"]["vllm_over_llamacpp"] is True  # 50 [45-55] against 200 [180-220]
+    assert row["beyond_spread"]["ministream_over_llama"] is True  # 50 against 100
+    llama["rows"][0]["tokens_per_s_range"] = [40, 120]
+    result["summary"] = summarize(result)
+    row = result["summary"]["rows"][0]
+    assert row["beyond_spread"]["ministream_over_llama"] is False
+    text = table({**result, "settings": {**result["settings"], "repeats": 3}})
+    assert "0.25*" in text and "0.500 " in text  # llama.cpp's ratio marked, the overlapping one not
+    assert "reference bfloat16 batch 1: ministream 50 [45-55]" in text
 
 
 def test_measure_serial_times_a_few_requests_once_and_reuses_them_for_every_batch():
@@ -291,6 +345,29 @@ def test_the_chart_draws_each_systems_measured_tokens_per_s_by_batch_one_panel_p
     pixels = {rgb for _, rgb in image.getcolors(image.width * image.height)}
     for line in panels[0].get_lines():
         assert tuple(round(255 * c) for c in to_rgb(line.get_color())) in pixels, line.get_label()
+
+
+def test_a_quantized_width_runs_vllm_on_the_quantize_folder_against_llama_cpp_and_nothing_else(tiny_hf, tmp_path):
+    from ministream.bench.bench import jobs
+
+    folder = tmp_path / "hf"
+    shutil.copytree(tiny_hf, folder)
+    model = {"hf": str(folder), "llama": str(tmp_path / "llama")}
+    every = list(SYSTEMS)
+    got = {name: spec for name, spec, _ in jobs(model, "w8a8", True, every, 1, reverse=False)}
+    assert set(got) == {"ministream", "llamacpp"}
+    quantized = Path(got["ministream"]["model_dir"])
+    config = json.loads((quantized / "config.json").read_text())
+    assert quantized.parent == folder.parent and config["quantization_config"]["format"] == "int-quantized"
+    assert got["llamacpp"]["model_dir"] == str(folder)  # llama.cpp quantizes the float folder with its own tool
+    full = {name for name, _, _ in jobs(model, "bfloat16", False, every, 1, reverse=False)}
+    assert {"ministream", "llama", "llamacpp", "reference"} <= full
+
+
+def test_an_unknown_width_is_refused_by_name_before_anything_runs(cli, tmp_path):
+    r = cli("bench", "--configs", "reference:int3", "--out", tmp_path / "b")
+    assert r.returncode == 2 and "unknown width 'int3'" in r.stderr and "w8a8" in r.stderr
+    assert not (tmp_path / "b").exists()
 
 
 def test_llama_twin_shares_the_safetensors_and_differs_only_in_config(tiny, tmp_path):

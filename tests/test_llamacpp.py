@@ -67,6 +67,32 @@ def test_every_width_on_both_engines_passes_its_rule_and_f32_scores_the_referenc
     assert (tmp_path / "acc" / "accuracy.md").read_text().count("PASS") == len(SYSTEMS)
 
 
+def test_bench_runs_each_quantized_width_on_both_engines_with_a_median_and_a_range(home, cli, tmp_path):
+    """`make bench` at the quantized widths: vLLM on the quantize folder and llama.cpp on its own quantized file,
+    each cell a median of 3 repeats within its range, the bytes each engine read recorded."""
+    out = tmp_path / "bench"
+    r = cli(
+        *("bench", "--quick", "--configs", "tiny:w8a8,tiny:w4a16", "--systems", "ministream,llamacpp"),
+        *("--batches", "1,4", "--repeats", "3", "--no-tooling", "--out", out),
+        timeout=1800,
+    )
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    result = json.loads((out / "bench.json").read_text())
+    runs = {(run["dtype"], run["system"]): run for run in result["runs"]}
+    assert set(runs) == {(w, s) for w in ("w8a8", "w4a16") for s in ("ministream", "llamacpp")}
+    assert runs["w8a8", "llamacpp"]["gguf"].endswith("-q8_0.gguf") and runs["w4a16", "llamacpp"]["gguf"].endswith(
+        "-q4_0.gguf"
+    )
+    for run in result["runs"]:
+        for row in run["rows"]:
+            lo, hi = row["tokens_per_s_range"]
+            assert len(row["seconds"]) == 3 and lo <= row["tokens_per_s"] <= hi
+    # 4-bit files are smaller than 8-bit ones on both engines (scales and the float embedding beside them)
+    assert runs["w4a16", "ministream"]["weights_file_bytes"] < runs["w8a8", "ministream"]["weights_file_bytes"]
+    assert runs["w4a16", "llamacpp"]["weights_file_bytes"] < runs["w8a8", "llamacpp"]["weights_file_bytes"]
+    assert "tiny w8a8 batch 4: ministream" in r.stdout
+
+
 def test_llama_3s_split_is_exported_as_llama_bpe_and_tokenizes_alike(home, cli, tiny_hf, tmp_path):
     """A tokenizer trained with LLaMA 3's pre-tokenizer (a regex split, then bytes, merges ignored where a word
     is whole in the vocabulary): llama.cpp's llama-bpe gives its ids."""

@@ -9,10 +9,10 @@ llama-perplexity's method). Against the reference model in float32 on the same f
 - top-k rule: prompts whose first difference lies within each other's top-k (vLLM's check_logprobs_close);
 - perplexity on the held-out text, and its change against the reference model's.
 
-Systems: vLLM in float32 and bfloat16 and on `ministream quantize` folders (w8a8 in float32, w4a16 in
-bfloat16: vLLM 0.32's CPU int4 kernels need it), llama.cpp on `ministream gguf` files (f32, bf16, q8_0,
-q4_0). Each vLLM system runs in a process of its own (one engine each); llama.cpp is llama-server for the
-prompts and llama-perplexity for the text. Results: accuracy.json and accuracy.md in --out, with the
+Systems: each width (widths.py) on each engine: vLLM on the folder in float32 and bfloat16 and on
+`ministream quantize` folders (w8a8, w4a16), llama.cpp on `ministream gguf` files (f32, bf16, q8_0, q4_0).
+Each vLLM system runs in a process of its own (one engine each); llama.cpp is llama-server for the prompts
+and llama-perplexity for the text. Results: accuracy.json and accuracy.md in --out, with the
 machine and the command.
 """
 
@@ -29,20 +29,19 @@ from ..run.server import free_port
 from ..run.verify import builtin_prompts, compare, make_golden, rule_passes
 from . import llamacpp
 from .machine import machine, machine_line
+from .widths import WIDTHS, Width
 
-# name -> (engine, dtype the engine runs in, what it runs: a quantize scheme or a GGUF type; None: the folder)
+# name -> (engine, width: widths.py says what each engine runs for it)
 SYSTEMS = {
-    "vllm float32": ("vllm", "float32", None),
-    "vllm bfloat16": ("vllm", "bfloat16", None),
-    "vllm w8a8": ("vllm", "float32", "w8a8"),
-    "vllm w4a16": ("vllm", "bfloat16", "w4a16"),
-    "llama.cpp f32": ("llama.cpp", "float32", "f32"),
-    "llama.cpp bf16": ("llama.cpp", "bfloat16", "bf16"),
-    "llama.cpp q8_0": ("llama.cpp", "float32", "q8_0"),
-    "llama.cpp q4_0": ("llama.cpp", "float32", "q4_0"),
+    "vllm float32": ("vllm", "float32"),
+    "vllm bfloat16": ("vllm", "bfloat16"),
+    "vllm w8a8": ("vllm", "w8a8"),
+    "vllm w4a16": ("vllm", "w4a16"),
+    "llama.cpp f32": ("llama.cpp", "float32"),
+    "llama.cpp bf16": ("llama.cpp", "bfloat16"),
+    "llama.cpp q8_0": ("llama.cpp", "w8a8"),
+    "llama.cpp q4_0": ("llama.cpp", "w4a16"),
 }
-# the width each system is held to (verify.RULES)
-WIDTH = {"f32": "float32", "bf16": "bfloat16", "q8_0": "w8a8", "q4_0": "w4a16"}
 MAX_TOKENS, TOP_K = 32, 5
 # llama.cpp's KV cache in the dtype vLLM keeps it in for the same system (llama.cpp's default is f16), so that the
 # rows of one width differ by their engines' arithmetic and weights, not by a cache rounded by one of them only
@@ -50,8 +49,8 @@ KV_CACHE = {"float32": "f32", "bfloat16": "bf16"}
 
 
 def width(name: str) -> str:
-    _, dtype, what = SYSTEMS[name]
-    return WIDTH.get(what, what) if what else dtype  # type: ignore[arg-type]
+    """The width a system is held to (verify.RULES)."""
+    return SYSTEMS[name][1]
 
 
 def bench_accuracy(
@@ -93,8 +92,8 @@ def run_accuracy(folder: Path, out: Path, systems: list[str], text: Path | None 
     rows = [{"system": "reference float32", "width": "float32", "perplexity": ref_ppl}]
     with tempfile.TemporaryDirectory(dir=out, prefix=".work-") as work:
         for name in systems:
-            engine, dtype, what = SYSTEMS[name]
-            got, ppl = (_vllm if engine == "vllm" else _llamacpp)(folder, Path(work), dtype, what, golden, c)
+            engine, w = SYSTEMS[name]
+            got, ppl = (_vllm if engine == "vllm" else _llamacpp)(folder, Path(work), WIDTHS[w], golden, c)
             row = _row(name, golden, got, ppl, ref_ppl)
             log(_line(row))
             rows.append(row)
@@ -170,13 +169,13 @@ def table(result: dict) -> str:
 # --- vLLM: one process per system ------------------------------------------------------------------------
 
 
-def _vllm(folder: Path, work: Path, dtype: str, scheme: str | None, golden: dict, c: Chunks):
-    model = folder
-    if scheme:
+def _vllm(folder: Path, work: Path, w: Width, golden: dict, c: Chunks):
+    model, dtype = folder, w.dtype
+    if w.scheme:  # quantize's record measured on the same text as the rows
         from ..checkpoint.quantize import quantize
 
-        model = work / f"{folder.name}-{scheme}"
-        quantize(folder, model, scheme, force=True, log=lambda *a: None, text=Path(c.text))
+        model = work / f"{folder.name}-{w.scheme}"
+        quantize(folder, model, w.scheme, force=True, log=lambda *a: None, text=Path(c.text))
     job = work / "job.json"
     write_json(job, {"model": str(model), "dtype": dtype, "golden": golden, "chunks": c.ids, "first": c.first})
     done = subprocess.run(
@@ -212,13 +211,12 @@ def _vllm_child(job_path: str) -> None:
 # --- llama.cpp -----------------------------------------------------------------------------------------
 
 
-def _llamacpp(folder: Path, work: Path, dtype: str, gguf_type: str | None, golden: dict, c: Chunks):
+def _llamacpp(folder: Path, work: Path, w: Width, golden: dict, c: Chunks):
     from ..checkpoint.gguf import export
 
-    assert gguf_type, "every llama.cpp system names its GGUF type"
-    home = llamacpp.build()
-    gguf = work / f"{folder.name}-{gguf_type}.gguf"
-    export(folder, gguf, gguf_type, force=True)
+    home, dtype = llamacpp.build(), w.dtype
+    gguf = work / f"{folder.name}-{w.gguf}.gguf"
+    export(folder, gguf, w.gguf, force=True)
     ctx = max(max(map(len, golden["prompt_ids"])) + golden["max_tokens"], len(c.ids[0]))
     outputs = []
     kv = KV_CACHE[dtype]

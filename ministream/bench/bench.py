@@ -1,7 +1,8 @@
 """bench: what the patched vLLM buys a MiniStream user, measured side by side in one run.
 
-On the reference shape (and its GQA variant), in bfloat16 and float32, offline batches of prompts x
-new tokens (EOS ignored), each system gets output tokens/s, time to first token and peak memory:
+On the reference shape (and its GQA variant), in bfloat16 and float32 (and, asked for, the quantized widths
+w8a8 and w4a16: widths.py), offline batches of prompts x new tokens (EOS ignored), each system gets output
+tokens/s (the median of the repeats, and their range), time to first token and peak memory:
 
   1. MiniStream on the patched vLLM vs the same safetensors under LlamaForCausalLM names, same vLLM
      (both on the engine default, engine.py), and MiniStream forced compiled and forced eager
@@ -13,7 +14,8 @@ new tokens (EOS ignored), each system gets output tokens/s, time to first token 
      of rounds of read-only passes, at the engine's thread count; a copy's too, which reads and writes)
   6. llama.cpp, the peer a CPU user picks first: llama-server (as many slots as the largest batch,
      continuous batching) on `ministream gguf` files of the same weights and dtype, the same prompts and
-     rules; and llama-bench's own prompt-processing and decode figures at batch 1
+     rules; and llama-bench's own prompt-processing and decode figures at batch 1. At a quantized width, the
+     two engines only: vLLM on the `ministream quantize` folder against llama.cpp on its own quantized GGUF
 
 Every engine runs in its own process (workers.py), one per (model, dtype, binding), reused for every batch
 size; peak memory is that process tree's, sampled (memory.py). The machine is noisy: read ratios, not
@@ -38,6 +40,7 @@ from ..paths import BUILD
 from ..run import engine
 from ..run.folder import open_folder
 from ..run.server import free_port
+from . import widths
 from .benchreport import report
 from .memory import timed_command
 from .reporting import new_result, read_result
@@ -48,13 +51,13 @@ DEFAULT_OUT = BUILD / "bench"
 VLLM_VERSION = "0.32.0"
 SCHEMA = 1
 
-# (model preset, dtype) pairs; the GQA variant in bf16 only, to keep the full run near 20 minutes on 2 cores
+# (model preset, width) pairs; the GQA variant in bf16 only, to keep the full run near 40 minutes on 2 cores
 FULL = dict(
     configs=["reference:bfloat16", "reference:float32", "reference-gqa:bfloat16"],
     batches=[1, 8, 64],
     new_tokens=128,
     prompt_len=32,
-    repeats=2,
+    repeats=5,  # a median and a range: enough to tell systems apart on a noisy machine, or to say they are not
     serial_requests=4,
     bind_configs=["reference:bfloat16"],
     copy_mib=1024,
@@ -177,7 +180,9 @@ def run_bench(
     systems = systems or list(SYSTEMS)
     pairs = [tuple(c.split(":", 1)) for c in configs]
     if any(len(p) != 2 for p in pairs):
-        raise MiniStreamError(f"--configs takes model:dtype pairs, e.g. reference:bfloat16; got {','.join(configs)}")
+        raise MiniStreamError(f"--configs takes model:width pairs, e.g. reference:bfloat16; got {','.join(configs)}")
+    for _, name in pairs:
+        widths.width(name)  # an unknown width refused before anything runs
     # one KV cache size for every vLLM system, chosen once (a later choice would see other free memory):
     # the one `ministream serve` would take now, unless --kv-cache-gib says
     kv_cache_gib = kv_cache_gib or engine.kv_cache_gib()
@@ -206,9 +211,9 @@ def run_bench(
     )
     for i, (preset, dtype) in enumerate(pairs):
         m = result["models"][preset]
-        base = {**common, "vocab": m["vocab"], "dtype": dtype}
+        base = {**common, "vocab": m["vocab"], "dtype": widths.WIDTHS[dtype].dtype, "width": dtype}
         for system, spec, env in jobs(
-            m, f"{preset}:{dtype}" in bind_configs, systems, kv_cache_gib, reverse=bool(i % 2)
+            m, dtype, f"{preset}:{dtype}" in bind_configs, systems, kv_cache_gib, reverse=bool(i % 2)
         ):
             r = run_worker(f"{preset}-{dtype}-{system}", {**base, **spec}, out, env)
             result["runs"].append({"model": preset, "dtype": dtype, "system": system, **r})
@@ -231,9 +236,15 @@ def prepare(result: dict, presets: list[str], out: Path, copy_mib: int, tooling_
         result["tooling"] = tooling(result["models"][presets[0]], out)
 
 
-def jobs(model: dict, with_vllm_bind: bool, systems: list[str], kv_cache_gib: int, reverse: bool):
-    """(system, worker spec, environment) for one (model, dtype), the systems not asked for left out."""
+def jobs(model: dict, width: str, with_vllm_bind: bool, systems: list[str], kv_cache_gib: int, reverse: bool):
+    """(system, worker spec, environment) for one (model, width), the systems not asked for left out."""
     kv = {engine.KV_CACHE: str(kv_cache_gib)}
+    if widths.WIDTHS[width].scheme:  # quantized: vLLM on the quantize folder against llama.cpp's own quantized file
+        if "ministream" in systems:
+            yield "ministream", {"kind": "vllm", "model_dir": str(widths.vllm_folder(model["hf"], width))}, kv
+        if "llamacpp" in systems:
+            yield "llamacpp", {"kind": "llamacpp", "model_dir": model["hf"], "port": free_port()}, {}
+        return
     vllm = [
         ("ministream", {"kind": "vllm", "model_dir": model["hf"]}, kv),
         ("llama", {"kind": "vllm", "model_dir": model["llama"]}, kv),

@@ -13,6 +13,31 @@ def _f(x, fmt="{:.0f}"):
     return "-" if x is None else fmt.format(x)
 
 
+def _r(row: dict, key: str, fmt: str) -> str:
+    """A ratio, marked * where its two cells' ranges do not overlap (summary.beyond_spread)."""
+    mark = "*" if row.get("beyond_spread", {}).get(key) else ""
+    return _f(row.get(key), fmt) + mark
+
+
+def spread_lines(result: dict) -> list[str]:
+    """Each cell's median and range of tokens/s over the repeats."""
+    repeats = result["settings"].get("repeats", "?")
+    lines = [
+        f"tokens/s per cell: the median [the range] of {repeats} repeats; a ratio marked * has cells whose "
+        "ranges do not overlap (where unmarked, this run cannot tell the two apart)"
+    ]
+    for r in result["summary"]["rows"]:
+        cells = [
+            f"{name} {r['tokens_per_s'][name]:.0f} [{lo:.0f}-{hi:.0f}]"
+            for name, spread in r.get("tokens_per_s_range", {}).items()
+            if spread and r["tokens_per_s"].get(name)
+            for lo, hi in [spread]
+        ]
+        if cells:
+            lines.append(f"  {r['model']} {r['dtype']} batch {r['batch']}: " + ", ".join(cells))
+    return lines
+
+
 def table(result: dict) -> str:
     sm = result["summary"]
     lines = [
@@ -29,17 +54,17 @@ def table(result: dict) -> str:
         t, ttft = r["tokens_per_s"], r["ttft_s"]
         lines.append(
             f"{r['model']:<14}{r['dtype']:<9}{r['batch']:>5} {_f(t['ministream']):>8} {_f(t['llama']):>10} "
-            f"{_f(r['ministream_over_llama'], '{:.3f}'):>8} {_f(t['ministream_compiled']):>8} "
+            f"{_r(r, 'ministream_over_llama', '{:.3f}'):>8} {_f(t['ministream_compiled']):>8} "
             f"{_f(t['ministream_eager']):>8} "
             f"{_f(r['compiled_over_eager'], '{:.2f}'):>10} {_f(t['ministream_vllm_bind']):>9} "
-            f"{_f(r['ours_over_vllm_bind'], '{:.2f}'):>9} {_f(t['reference_batched']):>9} "
+            f"{_r(r, 'ours_over_vllm_bind', '{:.2f}'):>9} {_f(t['reference_batched']):>9} "
             f"{_f(r['vllm_over_reference_batched'], '{:.1f}'):>6} {_f(t['reference_serial']):>10} "
             f"{_f(r['vllm_over_reference_serial'], '{:.1f}'):>6} "
             f"{_f(ttft['ministream'] and ttft['ministream'] * 1e3, '{:.0f}ms'):>8} "
             f"{_f(ttft['reference_batched'] and ttft['reference_batched'] * 1e3, '{:.0f}ms'):>8} "
-            f"{_f(t['llamacpp']):>9} {_f(r.get('vllm_over_llamacpp'), '{:.2f}'):>8} "
+            f"{_f(t['llamacpp']):>9} {_r(r, 'vllm_over_llamacpp', '{:.2f}'):>8} "
             f"{_f(ttft['llamacpp'] and ttft['llamacpp'] * 1e3, '{:.0f}ms'):>10} "
-            f"{_f(t['ministream_no_zentorch']):>11} {_f(r.get('zentorch_over_plain'), '{:.2f}'):>9}"
+            f"{_f(t['ministream_no_zentorch']):>11} {_r(r, 'zentorch_over_plain', '{:.2f}'):>9}"
         )
     lines.append(
         "geometric means: MS/LLaMA {}, compiled/eager {}, ours/vLLM bind {}, vLLM/ref batched {}, "
@@ -53,6 +78,7 @@ def table(result: dict) -> str:
             _f(sm.get("geomean_zentorch_over_plain"), "{:.2f}"),
         )
     )
+    lines += spread_lines(result)
     lines.append("peak memory (PSS of the process tree) / start:")
     for name, m in sm["memory"].items():
         lines.append(

@@ -41,7 +41,7 @@ from ..run import engine
 from ..run.prompts import PREFIX_TOKENS, PROMPT_TOKENS, build_prompts, dataset_stats, write_jsonl
 from ..run.serve import served_name
 from ..run.server import HOST, START_TIMEOUT, ServerFailed, call, free_port, greedy, running, wait_ready
-from . import bench
+from . import bench, widths
 from .benchclient import check_client, client_args, run_client
 from .reporting import new_result, read_result
 from .servereport import KEEP_UP, judge, next_rate, report, run_line, summarize
@@ -56,6 +56,8 @@ SYSTEMS = {
     "reference": "reference model, one request at a time",
     "llamacpp": "llama.cpp's llama-server, GGUF of the same weights",
 }
+# at a quantized width (widths.py): vLLM on the `ministream quantize` folder, llama.cpp on its own quantized GGUF
+QUANTIZED_SYSTEMS = ("ministream", "llamacpp")
 # llama-server's parallel slots: requests it decodes together (continuous batching); each holds the model's
 # whole context, so 16 of the reference shape's 2048 tokens are 16 x 2048 tokens of KV cache
 LLAMACPP_SLOTS = 16
@@ -130,16 +132,17 @@ def server_command(system: str, model: dict, dtype: str, port: int) -> tuple[lis
         )
     if system == "llamacpp":
         return _llamacpp_command(model, dtype, port)
-    folder = model["hf" if system == "ministream" else "llama"]
+    folder = widths.vllm_folder(model["hf"], dtype) if system == "ministream" else Path(model["llama"])
     name = served_name(folder)
-    return engine.server_command(Path(folder), HOST, port, name, engine.EngineSettings(dtype=dtype)), name, folder
+    settings = engine.EngineSettings(dtype=widths.width(dtype).dtype)
+    return engine.server_command(folder, HOST, port, name, settings), name, str(folder)
 
 
 def _llamacpp_command(model: dict, dtype: str, port: int) -> tuple[list[str], str, str]:
     from . import llamacpp
 
     folder = model["hf"]
-    gguf = llamacpp.gguf_of(folder, dtype)
+    gguf = widths.gguf_file(folder, dtype)
     name = served_name(folder)
     context = json.loads((Path(folder) / "config.json").read_text())["max_position_embeddings"]
     threads = engine_threads()
@@ -329,6 +332,9 @@ def run_bench_serve(out: Path, systems: list[str], note: str = "", **settings) -
         f"{len(built['prefix_tokens'])} shared passages",
         flush=True,
     )
+    if widths.width(s["dtype"]).scheme:  # a quantized width: the two engines that run one
+        systems = [x for x in systems if x in QUANTIZED_SYSTEMS]
+        result["settings"]["systems"] = systems
     for system in systems:
         run_system(system, result, out, files, sets, env, make_set)
         save(result, out, partial=True)

@@ -28,7 +28,7 @@ from typing import Any
 from ..atomic import write_json
 from ..run import engine
 from ..run.server import free_port
-from . import bench
+from . import bench, widths
 from .machine import machine, machine_line, read_bandwidth
 from .workers import engine_threads, prompts
 
@@ -150,7 +150,7 @@ def _llamacpp(model: dict, dtype: str, threads: int, out: Path) -> dict:
     from . import llamacpp
 
     home = llamacpp.build()
-    gguf = llamacpp.gguf_of(model["hf"], dtype)
+    gguf = widths.gguf_file(model["hf"], dtype)
     run = subprocess.run(
         [str(home / "bin" / "llama-bench"), "-m", str(gguf), "-t", str(threads), "-p", "0", "-n", str(NEW)]
         + ["-r", str(REPEATS), "-o", "json"],
@@ -185,15 +185,15 @@ def bench_step(out: Path, presets: list[str], dtypes: list[str], variants: list[
     kv = {engine.KV_CACHE: os.environ.get(engine.KV_CACHE, "2"), "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
     for preset in presets:
         model = bench.prepare_model(preset, out / "models")
-        for dtype in dtypes:
-            weights = model["parameters"] * (2 if dtype == "bfloat16" else 4)
+        for dtype in dtypes:  # a width (widths.py): at a quantized one, no LLaMA twin
+            w = widths.width(dtype)
+            weights = model["parameters"] * w.bytes_per_weight
             read_ms = weights / (result["read_bandwidth"]["gb_per_s"] * 1e9) * 1e3
-            systems = [(f"ministream {v}", model["hf"], v) for v in variants] + [
-                ("llama default", model["llama"], "default")
-            ]
+            systems = [(f"ministream {v}", str(widths.vllm_folder(model["hf"], dtype)), v) for v in variants]
+            systems += [] if w.scheme else [("llama default", model["llama"], "default")]
             for name, folder, variant in systems:
                 what, env, overrides = VARIANTS[variant]
-                spec = {"model_dir": folder, "dtype": dtype, "vocab": model["vocab"], "overrides": overrides}
+                spec = {"model_dir": folder, "dtype": w.dtype, "vocab": model["vocab"], "overrides": overrides}
                 print(f"bench-step: {preset} {dtype} {name} ({what}) ...", flush=True)
                 got = _run(spec, {**kv, **env}, out / f"{preset}-{dtype}-{name.replace(' ', '-')}")
                 result["rows"].append(

@@ -217,18 +217,6 @@ def tokenize(url: str, text: str) -> list[int]:
     return _post(f"{url}/tokenize", {"content": text, "add_special": False})["tokens"]
 
 
-GGUF_DTYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
-
-
-def gguf_of(folder: str | Path, dtype: str) -> Path:
-    """llama.cpp's file of a converted folder in `dtype`, beside it, exported anew (of the folder as now)."""
-    from ..checkpoint.gguf import export
-
-    gguf = Path(folder).parent / f"{Path(folder).name}-{GGUF_DTYPES[dtype]}.gguf"
-    export(folder, gguf, GGUF_DTYPES[dtype], force=True)
-    return gguf
-
-
 def greedy_with_logprobs(url: str, ids: list[int], max_tokens: int, top_k: int) -> dict:
     """verify's shape of an answer: {"ids": greedy ids, "logprobs": per new token {id: logprob} of the top_k},
     the log-probabilities llama.cpp's sampler saw before sampling (post_sampling_probs false)."""

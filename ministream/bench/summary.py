@@ -34,6 +34,7 @@ def series(result: dict) -> dict:
             for row in rows:
                 row = {
                     **row,
+                    "weights_file_bytes": run.get("weights_file_bytes"),
                     "peak_pss_mib": run["peak_pss_mib"],
                     "peak_rss_mib": run["peak_rss_mib"],
                     "enforce_eager": run.get("enforce_eager"),
@@ -52,39 +53,53 @@ def geomean(xs):
     return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else None
 
 
+# ratio -> (numerator system, denominator system); compiled/eager has its own pair (_compiled_and_eager)
+RATIOS = {
+    "ministream_over_llama": ("ministream", "llama"),
+    "compiled_over_eager": None,
+    "ours_over_vllm_bind": ("ministream", "ministream_vllm_bind"),
+    "vllm_over_reference_batched": ("ministream", "reference_batched"),
+    "vllm_over_reference_serial": ("ministream", "reference_serial"),
+    "vllm_over_llamacpp": ("ministream", "llamacpp"),
+    "zentorch_over_plain": ("ministream", "ministream_no_zentorch"),
+}
+
+
+def beyond_spread(a: dict | None, b: dict | None) -> bool | None:
+    """Whether two cells' ranges of tokens/s do not overlap: then the faster is faster on this machine, this
+    run; where they overlap, the run cannot tell them apart. None where a cell or its range is missing."""
+    ra, rb = (a or {}).get("tokens_per_s_range"), (b or {}).get("tokens_per_s_range")
+    if not ra or not rb:
+        return None
+    return ra[0] > rb[1] or rb[0] > ra[1]
+
+
 def summarize(result: dict) -> dict:
-    """The ratios the issue asks for, per (model, dtype, batch), their geometric means, and the ceiling."""
+    """The ratios the issue asks for, per (model, dtype, batch), each with whether the two cells' ranges are
+    apart (beyond_spread), their geometric means, and the ceiling."""
     rows, s = [], series(result)
     for (model, dtype), systems in s.items():
         for batch in result["settings"]["batches"]:
-            tps = {name: systems.get(name, {}).get(batch, {}).get("tokens_per_s") for name in SYSTEMS}
-            ttft = {name: systems.get(name, {}).get(batch, {}).get("ttft_s") for name in SYSTEMS}
-            rows.append(
-                {
-                    "model": model,
-                    "dtype": dtype,
-                    "batch": batch,
-                    "tokens_per_s": tps,
-                    "ttft_s": ttft,
-                    "ministream_over_llama": _ratio(tps["ministream"], tps["llama"]),
-                    "compiled_over_eager": _ratio(*_compiled_and_eager(systems, batch)),
-                    "ours_over_vllm_bind": _ratio(tps["ministream"], tps["ministream_vllm_bind"]),
-                    "vllm_over_reference_batched": _ratio(tps["ministream"], tps["reference_batched"]),
-                    "vllm_over_reference_serial": _ratio(tps["ministream"], tps["reference_serial"]),
-                    "vllm_over_llamacpp": _ratio(tps["ministream"], tps["llamacpp"]),
-                    "zentorch_over_plain": _ratio(tps["ministream"], tps["ministream_no_zentorch"]),
-                }
-            )
+            cells = {name: systems.get(name, {}).get(batch) for name in SYSTEMS}
+            tps = {name: (c or {}).get("tokens_per_s") for name, c in cells.items()}
+            row: dict[str, Any] = {
+                "model": model,
+                "dtype": dtype,
+                "batch": batch,
+                "tokens_per_s": tps,
+                "tokens_per_s_range": {name: (c or {}).get("tokens_per_s_range") for name, c in cells.items()},
+                "ttft_s": {name: (c or {}).get("ttft_s") for name, c in cells.items()},
+                "beyond_spread": {},
+            }
+            for key, pair in RATIOS.items():
+                if pair is None:
+                    row[key] = _ratio(*_compiled_and_eager(systems, batch))
+                    continue
+                row[key] = _ratio(tps[pair[0]], tps[pair[1]])
+                row["beyond_spread"][key] = beyond_spread(cells[pair[0]], cells[pair[1]])
+            rows.append(row)
     summary: dict[str, Any] = {"rows": rows}
-    for key in (
-        "ministream_over_llama",
-        "compiled_over_eager",
-        "ours_over_vllm_bind",
-        "vllm_over_reference_batched",
-        "vllm_over_reference_serial",
-        "vllm_over_llamacpp",
-        "zentorch_over_plain",
-    ):
+    for key in RATIOS:
         summary[f"geomean_{key}"] = geomean(r[key] for r in rows)
     memory = {}
     for run in result["runs"]:
@@ -96,10 +111,14 @@ def summarize(result: dict) -> dict:
     read_bw = (result.get("bandwidth", {}).get("read") or {}).get("gb_per_s")
     ceiling = []
     for (model, dtype), systems in s.items():
-        weight_bytes = result["models"][model]["parameters"] * (2 if dtype in ("bfloat16", "float16") else 4)
+        float_bytes = result["models"][model]["parameters"] * (2 if dtype in ("bfloat16", "float16") else 4)
         for name in ("ministream", "ministream_compiled", "ministream_eager", "llama", "llamacpp", "reference_batched"):
             one = systems.get(name, {}).get(1)
-            if one and bw:
+            # a quantized width: the bytes of the file the engine ran (weights, scales, the float embedding)
+            weight_bytes = (
+                float_bytes if dtype in ("bfloat16", "float16", "float32") else one and one.get("weights_file_bytes")
+            )
+            if one and bw and weight_bytes:
                 decode = decode_rate(one)
                 read = decode * weight_bytes / 1e9
                 ceiling.append(

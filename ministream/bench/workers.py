@@ -9,6 +9,7 @@ binding, zentorch hidden); it writes its figures as JSON, and the log beside the
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import time
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ..run import engine
+from . import widths
 from .machine import copy_bandwidth, read_bandwidth
 from .memory import TreeMemory
 
@@ -64,7 +66,9 @@ def measure(generate, spec: dict, serial: bool = False) -> list[dict]:
             "measured_requests": requests,
             "output_tokens": tokens,
             "seconds": seconds,
-            "tokens_per_s": tokens / min(seconds),
+            # the median repeat, and the range of all: a ratio means something where ranges do not overlap
+            "tokens_per_s": tokens / statistics.median(seconds),
+            "tokens_per_s_range": [tokens / max(seconds), tokens / min(seconds)],
             "ttft_s": ttft,
         }
         rows.append(row)
@@ -89,6 +93,7 @@ def _worker(spec: dict) -> dict:
             dtype=spec["dtype"], max_model_len=spec["prompt_len"] + spec["new_tokens"], enforce_eager=eager
         )
         llm = vllm_engine(Path(spec["model_dir"]), settings)
+        result["weights_file_bytes"] = sum(f.stat().st_size for f in Path(spec["model_dir"]).glob("*.safetensors"))
         result["start_s"] = time.perf_counter() - t
         result["env"] = {k: os.environ.get(k) for k in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE")}
         from vllm.platforms import current_platform
@@ -136,7 +141,7 @@ def _llamacpp_worker(spec: dict) -> dict:
     from . import llamacpp
 
     home = llamacpp.build()
-    gguf = llamacpp.gguf_of(spec["model_dir"], spec["dtype"])
+    gguf = widths.gguf_file(spec["model_dir"], spec.get("width", spec["dtype"]))
     threads = engine_threads()
     slots = max(spec["batches"])
     t = time.perf_counter()
@@ -164,6 +169,7 @@ def _llamacpp_worker(spec: dict) -> dict:
         "threads": threads,
         "slots": slots,
         "gguf": str(gguf),
+        "weights_file_bytes": gguf.stat().st_size,
         "build": llamacpp.info(),
         # llama-bench: prompt processing (n_prompt) and decode (n_gen) tokens/s, its mean and spread of 3
         "llama_bench": [

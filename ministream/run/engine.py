@@ -94,7 +94,9 @@ def engine_options() -> dict[str, dict[str, dict]]:
             "server": dict(help="weights/activations dtype (default: vLLM's auto, the folder's torch_dtype)"),
             "judge": dict(choices=list(DTYPES), help="dtype to serve in (default: config.json's)"),
             # what every system of a benchmark runs: the reference server and llama.cpp too
-            "bench": dict(choices=["bfloat16", "float32"], help="default: {dtype}"),
+            # and the quantized widths (bench/widths.py): vLLM on a `ministream quantize` folder, llama.cpp on its
+            # own quantized GGUF, nothing else
+            "bench": dict(choices=["bfloat16", "float32", "w8a8", "w4a16"], help="weight width; default: {dtype}"),
         },
         "tp": {
             "offline": dict(type=int, default=1, help="vLLM tensor_parallel_size"),

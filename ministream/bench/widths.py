@@ -1,0 +1,56 @@
+"""widths: what each engine runs for a weight width, said once for bench, bench-serve and bench-accuracy.
+
+A width is what the weights are stored in. Full precision runs the converted folder itself; a quantized width
+runs vLLM on a `ministream quantize` folder and llama.cpp on a GGUF of llama.cpp's own quantizer, both made
+from the same float32 folder. The dtype is what the engine computes in: vLLM 0.32's CPU int8 kernels take
+float32 activations here, its int4 kernels bfloat16 (docs/quantize.md); llama.cpp dequantizes as it goes.
+"""
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Width:
+    dtype: str  # the engines compute in it (vLLM's --dtype; llama.cpp's KV cache)
+    scheme: str | None  # vLLM runs `ministream quantize --scheme` of the folder; None: the folder itself
+    gguf: str  # llama.cpp runs `ministream gguf --dtype`
+    bytes_per_weight: float  # of the linear layers, for the decode ceiling (scales and embeddings left out)
+
+
+WIDTHS = {
+    "float32": Width("float32", None, "f32", 4),
+    "bfloat16": Width("bfloat16", None, "bf16", 2),
+    "float16": Width("float16", None, "f16", 2),
+    "w8a8": Width("float32", "w8a8", "q8_0", 1),
+    "w4a16": Width("bfloat16", "w4a16", "q4_0", 0.5),
+}
+
+
+def width(name: str) -> Width:
+    from .. import MiniStreamError
+
+    if name not in WIDTHS:
+        raise MiniStreamError(f"unknown width {name!r}: choose one of {', '.join(WIDTHS)}")
+    return WIDTHS[name]
+
+
+def vllm_folder(folder: str | Path, name: str) -> Path:
+    """The folder vLLM runs for the width: the converted folder itself, or FOLDER-SCHEME beside it, quantized
+    anew (of the folder as it is now, as gguf_file exports anew)."""
+    from ..checkpoint.quantize import quantize
+
+    folder, w = Path(folder), width(name)
+    if w.scheme is None:
+        return folder
+    return quantize(folder, folder.parent / f"{folder.name}-{w.scheme}", w.scheme, force=True)
+
+
+def gguf_file(folder: str | Path, name: str) -> Path:
+    """llama.cpp's file of the width, beside the folder, exported anew (of the folder as it is now)."""
+    from ..checkpoint.gguf import export
+
+    folder, w = Path(folder), width(name)
+    gguf = folder.parent / f"{folder.name}-{w.gguf}.gguf"
+    export(folder, gguf, w.gguf, force=True)
+    return gguf
