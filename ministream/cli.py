@@ -654,13 +654,14 @@ def add_bench(sub) -> None:
     p.add_argument(
         "--configs",
         type=listed(str),
-        help="model:dtype pairs, comma-separated; models are "
-        "`ministream checkpoint` presets (default: " + ",".join(default_configs) + ")",
+        help="model:width pairs, comma-separated; models are `ministream checkpoint` presets, widths bfloat16, "
+        "float32 or the quantized w8a8, w4a16 (vLLM on a `ministream quantize` folder against llama.cpp's own "
+        "quantized GGUF; default: " + ",".join(default_configs) + ")",
     )
     p.add_argument("--batches", type=listed(int), help="batch sizes, e.g. 1,8,64")
     p.add_argument("--new-tokens", type=int)
     p.add_argument("--prompt-len", type=int)
-    p.add_argument("--repeats", type=int, help="timed runs per batch size (the fastest counts)")
+    p.add_argument("--repeats", type=int, help="timed runs per batch size (a cell: their median and range)")
     p.add_argument("--serial-requests", type=int, help="requests timed one at a time for the serial reference")
     p.add_argument("--bind-configs", type=listed(str), help="model:dtype pairs that also run vLLM's own binding")
     p.add_argument("--copy-mib", type=int, help="size of the bandwidth copy")
@@ -731,6 +732,28 @@ def add_bench_serve(sub) -> None:
     )
 
 
+def add_ready(sub) -> None:
+    from .run import ready
+
+    p = command(sub, "ready", ready.__doc__, "exit 0 once a server answers with its model (a readiness probe)")
+    p.add_argument("--url", default=None, help="the server (default: http://127.0.0.1:$PORT, PORT default 8000)")
+    p.add_argument("--model", help="the served name to ask for (default: the first /v1/models lists)")
+    p.add_argument("--timeout", type=float, default=5, help="seconds per request (default: %(default)g)")
+    p.set_defaults(func=_ready)
+
+
+def _ready(a: argparse.Namespace) -> int:
+    from .run import ready
+
+    url = a.url or ready.default_url()
+    try:
+        print(f"ready: {url} serves {ready.ready(url, a.model, a.timeout)!r}")
+        return 0
+    except MiniStreamError as e:  # a state, not an input error: 1, as a probe expects
+        print(f"not ready: {e}", file=sys.stderr)
+        return 1
+
+
 def add_doctor(sub) -> None:
     from .run import doctor
     from .run.engine import EngineSettings, add_engine_options
@@ -751,12 +774,18 @@ def add_doctor(sub) -> None:
 
 def add_serve(sub) -> None:
     from .run import serve
-    from .run.engine import EngineSettings, add_engine_options
+    from .run.engine import add_engine_options
 
     p = sub.add_parser(
-        "serve", help="OpenAI-compatible server (vllm serve) on a converted folder", description=serve.__doc__
+        "serve",
+        help="OpenAI-compatible server (vllm serve) on a converted folder",
+        description=serve.__doc__,
+        epilog="Options of `vllm serve` that serve has none of go to vLLM as they are (e.g. --max-num-seqs 64), "
+        "and vLLM's names of serve's own set them (--model DIR, --tensor-parallel-size 2, --served-model-name N): "
+        "a recipe written for vLLM's server runs with serve's defaults.",
+        allow_abbrev=False,  # an option of vLLM's is never taken for a prefix of serve's
     )
-    p.add_argument("model", type=Path, help="converted HF-style folder")
+    p.add_argument("model", type=Path, nargs="?", help="converted HF-style folder (or --model DIR)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only; 0.0.0.0 for all)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--name", help="served model name (default: the folder's name)")
@@ -792,19 +821,25 @@ def add_serve(sub) -> None:
         help="serve the PEFT adapter in DIR (ministream convert-lora) beside the model, as the model NAME "
         "(repeatable): vLLM's LoRA on, its rank and slots fitted to the adapters",
     )
-    p.set_defaults(
-        func=lambda a: serve.serve(
-            a.model,
-            EngineSettings.from_args(a),
-            host=a.host,
-            port=a.port,
-            name=a.name,
-            extra=serve.vllm_args(a.vllm_args),
-            stop_timeout=a.stop_timeout,
-            api_key=a.api_key,
-            cluster=_cluster(a),
-            loras=a.lora,
-        )
+    p.set_defaults(func=_serve)
+
+
+def _serve(a: argparse.Namespace) -> int:
+    from .run import serve
+    from .run.engine import EngineSettings
+
+    extra = [*serve.passed_on(a.vllm_options, a), *serve.vllm_args(a.vllm_args)]  # vLLM's names set a's first
+    return serve.serve(
+        a.model,
+        EngineSettings.from_args(a),
+        host=a.host,
+        port=a.port,
+        name=a.name,
+        extra=extra,
+        stop_timeout=a.stop_timeout,
+        api_key=a.api_key,
+        cluster=_cluster(a),
+        loras=a.lora,
     )
 
 
@@ -975,6 +1010,7 @@ ADDERS = (
     add_verify,
     add_doctor,
     add_serve,
+    add_ready,
     add_serve_bench,
     add_bench,
     add_bench_serve,
@@ -1003,7 +1039,18 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 
 
 def _run(argv) -> int:
-    args = build_parser(argv).parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(argv)
+    if argv and argv[0] == "serve":  # vLLM's own options beside serve's (serve.split_options)
+        from .run.serve import split_options
+
+        serve_parser = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["serve"]
+        takes = {o: a.nargs != 0 for a in serve_parser._actions for o in a.option_strings}
+        ours, theirs = split_options(argv[1:], takes)
+        args = parser.parse_args(["serve", *ours])
+        args.vllm_options = theirs
+    else:
+        args = parser.parse_args(argv)
     try:
         return args.func(args) or 0
     except MiniStreamError as e:

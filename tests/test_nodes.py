@@ -16,13 +16,17 @@ from pathlib import Path
 
 import psutil
 import pytest
+import yaml
 
 from ministream import MiniStreamError
+from ministream.paths import DOCKER
 from ministream.run import nodes
 from ministream.run.generate import DEFAULT_PROMPTS, reference_generate, tokenize
 from ministream.run.server import complete, free_port, log_tail, start, stop, wait_ready
 
 EXE = Path(sys.executable).parent / "ministream"
+LWS = Path(__file__).resolve().parents[1] / "deploy" / "lws.yaml"
+ENTRYPOINT = Path(str(DOCKER)) / "entrypoint.sh"
 MAX_TOKENS = 12
 PROMPTS = DEFAULT_PROMPTS[:4]
 START_TIMEOUT = 600
@@ -86,21 +90,57 @@ def _pgid(pid: int) -> int | None:
         return None
 
 
+def lws_commands(model: Path, http: int, master: int) -> list[tuple[list[str], dict]]:
+    """deploy/lws.yaml's leader and worker, as its pods run them: the image's entry point with the container's
+    args, LWS's variables ($(LWS_...)) expanded as Kubernetes does, the folder at MODEL; (command, env) each."""
+    (manifest,) = [d for d in yaml.safe_load_all(LWS.read_text()) if d and d["kind"] == "LeaderWorkerSet"]
+    template = manifest["spec"]["leaderWorkerTemplate"]
+    out = []
+    for rank, role in enumerate(("leaderTemplate", "workerTemplate")):
+        (container,) = template[role]["spec"]["containers"]
+        lws = {
+            "LWS_GROUP_SIZE": str(template["size"]),
+            "LWS_LEADER_ADDRESS": "127.0.0.1",
+            "LWS_WORKER_INDEX": str(rank),
+        }
+        args = [re.sub(r"\$\((\w+)\)", lambda m, v=lws: v[m.group(1)], a) for a in container["args"]]
+        env = {"MODEL": str(model), "HOST": "127.0.0.1", "PORT": str(http)}
+        env["PATH"] = f"{EXE.parent}{os.pathsep}{os.environ['PATH']}"  # ministream, as in the image
+        out.append((["sh", str(ENTRYPOINT), *args, "--master-port", str(master)], env))
+    return out
+
+
 # make test: the GQA model (its kv heads split over the nodes); test-full: the MHA one too
 @pytest.fixture(scope="module", params=["tiny_gqa_hf", pytest.param("tiny_hf", marks=pytest.mark.full)])
 def cluster(request, tmp_path_factory):
-    """TP=2 over two nodes, fp32 (eager: the route is the subject; test_vllm.py proves the compiled path)."""
+    """TP=2 over two nodes, fp32 (eager: the route is the subject; test_vllm.py proves the compiled path), started
+    by deploy/lws.yaml's own commands (lws_commands)."""
     model = request.getfixturevalue(request.param)
     logs = tmp_path_factory.mktemp("nodes")
-    args = ["--tp", 2, "--dtype", "float32", "--enforce-eager", "--max-model-len", 256, "--node-timeout", 300]
-    n0, n1, url = two_nodes(model, logs, *args)
+    test_args = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "256", "--node-timeout", "300"]
+    master, http = free_port(), free_port()
+    procs = []
+    for rank, (cmd, env) in enumerate(lws_commands(model, http, master)):
+        isolated = nodes.isolated([*cmd, *test_args], str(rank % len(os.sched_getaffinity(0))))
+        full_env = {**os.environ, **env, "VLLM_CPU_KVCACHE_SPACE": "1"}
+        procs.append(start(isolated, logs / f"node{rank}.log", full_env))
+    n0, n1 = procs
+    url = f"http://127.0.0.1:{http}"
+    try:
+        wait_ready(url, n0, logs / "node0.log", START_TIMEOUT)
+    except Exception:
+        for n in (n0, n1):
+            stop(n)
+        raise AssertionError(f"node 1's log:\n{log_tail(logs / 'node1.log')}") from None
     yield {"model": model, "url": url, "nodes": (n0, n1), "logs": logs, "name": model.name}
     stop(n0)
     stop(n1)
 
 
 def test_tp2_over_two_nodes_gives_the_reference_models_token_ids(cluster):
+    """deploy/lws.yaml's leader and worker commands, run as two nodes: the reference model's tokens."""
     assert greedy_ids(cluster["url"], cluster["model"]) == reference_ids(cluster["model"])
+    assert "--tensor-parallel-size 2" in (cluster["logs"] / "node0.log").read_text()  # the manifest's TP reached vLLM
     node1 = (cluster["logs"] / "node1.log").read_text()
     assert "headless multiproc executor" in node1
     assert "node 1 joined from 127.0.0.1" in (cluster["logs"] / "node0.log").read_text()

@@ -10,6 +10,8 @@ import os
 import signal
 import sys
 import time
+import urllib.error
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -40,6 +42,7 @@ from ministream.run.server import (
 
 MAX_TOKENS = 16
 MAX_MODEL_LEN = 256
+MAX_NUM_SEQS = 48
 START_TIMEOUT = 600
 API_KEY = "test-key"  # the module's server asks for it (VLLM_API_KEY)
 HEADERS = {"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"}
@@ -169,8 +172,12 @@ def booting(chat_hf, start_serve, tmp_path_factory):
     """`ministream serve` on the chat model, with an API key."""
     log = tmp_path_factory.mktemp("serve-log") / "server.log"
     # eager here and in `offline`: the server is the subject; test_vllm.py proves the compiled default's tokens
+    # --max-num-seqs is vLLM's own option, given as a recipe for vLLM's server gives it: serve passes it on
     proc, url = start_serve(
-        chat_hf, log, "--dtype", "float32", "--max-model-len", MAX_MODEL_LEN, "--enforce-eager", VLLM_API_KEY=API_KEY
+        chat_hf,
+        log,
+        *("--dtype", "float32", "--max-model-len", MAX_MODEL_LEN, "--enforce-eager", "--max-num-seqs", MAX_NUM_SEQS),
+        VLLM_API_KEY=API_KEY,
     )
     yield proc, url, log
     stop(proc)
@@ -339,10 +346,44 @@ def test_serve_bench_reports_vllms_client_figures_as_json(server, cli):
 
 
 @pytest.mark.vllm
-def test_sigterm_stops_the_server_and_all_its_processes(server):
-    import psutil
+def test_vllms_own_option_given_to_serve_reaches_vllm(server):
+    assert f"'max_num_seqs': {MAX_NUM_SEQS}" in server["log"].read_text()  # vLLM's list of its non-default args
 
-    proc = server["proc"]
+
+@pytest.mark.vllm
+def test_metrics_are_vllms_prometheus_counters_and_count_what_was_served(server):
+    def generated() -> float:
+        with urllib.request.urlopen(f"{server['url']}/metrics", timeout=30) as r:  # no key: scrapers have none
+            assert r.headers["Content-Type"].startswith("text/plain")
+            text = r.read().decode()
+        lines = [ln for ln in text.splitlines() if ln.startswith("vllm:generation_tokens_total{")]
+        assert lines and f'model_name="{server["name"]}"' in lines[0], text[:2000]
+        return float(lines[0].rsplit(" ", 1)[1])
+
+    before = generated()
+    assert complete(server, "The river", max_tokens=7)[0] == 200
+    assert generated() == before + 7
+
+
+@pytest.mark.vllm
+def test_ready_probe_passes_with_the_servers_key_and_names_what_fails_without(server, cli):
+    env = {**os.environ, "VLLM_API_KEY": API_KEY}
+    r = cli("ready", "--url", server["url"], "--model", server["name"], env=env)
+    assert r.returncode == 0 and f"serves {server['name']!r}" in r.stdout, r.stderr
+    env.pop("VLLM_API_KEY")
+    env.pop("OPENAI_API_KEY", None)
+    r = cli("ready", "--url", server["url"], env=env)
+    assert r.returncode == 1 and "HTTP 401" in r.stderr
+    r = cli("ready", "--url", server["url"], "--model", "other", env={**env, "VLLM_API_KEY": API_KEY})
+    assert r.returncode == 1 and f"serves {server['name']}, not 'other'" in r.stderr
+
+
+@pytest.mark.vllm
+def test_sigterm_drains_the_stream_in_flight_refuses_new_requests_and_stops_everything(server):
+    """Last test of the module. serve asked vLLM to drain (--shutdown-timeout, --stop-timeout less 5 s): the
+    stream that is running when SIGTERM comes gets all its tokens; a request after it is not served."""
+    proc, log = server["proc"], server["log"]
+    assert "--shutdown-timeout 25" in log.read_text()  # serve's start line: the default 30 s less 5
     family = [proc.pid] + [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
     assert len(family) >= 3  # ministream serve, the API server, its engine core (and more)
     # two process groups: this session's (ministream serve alone, start_new_session) and the one the API
@@ -350,8 +391,22 @@ def test_sigterm_stops_the_server_and_all_its_processes(server):
     api = psutil.Process(proc.pid).children()[0].pid
     assert os.getpgid(proc.pid) == proc.pid and os.getpgid(api) == api
     assert {os.getpgid(p) for p in family} == {proc.pid, api}
-    os.kill(proc.pid, signal.SIGTERM)
-    assert proc.wait(120) == 0, server["log"].read_text()[-3000:]
+    long = MAX_MODEL_LEN - 8
+    body = greedy(server["name"], "The river", long, stream_options={"include_usage": True})
+    with stream(f"{server['url']}/v1/completions", body, headers=HEADERS) as r:
+        events = iter(r)
+        next(events)  # running: its first token is out
+        os.kill(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 30
+        while "shutdown triggered" not in log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.05)  # serve forwards the signal to vLLM's API server
+        refused = _status(server, "x")
+        rest = list(events)
+        assert r.done
+    assert rest[-1]["usage"]["completion_tokens"] == long  # every token of the stream in flight
+    assert refused != 200
+    assert "draining in-flight requests count=1" in log.read_text()
+    assert proc.wait(120) == 0, log.read_text()[-3000:]
     deadline = time.monotonic() + 30
     left = family
     while left and time.monotonic() < deadline:
@@ -361,4 +416,21 @@ def test_sigterm_stops_the_server_and_all_its_processes(server):
     for group in (proc.pid, api):  # and nothing else is left in either process group
         with pytest.raises(ProcessLookupError):
             os.killpg(group, 0)
-    assert "stopped" in server["log"].read_text()
+    assert "stopped" in log.read_text()
+
+
+def _status(server, prompt: str) -> int | None:
+    """A new request's HTTP status while the server stops (vLLM 0.32 answers 500 during its drain, a plain-text
+    body), or None where the connection is refused."""
+    try:
+        req = urllib.request.Request(
+            f"{server['url']}/v1/completions",
+            json.dumps(greedy(server["name"], prompt, 1)).encode(),
+            HEADERS,
+        )
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+    except OSError:
+        return None

@@ -16,10 +16,12 @@ folder as its root, while the process it started runs. Each --lora adapter is se
 model, with a spare LoRA slot (engine.lora_settings: vLLM's CPU LoRA ops would otherwise give base requests the
 last adapter's update).
 
-Stopping: SIGTERM or SIGINT (Ctrl-C) goes to the server, which aborts the requests in flight and shuts down its
-engine. A stream in flight can keep vLLM's HTTP server waiting for its connection to close, so whatever of its
-process group is still running --stop-timeout seconds (default 30) after the signal is killed (SIGKILL); a
-second signal kills it at once. Either way serve ends within --stop-timeout seconds of the first signal (plus
+Stopping: SIGTERM or SIGINT (Ctrl-C) goes to the server. From vLLM 0.18 it drains (serve passes it
+--shutdown-timeout, --stop-timeout less 5 s, unless given): new requests are refused, those in flight finish
+within that time, then the engine shuts down; older releases abort what is in flight. A stream in flight can
+keep vLLM's HTTP server waiting for its connection to close, so whatever of its process group is still
+running --stop-timeout seconds (default 30) after the signal is killed (SIGKILL); a second signal kills it
+at once. Either way serve ends within --stop-timeout seconds of the first signal (plus
 about a second), leaves no process of the server behind, and exits 0: the stop was asked. A server that ends
 unasked (its engine died, or it could not start) exits non-zero, whatever status vLLM gave it.
 """
@@ -49,6 +51,10 @@ from .server import API_KEY, START_TIMEOUT, die_with_parent, get, kill_group, lo
 
 SHOWN = (engine.BIND, engine.KV_CACHE)  # the settings the start line shows
 STOP_TIMEOUT = 30  # s from the first SIGTERM/SIGINT to SIGKILL of whatever of the server is left
+# vLLM's --shutdown-timeout (vllm-project/vllm PR #36666, in 0.18.0): on SIGTERM it refuses new requests and lets
+# those in flight finish for that long. serve gives it --stop-timeout less DRAIN_MARGIN s for the engine's exit.
+DRAIN_SINCE = "0.18.0"
+DRAIN_MARGIN = 5
 
 
 def served_name(model: Path) -> str:
@@ -112,6 +118,82 @@ def vllm_args(text: str) -> list[str]:
             f"--vllm-args {text!r} cannot be split into options ({e}): close the quote, e.g. "
             "--vllm-args='--max-num-seqs 64 --chat-template \"{{ ... }}\"'"
         ) from None
+    return check_vllm_options(args)
+
+
+# vllm serve's name for an option serve has under its own: (serve's attribute, its type)
+VLLM_NAMES = {
+    "--model": ("model", Path),
+    "--served-model-name": ("name", str),
+    "--tensor-parallel-size": ("tp", int),
+    "-tp": ("tp", int),
+    "--pipeline-parallel-size": ("pp", int),
+    "-pp": ("pp", int),
+}
+
+
+def split_options(args: Sequence[str], takes: dict[str, bool]) -> tuple[list[str], list[str]]:
+    """serve's command line split into serve's own arguments and `vllm serve`'s options; takes: serve's option
+    strings, each with whether it takes a value. An option serve does not have is vLLM's, and so is the word
+    after it, unless that is an option too or, with no folder given yet, a converted folder (config.json in it):
+    `--enable-prefix-caching out/m` serves out/m, `--max-num-seqs 64` passes 64 on."""
+    args, ours, theirs = list(args), [], []
+    folder_given = False
+    while args:
+        arg = args.pop(0)
+        name, eq, _ = arg.partition("=")
+        if not arg.startswith("-") or arg == "-":
+            ours.append(arg)
+            folder_given = True
+        elif name in takes:
+            ours.append(arg)
+            if takes[name] and not eq and args:
+                ours.append(args.pop(0))
+        else:
+            theirs.append(arg)
+            value = args[0] if args and not eq else None
+            if value is not None and not value.startswith("-"):
+                if name in VLLM_NAMES or folder_given or not (Path(value) / "config.json").is_file():
+                    theirs.append(args.pop(0))
+    return ours, theirs
+
+
+def passed_on(rest: Sequence[str], a) -> list[str]:
+    """`vllm serve`'s options given to serve beside its own, as a recipe written for vLLM's image passes them
+    (the image's entry point): those serve has under another name set it on `a` (--tensor-parallel-size 2 is
+    --tp 2, --model DIR the folder), --headless is what a node of rank > 0 already is; the rest go to vLLM
+    as --vllm-args would, checked the same way."""
+    rest, extra = list(rest), []
+    while rest:
+        arg = rest.pop(0)
+        option, eq, value = arg.partition("=")
+        if option in VLLM_NAMES:
+            attr, kind = VLLM_NAMES[option]
+            if not eq:
+                if not rest:
+                    raise MiniStreamError(f"{option} needs a value")
+                value = rest.pop(0)
+            try:
+                value = kind(value)
+            except ValueError:
+                raise MiniStreamError(f"{option} {value!r}: give a number") from None
+            if attr == "model" and a.model is not None and Path(a.model) != value:
+                raise MiniStreamError(f"two folders to serve, {a.model} and {option} {value}: give one")
+            setattr(a, attr, value)
+        elif option == "--headless":
+            if a.nnodes < 2 or a.node_rank == 0:
+                raise MiniStreamError(
+                    "--headless: only a node of rank 1 or above runs without the API: give --nnodes N --node-rank R"
+                )
+        else:
+            extra.append(arg)
+    if a.model is None:
+        raise MiniStreamError("give the converted folder to serve: ministream serve DIR (or --model DIR)")
+    return check_vllm_options(extra)
+
+
+def check_vllm_options(args: list[str]) -> list[str]:
+    """vLLM options, refused in one line if one sets an option serve sets itself."""
     for arg in args:
         option = arg.split("=", 1)[0]
         option = "--" + option[2:].replace("_", "-") if option.startswith("--") else option  # vLLM takes both
@@ -120,6 +202,18 @@ def vllm_args(text: str) -> list[str]:
                 f"--vllm-args sets {option}, which serve sets itself: give {OWN_OPTIONS[option]} instead"
             )
     return args
+
+
+def drain_args(release: str | None, stop_timeout: float, extra: Sequence[str]) -> list[str]:
+    """vLLM's drain on SIGTERM, where its release has it and the user set none of their own."""
+    from packaging.version import Version
+
+    if release is None or Version(Version(release).base_version) < Version(DRAIN_SINCE):
+        return []  # older servers abort what is in flight at once
+    if any(a.split("=", 1)[0] in ("--shutdown-timeout", "--shutdown_timeout") for a in extra):
+        return []
+    seconds = int(stop_timeout - DRAIN_MARGIN)
+    return ["--shutdown-timeout", str(seconds)] if seconds >= 1 else []
 
 
 def check_max_model_len(asked: int | None, config: dict, model: Path) -> None:
@@ -283,6 +377,8 @@ def serve(
         print(warning, file=sys.stderr, flush=True)
     if adapters:
         extra = [*engine.lora_server_args(adapters), *extra]
+    if not headless:
+        extra = [*extra, *drain_args(release, stop_timeout, extra)]
     cmd = engine.server_command(model, host, port, name, settings, extra)
     if cluster:
         cmd = engine.node_command(cmd, pp, nnodes, cluster.rank, cluster.master_addr, cluster.master_port)

@@ -1,6 +1,26 @@
 #!/bin/sh
-# The image's entry point: serve the model folder mounted at /model with `ministream serve`, i.e. the
-# same defaults as `make serve` (CPU: every core for the model, KV cache sized for the container).
-# Arguments go to `ministream serve` (e.g. --dtype float32 --tp 2 --vllm-args="--max-num-seqs 64").
+# The image's entry point, on Docker's convention, so that a recipe written for vllm/vllm-openai runs with this
+# image by changing only the image's name:
+#   no arguments, or options first -> `ministream serve` of the folder at $MODEL (default /model) on $HOST:$PORT,
+#                                     with `make serve`'s defaults (every core for the model, a KV cache sized for
+#                                     the container, in-flight requests drained on SIGTERM). The options are
+#                                     serve's (--dtype float32, --tp 2) or vLLM's: --model DIR names the folder,
+#                                     --tensor-parallel-size and --served-model-name set serve's own, the rest
+#                                     (--max-num-seqs 64) go to vLLM as they are
+#   a folder first                 -> the same, serving that folder (vLLM's image: `docker run IMAGE MODEL ...`)
+#   a command (vllm serve ..., ministream ..., sh)  -> that command, as it is
 set -eu
-exec ministream serve "${MODEL:-/model}" --host "${HOST:-0.0.0.0}" --port "${PORT:-8000}" "$@"
+serve() { exec ministream serve "$@"; }
+listen="--host ${HOST:-0.0.0.0} --port ${PORT:-8000}"
+case "${1:-}" in
+"" | -*)
+	for arg in "$@"; do
+		case "$arg" in --model | --model=*) serve $listen "$@" ;; esac
+	done
+	serve "${MODEL:-/model}" $listen "$@"
+	;;
+*)
+	if [ -d "$1" ]; then serve $listen "$@"; fi
+	exec "$@"
+	;;
+esac
