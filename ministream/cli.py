@@ -920,7 +920,12 @@ def add_bench_step(sub) -> None:
     )
     p.add_argument("--out", type=Path, default=Path("build/bench/step"), help="output folder (default: %(default)s)")
     p.add_argument("--presets", type=lambda s: s.split(","), default=["reference"], help="default: reference")
-    p.add_argument("--dtypes", type=lambda s: s.split(","), default=["float32", "bfloat16"])
+    p.add_argument(
+        "--dtypes",
+        type=lambda s: s.split(","),
+        default=["float32", "bfloat16"],
+        help="widths (bench/widths.py): float32, bfloat16, w8a8, w4a16 (default: float32,bfloat16)",
+    )
     p.add_argument(
         "--variants", type=lambda s: s.split(","), default=list(benchstep.VARIANTS), help=", ".join(benchstep.VARIANTS)
     )

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -285,6 +286,76 @@ def test_cpu_image_serves_the_same_completion_as_make_serve(tiny_hf, cli, start_
     assert platforms == {"image": want, "host": want}, platforms
     for proc, _, log in servers.values():
         assert proc.returncode == 0 and "ministream serve: stopped" in log.read_text(), log.read_text()[-3000:]
+
+
+@pytest.mark.full
+@pytest.mark.skipif(
+    os.environ.get("MINISTREAM_TEST_IMAGE") != "1", reason="builds and runs the CPU image (minutes): `make test-image`"
+)
+def test_vllms_own_command_runs_in_the_image_with_readiness_metrics_and_a_drain_at_stop(tiny_hf, cli, tmp_path):
+    """The image as a drop-in for vllm/vllm-openai: the command vLLM's production-stack chart gives its container
+    (`vllm serve MODEL --host --port ...`, deploy/production-stack-values.yaml's options), in the image as it is.
+    It gives the reference model's tokens, `ministream ready` (the manifests' readiness probe) passes inside it,
+    /metrics counts what it served, and `stop` (SIGTERM) with a stream in flight lets the stream finish."""
+    from ministream.run.generate import reference_generate, tokenize
+    from ministream.run.server import stream
+
+    r = cli("image", VERSION, "--device", "cpu", timeout=3600)  # cached by the test above
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    shared = Path(tempfile.mkdtemp(prefix="ministream-image-", dir="/tmp"))
+    shared.chmod(0o755)
+    model = shared / tiny_hf.name
+    shutil.copytree(tiny_hf, model)
+    for p in [model, *model.iterdir()]:
+        p.chmod(0o755 if p.is_dir() else 0o644)
+    tool, name, port = container_tool(), f"ministream-vllm-cmd-{os.getpid()}", free_port()
+    mount = f"/models/{model.name}"
+    vllm = ["vllm", "serve", mount, "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32"]
+    vllm += ["--max-model-len", "256", "--enforce-eager", "--shutdown-timeout", "25"]
+    cmd = [*tool, "run", "--rm", "--name", name, "--network", "host", "--shm-size", "2g"]
+    cmd += ["-v", f"{model}:{mount}:ro", "-e", "VLLM_CPU_KVCACHE_SPACE=1", tag(VERSION, "cpu"), *vllm]
+    log = tmp_path / "vllm.log"
+    proc = start_process(cmd, log, container_env())
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(url, proc, log, 900)
+        assert "non-default args" in log.read_text() and "ministream serve" not in log.read_text()  # vLLM's own
+        prompts = tokenize(model, ["Once upon a time", "The river runs through"])
+        want = [r["ids"] for r in reference_generate(model, prompts, 12)]
+        got = []
+        for ids in prompts:
+            body = {"model": mount, "prompt": ids, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+            status, answer = call(f"{url}/v1/completions", {**body, "return_token_ids": True}, headers=json_headers())
+            assert status == 200, answer
+            got.append(answer["choices"][0]["token_ids"])
+        assert got == want
+        ready = subprocess.run(
+            [*tool, "exec", "-e", f"PORT={port}", name, "ministream", "ready"],
+            env=container_env(),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert ready.returncode == 0 and f"serves '{mount}'" in ready.stdout, ready.stderr
+        with urllib.request.urlopen(f"{url}/metrics", timeout=30) as m:
+            metrics = m.read().decode()
+        counted = [ln for ln in metrics.splitlines() if ln.startswith("vllm:generation_tokens_total{")]
+        assert counted and f'model_name="{mount}"' in counted[0] and float(counted[0].split()[-1]) >= 24
+        body = {"model": mount, "prompt": "The river", "max_tokens": 240, "temperature": 0, "ignore_eos": True}
+        with stream(f"{url}/v1/completions", {**body, "stream_options": {"include_usage": True}}) as s:
+            events = iter(s)
+            next(events)
+            stopping = subprocess.Popen([*tool, "stop", "-t", "60", name], env=container_env())
+            rest = list(events)
+            assert s.done
+        assert rest[-1]["usage"]["completion_tokens"] == 240
+        assert stopping.wait(120) == 0 and proc.wait(120) == 0, log.read_text()[-3000:]
+        assert "draining in-flight requests count=1" in log.read_text()
+    finally:
+        subprocess.run([*tool, "rm", "-f", name], env=container_env(), capture_output=True, timeout=120)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        shutil.rmtree(shared, ignore_errors=True)
 
 
 def other_addresses() -> list[str]:

