@@ -1043,19 +1043,25 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     return parser
 
 
-def _run(argv) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line parsed; serve's with vLLM's own options beside its own (serve.split_options) in
+    `vllm_options`."""
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser(argv)
-    if argv and argv[0] == "serve":  # vLLM's own options beside serve's (serve.split_options)
-        from .run.serve import split_options
+    if not argv or argv[0] != "serve":
+        return parser.parse_args(argv)
+    from .run.serve import split_options
 
-        serve_parser = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["serve"]
-        takes = {o: a.nargs != 0 for a in serve_parser._actions for o in a.option_strings}
-        ours, theirs = split_options(argv[1:], takes)
-        args = parser.parse_args(["serve", *ours])
-        args.vllm_options = theirs
-    else:
-        args = parser.parse_args(argv)
+    serve_parser = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["serve"]
+    takes = {o: a.nargs != 0 for a in serve_parser._actions for o in a.option_strings}
+    ours, theirs = split_options(argv[1:], takes)
+    args = parser.parse_args(["serve", *ours])
+    args.vllm_options = theirs
+    return args
+
+
+def _run(argv) -> int:
+    args = parse_args(argv)
     try:
         return args.func(args) or 0
     except MiniStreamError as e:

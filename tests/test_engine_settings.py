@@ -18,7 +18,7 @@ import torch
 from hypothesis import assume, given, strategies as st
 
 from ministream.bench import bench, benchserve, benchstep, workers
-from ministream.cli import build_parser
+from ministream.cli import build_parser, parse_args
 from ministream.run import doctor, serve
 from ministream.run.engine import OFFLINE_MAX_MODEL_LEN, SEED, EngineSettings
 from ministream.run.server import free_port
@@ -59,7 +59,7 @@ def no_engine(monkeypatch):
 
 def started(*argv) -> object:
     """What `ministream ARGV` hands vLLM: LLM(...)'s keyword arguments, or the server's command line."""
-    args = build_parser().parse_args([str(a) for a in argv])
+    args = parse_args([str(a) for a in argv])
     with pytest.raises(Started) as caught:
         args.func(args)
     return caught.value.args[0]
@@ -120,6 +120,7 @@ def test_serve_starts_the_server_command_its_options_always_did(
         *opt("--max-model-len", max_model_len),
         *["--enforce-eager"] * eager,
         *extra.split(),
+        *("--shutdown-timeout", "25"),  # since issue 37: vLLM drains on SIGTERM, --stop-timeout (30 s) less 5
         *(["--pipeline-parallel-size", str(pp)] if (pp or 1) > 1 else []),
     ]
 
@@ -256,7 +257,12 @@ OPTIONS = {
         int,
         "VLLM_CPU_KVCACHE_SPACE for every engine (default: what `ministream serve` would choose)",
     ),
-    ("bench-serve", "--dtype"): (None, ["bfloat16", "float32"], None, "default: bfloat16"),
+    ("bench-serve", "--dtype"): (
+        None,
+        ["bfloat16", "float32", "w8a8", "w4a16"],
+        None,
+        "weight width; default: bfloat16",
+    ),
 }
 
 
