@@ -93,6 +93,20 @@ def test_bench_runs_each_quantized_width_on_both_engines_with_a_median_and_a_ran
     assert "tiny w8a8 batch 4: ministream" in r.stdout
 
 
+def test_bench_serve_loads_both_engines_at_a_quantized_width_and_nothing_else(home, cli, tmp_path):
+    """`make bench-serve` at 4-bit: vLLM's server on the quantize folder, llama-server on the q4_0 file, vLLM's
+    client against each; the LLaMA twin and the reference server have no quantized form and are left out."""
+    out = tmp_path / "serve"
+    r = cli("bench-serve", "--quick", "--dtype", "w4a16", "--preset", "tiny", "--out", out, timeout=1800)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    result = json.loads((out / "serve.json").read_text())
+    assert list(result["systems"]) == ["ministream", "llamacpp"]
+    assert "-w4a16" in result["systems"]["ministream"]["server"]["command"]
+    assert "-q4_0.gguf" in result["systems"]["llamacpp"]["server"]["command"]
+    for system in result["systems"].values():
+        assert [run["failed"] for run in system["runs"]] == [0, 0], system["runs"]
+
+
 def test_llama_3s_split_is_exported_as_llama_bpe_and_tokenizes_alike(home, cli, tiny_hf, tmp_path):
     """A tokenizer trained with LLaMA 3's pre-tokenizer (a regex split, then bytes, merges ignored where a word
     is whole in the vocabulary): llama.cpp's llama-bpe gives its ids."""
