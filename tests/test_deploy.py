@@ -228,3 +228,15 @@ def test_what_serve_cannot_take_from_vllms_options_is_refused_by_name(argv, kw, 
 )
 def test_serve_asks_vllm_to_drain_within_its_own_stop_bound(release, stop, extra, want):
     assert drain_args(release, stop, extra) == want
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--shutdown-timeout", "60"], r"drains longer than serve waits .* give --stop-timeout 65 or more"),
+        (["--shutdown-timeout=soon"], r"--shutdown-timeout 'soon': give a number of seconds"),
+    ],
+)
+def test_a_drain_serve_would_cut_short_is_refused(extra, message):
+    with pytest.raises(MiniStreamError, match=message):
+        drain_args("0.32.0", 30, extra)

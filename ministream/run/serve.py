@@ -189,18 +189,16 @@ def passed_on(rest: Sequence[str], a) -> list[str]:
             extra.append(arg)
     if a.model is None:
         raise MiniStreamError("give the converted folder to serve: ministream serve DIR (or --model DIR)")
-    return check_vllm_options(extra)
+    return check_vllm_options(extra, "the command line")
 
 
-def check_vllm_options(args: list[str]) -> list[str]:
+def check_vllm_options(args: list[str], where: str = "--vllm-args") -> list[str]:
     """vLLM options, refused in one line if one sets an option serve sets itself."""
     for arg in args:
         option = arg.split("=", 1)[0]
         option = "--" + option[2:].replace("_", "-") if option.startswith("--") else option  # vLLM takes both
         if option in OWN_OPTIONS:
-            raise MiniStreamError(
-                f"--vllm-args sets {option}, which serve sets itself: give {OWN_OPTIONS[option]} instead"
-            )
+            raise MiniStreamError(f"{where} sets {option}, which serve sets itself: give {OWN_OPTIONS[option]} instead")
     return args
 
 
@@ -210,8 +208,20 @@ def drain_args(release: str | None, stop_timeout: float, extra: Sequence[str]) -
 
     if release is None or Version(Version(release).base_version) < Version(DRAIN_SINCE):
         return []  # older servers abort what is in flight at once
-    if any(a.split("=", 1)[0] in ("--shutdown-timeout", "--shutdown_timeout") for a in extra):
-        return []
+    for i, arg in enumerate(extra):  # the user's own drain: it must end before serve's bound kills it
+        option, eq, value = arg.partition("=")
+        if option in ("--shutdown-timeout", "--shutdown_timeout"):
+            value = value if eq else (extra[i + 1] if i + 1 < len(extra) else "")
+            try:
+                asked = float(value)
+            except ValueError:
+                raise MiniStreamError(f"{option} {value!r}: give a number of seconds") from None
+            if asked > stop_timeout - DRAIN_MARGIN:
+                raise MiniStreamError(
+                    f"{option} {value} drains longer than serve waits (--stop-timeout {stop_timeout:g} less "
+                    f"{DRAIN_MARGIN} s for the engine's exit): give --stop-timeout {asked + DRAIN_MARGIN:g} or more"
+                )
+            return []
     seconds = int(stop_timeout - DRAIN_MARGIN)
     return ["--shutdown-timeout", str(seconds)] if seconds >= 1 else []
 
