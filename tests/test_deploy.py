@@ -196,6 +196,7 @@ def test_vllms_names_of_serves_options_set_them_and_the_rest_pass_on():
     a = _args()
     extra = passed_on(["--model", "/m", "-tp", "2", "--served-model-name=x", "--max-num-seqs", "8"], a)
     assert (a.model, a.tp, a.name, extra) == (Path("/m"), 2, "x", ["--max-num-seqs", "8"])
+    assert passed_on(["--load-format", "safetensors"], _args(model=Path("/m"))) == ["--load-format", "safetensors"]
     a = _args(model=Path("/m"), nnodes=2, node_rank=1)
     assert passed_on(["--headless", "--pipeline-parallel-size=2"], a) == [] and a.pp == 2
 
@@ -208,6 +209,11 @@ def test_vllms_names_of_serves_options_set_them_and_the_rest_pass_on():
         (["-tp", "two"], {"model": Path("/m")}, "-tp 'two': give a number"),
         ([], {}, "give the converted folder"),
         (["--port=1"], {"model": Path("/m")}, "which serve sets itself"),
+        # options that would serve another model than the folder's, with exit 0: refused by the one check
+        (["--load-format", "dummy"], {"model": Path("/m")}, "--load-format dummy: serve runs the folder's own"),
+        (["--hf-overrides.rope_theta", "1e6"], {"model": Path("/m")}, "--hf-overrides, which would serve other math"),
+        (["--hf-config-path=/other"], {"model": Path("/m")}, "--hf-config-path, which would serve other math"),
+        (["--tokenizer", "/other"], {"model": Path("/m")}, "--tokenizer, which would serve other math"),
     ],
 )
 def test_what_serve_cannot_take_from_vllms_options_is_refused_by_name(argv, kw, message):

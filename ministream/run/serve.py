@@ -192,13 +192,33 @@ def passed_on(rest: Sequence[str], a) -> list[str]:
     return check_vllm_options(extra, "the command line")
 
 
+# vLLM options that would serve other math than the folder's, which the folder check vouched for: its config
+# overridden or read from elsewhere, another tokenizer, weights not read from it (--load-format dummy: random)
+FOLDER_OPTIONS = {"--hf-overrides", "--hf-config-path", "--tokenizer", "--rope-scaling", "--rope-theta"}
+LOAD_FORMATS = ("auto", "safetensors")  # --load-format values that read the folder's safetensors
+
+
 def check_vllm_options(args: list[str], where: str = "--vllm-args") -> list[str]:
-    """vLLM options, refused in one line if one sets an option serve sets itself."""
-    for arg in args:
-        option = arg.split("=", 1)[0]
+    """vLLM options, refused in one line if one sets an option serve sets itself or would serve a model other
+    than the folder's (FOLDER_OPTIONS, a --load-format that does not read its safetensors)."""
+    for i, arg in enumerate(args):
+        option, eq, value = arg.partition("=")
         option = "--" + option[2:].replace("_", "-") if option.startswith("--") else option  # vLLM takes both
+        option = option.split(".", 1)[0]  # vLLM's --hf-overrides.rope_theta VALUE sets one key of a dict option
         if option in OWN_OPTIONS:
             raise MiniStreamError(f"{where} sets {option}, which serve sets itself: give {OWN_OPTIONS[option]} instead")
+        if option in FOLDER_OPTIONS:
+            raise MiniStreamError(
+                f"{where} sets {option}, which would serve other math than the folder's config.json, tokenizer "
+                "and weights: change the folder instead (ministream convert again), so that every command reads it"
+            )
+        if option == "--load-format":
+            value = value if eq else (args[i + 1] if i + 1 < len(args) else "")
+            if value not in LOAD_FORMATS:
+                raise MiniStreamError(
+                    f"{where} sets --load-format {value or '(none)'}: serve runs the folder's own safetensors "
+                    f"(give {' or '.join(LOAD_FORMATS)}, or leave it out)"
+                )
     return args
 
 
