@@ -183,6 +183,21 @@ def test_the_ceiling_lists_each_system_with_a_batch_1_run_against_the_read_pass(
     assert "of 20.0 GB/s read" in table({**synthetic_result(), "summary": summarize(synthetic_result())})
 
 
+def test_at_a_quantized_width_the_ceiling_reads_the_file_each_engine_ran():
+    """A count of parameters cannot say what a quantized engine reads (vLLM's w8a8 folder keeps its embedding in
+    float): each system's ceiling is its own file's size; a system whose file is not known has none."""
+    result = synthetic_result()
+    for run in result["runs"]:
+        run["dtype"] = "w8a8"
+    sizes = {"ministream": 1_500_000, "llamacpp": 1_100_000}
+    for run in result["runs"]:
+        if run["system"] in sizes:
+            run["weights_file_bytes"] = sizes[run["system"]]
+    ceiling = {c["system"]: c for c in summarize(result)["bandwidth_ceiling"]}
+    assert set(ceiling) == set(sizes)
+    assert {name: c["weight_bytes"] for name, c in ceiling.items()} == sizes
+
+
 def decode_result(parameters: int, dtype: str, tokens: int, ttft: float, decode_s: float, read_gb_per_s: float):
     """One batch-1 run of MiniStream: `tokens` tokens, the first after `ttft` s, the rest in `decode_s` s."""
     row = {

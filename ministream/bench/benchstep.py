@@ -11,8 +11,9 @@ runner's first, then the V2 runner's, the only one from vLLM 0.34)
   runner, other  the rest of execute_model and sample_tokens (bookkeeping around the parts above)
   engine, other  the step's wall time less all of the runner: the scheduler, the output processing, the
                  hop between the engine core and this process
-and beside them the time the weights take to read at the machine's read bandwidth. llama.cpp: llama-bench's
-decode (the graph alone) against llama-server's time per predicted token (with sampling and the server).
+and beside them the time the weights take to read at the machine's read bandwidth (at a quantized width, the
+file each engine runs: widths.read_bytes). llama.cpp: llama-bench's decode (the graph alone) against
+llama-server's time per predicted token (with sampling and the server).
 Variants (VARIANTS) run the same request with one vLLM setting changed, each its own engine in the same run.
 """
 
@@ -165,7 +166,8 @@ def _llamacpp(model: dict, dtype: str, threads: int, out: Path) -> dict:
         for _ in range(REPEATS + 1):
             served.append(llamacpp.complete(url, ids, NEW)["timings"])
     per_token = statistics.median(t["predicted_per_token_ms"] for t in served[1:])
-    return {"per_step_ms": {"forward": graph, "server_other": per_token - graph, "step": per_token}}
+    step = {"forward": graph, "server_other": per_token - graph, "step": per_token}
+    return {"per_step_ms": step, "weights_file_bytes": gguf.stat().st_size}
 
 
 def bench_step(out: Path, presets: list[str], dtypes: list[str], variants: list[str], note: str = "") -> int:
@@ -187,9 +189,9 @@ def bench_step(out: Path, presets: list[str], dtypes: list[str], variants: list[
         model = bench.prepare_model(preset, out / "models")
         for dtype in dtypes:  # a width (widths.py): at a quantized one, no LLaMA twin
             w = widths.width(dtype)
-            weights = model["parameters"] * w.bytes_per_weight
-            read_ms = weights / (result["read_bandwidth"]["gb_per_s"] * 1e9) * 1e3
-            systems = [(f"ministream {v}", str(widths.vllm_folder(model["hf"], dtype)), v) for v in variants]
+            vllm_dir = str(widths.vllm_folder(model["hf"], dtype))  # quantized once, for every variant
+            gb_s = result["read_bandwidth"]["gb_per_s"]
+            systems = [(f"ministream {v}", vllm_dir, v) for v in variants]
             systems += [] if w.scheme else [("llama default", model["llama"], "default")]
             for name, folder, variant in systems:
                 what, env, overrides = VARIANTS[variant]
@@ -202,18 +204,27 @@ def bench_step(out: Path, presets: list[str], dtypes: list[str], variants: list[
                         "dtype": dtype,
                         "system": name,
                         "variant": what,
-                        "weights_read_ms": read_ms,
+                        "weights_read_ms": _read_ms(model, dtype, widths.folder_bytes(folder), gb_s),
                         **got,
                     }
                 )
                 write_json(out / "step.json", result)
             got = _llamacpp(model, dtype, threads, out)
+            read_ms = _read_ms(model, dtype, got["weights_file_bytes"], gb_s)
             result["rows"].append(
                 {"model": preset, "dtype": dtype, "system": "llama.cpp", "weights_read_ms": read_ms, **got}
             )
             write_json(out / "step.json", result)
     print(table(result))
     return 0
+
+
+def _read_ms(model: dict, width: str, file_bytes: int, gb_per_s: float) -> float:
+    """The time the bytes a decode step reads (widths.read_bytes: the file's, at a quantized width) take at the
+    machine's read bandwidth."""
+    weights = widths.read_bytes(model["parameters"], width, file_bytes)
+    assert weights is not None  # None only where a file's size is not known: it is given here
+    return weights / (gb_per_s * 1e9) * 1e3
 
 
 def _run(spec: dict, env: dict, stem: Path) -> dict:

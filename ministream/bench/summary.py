@@ -5,6 +5,8 @@ geometric means, each run's peak memory, and the batch-1 decode rate against the
 import math
 from typing import Any
 
+from . import widths
+
 # system key -> label in the table and the chart
 SYSTEMS = {
     "ministream": "MiniStream, patched vLLM",
@@ -111,13 +113,10 @@ def summarize(result: dict) -> dict:
     read_bw = (result.get("bandwidth", {}).get("read") or {}).get("gb_per_s")
     ceiling = []
     for (model, dtype), systems in s.items():
-        float_bytes = result["models"][model]["parameters"] * (2 if dtype in ("bfloat16", "float16") else 4)
         for name in ("ministream", "ministream_compiled", "ministream_eager", "llama", "llamacpp", "reference_batched"):
             one = systems.get(name, {}).get(1)
-            # a quantized width: the bytes of the file the engine ran (weights, scales, the float embedding)
-            weight_bytes = (
-                float_bytes if dtype in ("bfloat16", "float16", "float32") else one and one.get("weights_file_bytes")
-            )
+            params = result["models"][model]["parameters"]
+            weight_bytes = one and widths.read_bytes(params, dtype, one.get("weights_file_bytes"))
             if one and bw and weight_bytes:
                 decode = decode_rate(one)
                 read = decode * weight_bytes / 1e9

@@ -15,15 +15,15 @@ class Width:
     dtype: str  # the engines compute in it (vLLM's --dtype; llama.cpp's KV cache)
     scheme: str | None  # vLLM runs `ministream quantize --scheme` of the folder; None: the folder itself
     gguf: str  # llama.cpp runs `ministream gguf --dtype`
-    bytes_per_weight: float  # of the linear layers, for the decode ceiling (scales and embeddings left out)
+    bytes_per_parameter: int | None  # full precision: every parameter's size; quantized: read_bytes reads the files
 
 
 WIDTHS = {
     "float32": Width("float32", None, "f32", 4),
     "bfloat16": Width("bfloat16", None, "bf16", 2),
     "float16": Width("float16", None, "f16", 2),
-    "w8a8": Width("float32", "w8a8", "q8_0", 1),
-    "w4a16": Width("bfloat16", "w4a16", "q4_0", 0.5),
+    "w8a8": Width("float32", "w8a8", "q8_0", None),
+    "w4a16": Width("bfloat16", "w4a16", "q4_0", None),
 }
 
 
@@ -54,3 +54,19 @@ def gguf_file(folder: str | Path, name: str) -> Path:
     gguf = folder.parent / f"{folder.name}-{w.gguf}.gguf"
     export(folder, gguf, w.gguf, force=True)
     return gguf
+
+
+def read_bytes(parameters: int, name: str, file_bytes: int | None) -> int | None:
+    """The bytes a decode step reads, for the decode ceiling: every parameter at the width's size, or, at a
+    quantized width, the size of the file the engine ran (its quantized linears, their scales, and what each
+    engine keeps in float: vLLM's folder its embedding, llama.cpp's q8_0/q4_0 file nothing), which a count of
+    parameters cannot say. None where that file's size is not known."""
+    w = width(name)
+    return parameters * w.bytes_per_parameter if w.bytes_per_parameter else file_bytes
+
+
+def folder_bytes(folder: str | Path) -> int:
+    """The size of a converted (or quantized) folder's weight files."""
+    from ..checkpoint.convert import safetensors_files
+
+    return sum(f.stat().st_size for f in safetensors_files(Path(folder)))

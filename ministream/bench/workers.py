@@ -93,7 +93,7 @@ def _worker(spec: dict) -> dict:
             dtype=spec["dtype"], max_model_len=spec["prompt_len"] + spec["new_tokens"], enforce_eager=eager
         )
         llm = vllm_engine(Path(spec["model_dir"]), settings)
-        result["weights_file_bytes"] = sum(f.stat().st_size for f in Path(spec["model_dir"]).glob("*.safetensors"))
+        result["weights_file_bytes"] = widths.folder_bytes(spec["model_dir"])
         result["start_s"] = time.perf_counter() - t
         result["env"] = {k: os.environ.get(k) for k in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE")}
         from vllm.platforms import current_platform
