@@ -31,6 +31,10 @@ SCHEME ?= w8a8
 QUANTIZED ?= $(MODEL)-$(SCHEME)
 # install: ZENTORCH=0 leaves out zentorch (AMD CPUs with AVX-512: vLLM's ZenCpuPlatform, fork/zentorch.py)
 ZENTORCH ?=
+# install (DEVICE=cpu): `ministream tune` chooses the core binding and zentorch on this machine against vLLM's own
+# (3-5 min, once per machine and release; docs/tune.md); TUNE=0 leaves it out; TUNE_ARGS: --force, --quick
+TUNE ?=
+TUNE_ARGS ?=
 # install, cuda-smoke: NEAREST_PINS=1 installs the nearest published version where the release pins one that no
 # index publishes (vLLM 0.34.0: flashinfer-python==0.7.3), recorded; without it such a pin is refused by name
 NEAREST_PINS ?=
@@ -68,7 +72,7 @@ BENCH_ARGS ?=
 # the rest beside them; 0 runs everything in one process
 TEST_WORKERS ?= 2
 
-.PHONY: help setup lint format demo test test-full checkpoint convert gguf quantize generate patch wheel install vllm-tests cuda-smoke gpu-proof plugin bench bench-serve clean port matrix serve image image-prereqs test-image verify doctor
+.PHONY: help setup lint format demo test test-full checkpoint convert gguf quantize generate patch wheel install tune vllm-tests cuda-smoke gpu-proof plugin bench bench-serve clean port matrix serve image image-prereqs test-image verify doctor
 
 help:
 	@echo "make setup                         create $(VENV)/ (torch $(TORCH_VERSION), CPU build without a GPU)"
@@ -89,7 +93,9 @@ help:
 	@echo "                                   [VLLM_SRC=checkout: patch that git checkout instead] [VLLM_GIT_URL=repo]"
 	@echo "make wheel VLLM_VERSION=x DEVICE=d patched release wheel into dist/ (d: cuda|cpu, now $(DEVICE))"
 	@echo "make install VLLM_VERSION=x        install the patched wheel into $(VENV)/ (+ zentorch on AMD AVX-512 CPUs;"
-	@echo "                                   ZENTORCH=0: without it)"
+	@echo "                                   ZENTORCH=0: without it); on a CPU, then make tune (TUNE=0: not)"
+	@echo "make tune                          core binding and zentorch chosen on this machine against vLLM's own"
+	@echo "                                   (a same-run check, once per machine and release; TUNE_ARGS=--force)"
 	@echo "make plugin VLLM_VERSION=x         the model as a vLLM plugin wheel for a fixed (stock) vLLM x -> dist/"
 	@echo "make vllm-tests VLLM_VERSION=x     vLLM's own tests of MiniStream (test_registry, test_initialization, our"
 	@echo "                                   generation test) from the patched tree, offline [VLLM_SRC=] [COMPARE=1]"
@@ -178,6 +184,10 @@ matrix: setup
 
 install: wheel
 	$(MS) install $(VLLM_VERSION) --device $(DEVICE) $(if $(filter 0,$(ZENTORCH)),--no-zentorch) $(if $(filter 1,$(NEAREST_PINS)),--nearest-pins)
+	$(if $(filter 0,$(TUNE)),,$(if $(filter cpu,$(DEVICE)),$(MS) tune $(TUNE_ARGS)))
+
+tune: setup
+	$(MS) tune $(TUNE_ARGS)
 
 plugin: setup
 	$(MS) plugin $(VLLM_VERSION)
@@ -204,7 +214,7 @@ doctor: setup
 demo: setup
 	@[ -f out/demo/raw/model.pt ] || $(MS) checkpoint --preset demo --out out/demo/raw
 	$(MS) convert out/demo/raw out/demo/hf --force
-	$(MAKE) --no-print-directory install
+	$(MAKE) --no-print-directory install TUNE=0
 	$(MS) generate out/demo/hf --raw out/demo/raw
 
 # matplotlib (the chart) comes with setup's `bench` extra
@@ -230,9 +240,9 @@ bench-serve: setup
 # demo.py's cache). Not the test models beside the install: pip replaces numpy there, and torch imported half of
 # it (ImportError: NP_SUPPORTED_MODULES; seen once in four fresh clones)
 test: setup
-	$(MAKE) --no-print-directory -j2 --output-sync=target lint install DEVICE=cpu
+	$(MAKE) --no-print-directory -j2 --output-sync=target lint install DEVICE=cpu TUNE=0
 	$(PY) -m pytest -ra -m "not full" -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
-	$(MAKE) --no-print-directory vllm-tests DEVICE=cpu QUICK=1
+	$(MAKE) --no-print-directory vllm-tests DEVICE=cpu QUICK=1 TUNE=0
 
 # the two test models (presets tiny, tiny-gqa) trained into build/cache/trained, where the suite's fixtures and
 # `make vllm-tests` take them from (demo.trained_file: named by all a training run depends on)
@@ -242,9 +252,9 @@ test-models: setup
 # the slow tier: older lines for real, the plugin's TP and server cases, Ray, the CPU image, vLLM's tests --compare,
 # the CUDA smoke of 0.32.0 and the newest release and gpu-proof's part that needs no GPU (tests/test_cuda_smoke.py)
 test-full: setup image-prereqs
-	$(MAKE) --no-print-directory install DEVICE=cpu
+	$(MAKE) --no-print-directory install DEVICE=cpu TUNE=0
 	MINISTREAM_TEST_RAY=1 MINISTREAM_TEST_IMAGE=1 $(PY) -m pytest -ra -m full $(PYTEST_ARGS)
-	$(MAKE) --no-print-directory vllm-tests DEVICE=cpu COMPARE=1
+	$(MAKE) --no-print-directory vllm-tests DEVICE=cpu COMPARE=1 TUNE=0
 
 serve: setup
 	$(MS) serve '$(MODEL)' --host $(HOST) --port $(PORT) $(foreach l,$(LORAS),--lora '$(l)') $(if $(DTYPE),--dtype $(DTYPE)) $(if $(TP),--tp $(TP)) $(if $(filter 1,$(EAGER)),--enforce-eager) \
@@ -260,7 +270,7 @@ image: $(if $(filter plugin,$(ROUTE)),setup,wheel) image-prereqs
 	$(MS) image $(VLLM_VERSION) --device $(DEVICE) --route $(ROUTE)
 
 test-image: setup image-prereqs
-	$(MAKE) --no-print-directory install DEVICE=cpu
+	$(MAKE) --no-print-directory install DEVICE=cpu TUNE=0
 	MINISTREAM_TEST_IMAGE=1 $(PY) -m pytest -ra -s tests/test_image.py $(PYTEST_ARGS)
 
 # only what the tool made and can make again; a tree, folder or file holding your work stops it (FORCE=1: all)

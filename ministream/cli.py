@@ -959,6 +959,22 @@ def add_bench_accuracy(sub) -> None:
     p.set_defaults(func=lambda a: accuracy.bench_accuracy(a.out, a.folders, a.presets, a.systems, a.text))
 
 
+def add_tune(sub) -> None:
+    from .bench import tune
+
+    p = command(
+        sub,
+        "tune",
+        tune.__doc__,
+        "choose this machine's core binding and zentorch by a same-run check against vLLM's own (make install)",
+    )
+    p.add_argument("--model", type=Path, help="a converted folder to measure on (default: the reference shape)")
+    p.add_argument("--out", type=Path, default=tune.DEFAULT_OUT, help="logs and models (default: %(default)s)")
+    p.add_argument("--quick", action="store_true", help="batch 1 only, 8 tokens, 3 repeats, eager: a smoke run")
+    p.add_argument("--force", action="store_true", help="measure again where this machine has a record")
+    p.set_defaults(func=lambda a: tune.tune(a.out, a.model, a.quick, a.force))
+
+
 def add_clean(sub) -> None:
     from .fork import clean
 
@@ -1022,6 +1038,7 @@ ADDERS = (
     add_bench_nodes,
     add_bench_step,
     add_bench_accuracy,
+    add_tune,
 )  # using an engine
 
 

@@ -24,11 +24,14 @@ from ministream.checkpoint.demo import make_checkpoint
 from ministream.fork import plugin
 from ministream.fork.release import release_wheel
 from ministream.paths import CACHE
-from ministream.run import server
+from ministream.run import server, tuned
 
 # Engines started by tests stay lean (a user's setting, which wins over engine.py's quarter of the memory):
 # the tiny models need little KV cache, and the suite shares the machine with whatever else runs.
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+# ... and on the defaults of a machine `ministream tune` never measured (every core to the model), whatever record
+# this environment holds: a test that wants a record names its own (test_tune.py)
+os.environ[tuned.RECORD_ENV] = "/nonexistent/ministream-tune.json"
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # make test's workers share the cores: each one's own torch work (training the test models, the reference
     # model) gets its share, or two workers' threads contend and each runs at a third of its speed

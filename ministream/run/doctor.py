@@ -26,7 +26,7 @@ from ..fork.registry import CONFIGS_INIT_PY, Registries, read_package
 from ..fork.release import DISTRIBUTIONS
 from ..paths import PATCH_SETS
 from ..spec import ARCH, MODEL_FILE_IN_TREE, MODEL_TYPE, TrainConfig
-from . import engine
+from . import engine, tuned
 from .engine import SERVE_DEFAULTS, EngineSettings
 from .folder import Finding, Folder, examine
 
@@ -230,9 +230,23 @@ def check_platform(vllm_dir: Path | None, cpuinfo: Path = Path("/proc/cpuinfo"))
             "CpuPlatform: this AMD CPU with AVX-512 could use vLLM's ZenCpuPlatform, but zentorch is not installed",
             "make install (it installs zentorch where vLLM would use it; ZENTORCH=0 leaves it out)",
         )
-    return Finding(
-        "ok", "platform", f"ZenCpuPlatform: zentorch {importlib.metadata.version('zentorch')} runs the linear layers"
-    )
+    release = importlib.metadata.version("zentorch")
+    if (tuned.chosen() or {}).get("zentorch") is False:
+        return Finding(
+            "ok",
+            "platform",
+            f"CpuPlatform: zentorch {release} is installed, but `ministream tune` found it no faster on this "
+            "machine, so engines hide it from vLLM",
+        )
+    return Finding("ok", "platform", f"ZenCpuPlatform: zentorch {release} runs the linear layers")
+
+
+def check_tuned() -> Finding:
+    """The CPU defaults `ministream tune` chose here, or that it never measured this machine (and releases)."""
+    choice = tuned.chosen()
+    if choice is None:
+        return Finding("warn", "defaults", tuned.describe(None), "make tune (make install runs it)")
+    return Finding("ok", "defaults", tuned.describe(choice))
 
 
 def check_triton(vllm_dir: Path | None, machine: str | None = None) -> Finding | None:
@@ -420,8 +434,9 @@ def installed_vllm_findings(config: dict, vllm_dir: Path | None) -> list[Finding
                 )
             )
     found.append(check_plugin(plugin, dist) if plugin is not None else check_patch(vllm_dir, dist))
-    chosen = check_platform(vllm_dir) if _cpu_build() else None  # the CPU build's platform choice
-    return found + [f for f in (chosen, check_triton(vllm_dir)) if f]
+    if _cpu_build():  # the CPU build's platform, and the defaults chosen on this machine
+        found += [f for f in (check_platform(vllm_dir), check_tuned()) if f]
+    return found + [f for f in (check_triton(vllm_dir),) if f]
 
 
 def _cpu_build() -> bool:

@@ -4,10 +4,11 @@ benchmarks' engines) or judges one (doctor) takes (EngineSettings), their comman
 compiled or eager, context length and seed, for the offline engines, the server and the figure doctor judges a
 folder against.
 
-On a machine without a GPU: the model gets every core (vLLM keeps one for its front end otherwise,
-about half the speed on 2 cores), one core per rank under tensor parallelism, and a KV cache of a
-quarter of the memory available (1 to 64 GiB, split among the ranks) instead of a fraction of system
-memory. With a GPU, vLLM's own defaults. Settings the user put in the environment always win.
+On a machine without a GPU: a KV cache of a quarter of the memory available (1 to 64 GiB, split among the
+ranks) instead of a fraction of system memory; one core per rank under tensor parallelism; at one rank, the
+core binding and zentorch that `ministream tune` chose on this machine (tuned.py: vLLM's own unless ours was
+faster beyond the spread), and where it never ran there, every core to the model (vLLM keeps one for its front
+end otherwise). With a GPU, vLLM's own defaults. Settings the user put in the environment always win.
 """
 
 import argparse
@@ -21,6 +22,7 @@ from pathlib import Path
 from packaging.version import Version
 
 from .. import MiniStreamError
+from . import tuned
 
 GiB = 1 << 30
 SEED = 0  # every engine samples from the same seed, so runs repeat
@@ -198,11 +200,20 @@ def check_tp(tp: int) -> None:
         )
 
 
-def cpu_defaults(tp: int = 1) -> dict[str, str]:
-    """This machine's defaults for vLLM's CPU settings; none with a GPU."""
+def cpu_defaults(tp: int = 1, choice: dict | None = None) -> dict[str, str]:
+    """This machine's defaults for vLLM's CPU settings; none with a GPU. Where `ministream tune` measured this
+    machine (its record: tuned.chosen(), or `choice`), vLLM's own core binding and platform unless ours were
+    faster beyond the spread; one rank only: under tensor parallelism vLLM's own binding keeps a core per rank
+    for its front end, which a small machine does not have."""
     if has_gpu():
         return {}
-    return {BIND: core_binding(tp), KV_CACHE: str(kv_cache_gib(tp=tp))}
+    choice = tuned.chosen() if choice is None else choice
+    env = {KV_CACHE: str(kv_cache_gib(tp=tp))}
+    if tp > 1 or choice is None or choice.get("binding") != "vllm":
+        env[BIND] = core_binding(tp)
+    if choice is not None and choice.get("zentorch") is False:
+        env["PYTHONPATH"] = str(tuned.NO_ZENTORCH)
+    return env
 
 
 def defaults(tp: int = 1) -> dict[str, str]:
@@ -211,11 +222,16 @@ def defaults(tp: int = 1) -> dict[str, str]:
 
 
 def engine_env(tp: int = 1, environ: dict | None = None) -> dict:
-    """An engine's environment: `environ` (this one by default) plus the defaults it does not set."""
+    """An engine's environment: `environ` (this one by default) plus the defaults it does not set (a PYTHONPATH
+    default goes before the user's)."""
     env = dict(os.environ if environ is None else environ)
     for k, v in defaults(tp).items():
-        env.setdefault(k, v)
+        env[k] = _joined(v, env[k]) if k == "PYTHONPATH" and env.get(k) else env.get(k, v)
     return env
+
+
+def _joined(first: str, path: str) -> str:
+    return path if first in path.split(os.pathsep) else os.pathsep.join([first, path])
 
 
 def kv_cache_bytes(environ: dict | None = None) -> int:
@@ -247,9 +263,11 @@ def llm_kwargs(model: Path, settings: EngineSettings, **overrides) -> dict:
 
 
 def use_defaults(tp: int = 1) -> None:
-    """Put the defaults into this process's environment (vLLM's engine processes inherit it)."""
-    for k, v in defaults(tp).items():
-        os.environ.setdefault(k, v)
+    """Put the defaults into this process's environment (vLLM's engine processes inherit it); zentorch, where
+    the check turned it off, out of this process's reach too (vLLM may pick its platform here)."""
+    os.environ.update(engine_env(tp))
+    if str(tuned.NO_ZENTORCH) in os.environ.get("PYTHONPATH", "").split(os.pathsep) and "zentorch" not in sys.modules:
+        sys.modules["zentorch"] = None  # type: ignore[assignment]  # `import zentorch` raises ImportError
 
 
 # --- LoRA adapters beside the base model --------------------------------------------------------

@@ -45,7 +45,7 @@ from ..checkpoint.format import ADAPTER_FILE
 from ..checkpoint.lora import PEFT_CONFIG, PEFT_WEIGHTS, check_peft
 from ..fork.install import installed_vllm
 from ..spec import train_config_from_hf
-from . import engine, nodes
+from . import engine, nodes, tuned
 from .folder import check_servable, read_header
 from .server import API_KEY, START_TIMEOUT, die_with_parent, get, kill_group, local_url, pgroup_alive
 
@@ -417,6 +417,8 @@ def serve(
     url = local_url(host, port)
     shown = " ".join(f"{k}={env[k]}" for k in (*SHOWN, "VLLM_HOST_IP") if k in env)
     print(f"ministream serve: {shown} {' '.join(cmd)}", flush=True)
+    if not engine.has_gpu() and local == 1:
+        print(f"ministream serve: CPU defaults (yours win): {tuned.describe(tuned.chosen())}", flush=True)
     peers: dict = {}
     if cluster:
         mine = nodes.card(model, settings, nnodes, release)

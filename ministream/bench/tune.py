@@ -1,0 +1,135 @@
+"""tune: the CPU defaults that are the machine's to decide, chosen on the machine by one quick same-run check.
+
+Machines of one kind differ: on a Zen 5 EPYC zentorch was slower than vLLM's plain CPU platform in 6 of 9
+bench cells and vLLM's own core binding beat ours at batch 1, while on a Zen 4 zentorch won 1.27x (issue 36).
+So no figure from one machine sets the default on another. `ministream tune` (`make install` runs it) starts
+the reference shape (random weights, bfloat16) on the installed vLLM once per candidate and decodes at batch 1
+and 8, each cell the median of repeats with their range (workers.measure):
+
+  vllm      vLLM's own: VLLM_CPU_OMP_THREADS_BIND=auto, zentorch hidden (its plain CPU platform)
+  ours      every core to the model (engine.core_binding), zentorch hidden
+  zentorch  the binding chosen above, on vLLM's ZenCpuPlatform (only where zentorch is installed and used)
+
+A candidate replaces vLLM's own only where it is faster beyond the spread (its range above the other's) at a
+batch size and slower beyond it at none: else vLLM's own. The record (run/tuned.py) holds the choice, every
+cell and the machine; every engine at one rank follows it. A record for this machine and these releases is
+kept: tune again with --force (after a BIOS or kernel change, say).
+"""
+
+import datetime
+import os
+import sys
+import time
+from pathlib import Path
+
+from .. import MiniStreamError
+from ..atomic import write_json
+from ..paths import BUILD
+from ..run import engine, tuned
+from .bench import prepare_model
+from .workers import run_worker
+
+DEFAULT_OUT = BUILD / "tune"
+FULL = dict(dtype="bfloat16", batches=[1, 8], new_tokens=32, prompt_len=32, repeats=5, serial_requests=1)
+QUICK = dict(FULL, batches=[1], new_tokens=8, repeats=3, eager=True)
+RULE = "a candidate replaces vLLM's own where faster beyond the spread at a batch size and slower beyond it at none"
+
+
+def faster(a: list[dict], b: list[dict]) -> bool:
+    """Whether cells `a` beat cells `b` by RULE: at some batch size a's slowest repeat is faster than b's
+    fastest, and at none is b's slowest faster than a's fastest."""
+    pairs = [(x["tokens_per_s_range"], y["tokens_per_s_range"]) for x in a for y in b if x["batch"] == y["batch"]]
+    if not pairs:
+        raise ValueError("no batch size measured on both sides")
+    return any(ra[0] > rb[1] for ra, rb in pairs) and not any(rb[0] > ra[1] for ra, rb in pairs)
+
+
+def decide(cells: dict[str, list[dict]]) -> dict:
+    """The choice from the candidates' rows: ours over vLLM's binding, then zentorch over the plain platform
+    at the chosen binding (None where it was not measured: not installed, or vLLM did not use it)."""
+    binding = "ours" if faster(cells["ours"], cells["vllm"]) else "vllm"
+    zen = cells.get("zentorch")
+    return {"binding": binding, "zentorch": None if zen is None else faster(zen, cells[binding])}
+
+
+def candidates(binding: str | None = None) -> dict[str, dict]:
+    """Each candidate's environment; the zentorch one at `binding` (the chosen one)."""
+    hidden = {"PYTHONPATH": os.pathsep.join(filter(None, [str(tuned.NO_ZENTORCH), os.environ.get("PYTHONPATH")]))}
+    bind = {"vllm": "auto", "ours": engine.core_binding(1)}
+    envs = {"vllm": {engine.BIND: "auto", **hidden}, "ours": {engine.BIND: bind["ours"], **hidden}}
+    if binding is not None:
+        envs["zentorch"] = {engine.BIND: bind[binding]}
+    return envs
+
+
+def tune(out: Path = DEFAULT_OUT, model: Path | None = None, quick: bool = False, force: bool = False) -> int:
+    """`ministream tune`: measure, decide, write the record (atomically; an old one stays where a run fails)."""
+    record = tuned.record_path()
+    if engine.has_gpu():
+        print("tune: a GPU answers: vLLM's own defaults, nothing to choose")
+        return 0
+    if not force and tuned.chosen() is not None:
+        print(f"tune: {tuned.describe(tuned.chosen())}; measured before on this machine (--force measures again)")
+        return 0
+    if tuned.fingerprint()["vllm"] is None:
+        raise MiniStreamError("tune: vllm is not installed in this environment: run `make install` first")
+    settings = dict(QUICK if quick else FULL)
+    out.mkdir(parents=True, exist_ok=True)
+    folder = model or Path(prepare_model("reference", out / "models")["hf"])
+    spec = {"kind": "vllm", "model_dir": str(folder), "vocab": _vocab(folder), **settings}
+    # the candidates see no record, old or new: only the environment each is given
+    base = {tuned.RECORD_ENV: str(out / "no-record"), engine.KV_CACHE: "1"}
+    t = time.perf_counter()
+    cells, runs = {}, {}
+    for name, env in candidates().items():
+        runs[name] = _measure(name, spec, {**base, **env}, out)
+        cells[name] = runs[name]["rows"]
+    binding = decide(cells)["binding"]
+    if tuned.fingerprint()["zentorch"] is not None:
+        runs["zentorch"] = _measure("zentorch", spec, {**base, **candidates(binding)["zentorch"]}, out)
+        if runs["zentorch"].get("vllm_platform") == "ZenCpuPlatform":
+            cells["zentorch"] = runs["zentorch"]["rows"]
+    choice = decide(cells)
+    write_json(
+        record,
+        {
+            "schema": tuned.SCHEMA,
+            "fingerprint": tuned.fingerprint(),
+            "choice": choice,
+            "rule": RULE,
+            "settings": settings,
+            "model": str(folder),
+            "runs": runs,
+            "seconds": round(time.perf_counter() - t, 1),
+            "when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "command": " ".join(["ministream", *sys.argv[1:]]),
+        },
+    )
+    _print(cells)
+    print(f"tune: {tuned.describe(choice)}")
+    return 0
+
+
+def _measure(name: str, spec: dict, env: dict, out: Path) -> dict:
+    run = run_worker(f"tune-{name}", spec, out, env)
+    if "error" in run:
+        raise MiniStreamError(
+            f"tune: the {name} candidate failed ({run['error']}; log {run['log']}):\n{run['log_tail']}\n"
+            "the record is unchanged: engines keep their defaults"
+        )
+    return run
+
+
+def _vocab(folder: Path) -> int:
+    from ..run.folder import open_folder
+
+    found = open_folder(folder)  # the prompts' random ids stay inside the tokenizer, else the embedding
+    return found.tokenizer_size or int(found.config["vocab_size"])
+
+
+def _print(cells: dict[str, list[dict]]) -> None:
+    print(f"{'candidate':<10} {'batch':>5} {'tok/s':>8}  range")
+    for name, rows in cells.items():
+        for r in rows:
+            lo, hi = r["tokens_per_s_range"]
+            print(f"{name:<10} {r['batch']:>5} {r['tokens_per_s']:>8.1f}  {lo:.1f}-{hi:.1f}")

@@ -1,0 +1,3 @@
+# `import zentorch` fails here on purpose: run/tuned.py puts this folder first on an engine's PYTHONPATH where
+# `ministream tune` found vLLM's plain CPU platform as fast, so vLLM picks that one
+raise ImportError("zentorch hidden by ministream tune: vLLM runs its plain CPU platform")
