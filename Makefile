@@ -87,7 +87,7 @@ help:
 	@echo "make convert-lora ADAPTER=dir BASE=dir OUT=dir  the trainer's LoRA adapter.pt -> a PEFT adapter folder vLLM"
 	@echo "                                   serves (serve --lora NAME=OUT); BASE: the converted folder or RAW [LORA_ARGS=--force]"
 	@echo "make gguf MODEL=dir [GGUF=file]    one GGUF file for llama.cpp (default MODEL.gguf) [GGUF_DTYPE=f32|bf16|f16|q8_0|q4_0]"
-	@echo "make quantize MODEL=dir [SCHEME=w8a8|w4a16] [QUANTIZED=dir]  int8/int4 weights for vLLM (default MODEL-SCHEME)"
+	@echo "make quantize MODEL=dir [SCHEME=w8a8|w4a16|fp8] [QUANTIZED=dir]  int8/int4/fp8 weights for vLLM (default MODEL-SCHEME)"
 	@echo "make generate MODEL=dir            greedy text from the reference model and the installed vLLM"
 	@echo "make patch VLLM_VERSION=x          vLLM x's source tree (its sdist) + the MiniStream patch set in build/vllm-x/"
 	@echo "                                   [VLLM_SRC=checkout: patch that git checkout instead] [VLLM_GIT_URL=repo]"
@@ -156,7 +156,7 @@ convert-lora: setup
 gguf: setup
 	$(MS) gguf '$(MODEL)' '$(GGUF)' --dtype $(GGUF_DTYPE)
 
-# SCHEME=w8a8|w4a16: MODEL's linear weights quantized into QUANTIZED (compressed-tensors, what vLLM reads)
+# SCHEME=w8a8|w4a16|fp8: MODEL's linear weights quantized into QUANTIZED (compressed-tensors, what vLLM reads)
 quantize: setup
 	$(MS) quantize '$(MODEL)' '$(QUANTIZED)' --scheme $(SCHEME)
 

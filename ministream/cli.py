@@ -184,14 +184,15 @@ def add_quantize(sub) -> None:
         sub,
         "quantize",
         quantize.__doc__,
-        "converted folder -> a folder of int8 or int4 weights vLLM reads (compressed-tensors)",
+        "converted folder -> a folder of int8, int4 or fp8 weights vLLM reads (compressed-tensors)",
     )
     _src_out(p, "converted HF-style folder (`ministream convert`)", "the folder to write (whole, or not at all)")
     p.add_argument(
         "--scheme",
         required=True,
         choices=list(quantize.SCHEMES),
-        help="w8a8: int8 weights and activations; w4a16: int4 weights in groups of 128, activations as they are",
+        help="w8a8: int8 weights and activations; w4a16: int4 weights in groups of 128, activations as they are; "
+        "fp8: float8 weights and activations, for GPUs",
     )
     _heldout_text(p)
     p.set_defaults(func=lambda a: quantize.quantize(a.src, a.out, a.scheme, a.force, text=a.text) and 0)

@@ -7,6 +7,7 @@ pins a flashinfer-python nobody published, so it runs with --nearest-pins and sa
 """
 
 import json
+from pathlib import Path
 
 import pytest
 from packaging.version import Version
@@ -102,7 +103,10 @@ def test_gpu_proof_prepares_every_job_that_needs_no_gpu(tmp_path):
     llama = json.loads((tmp_path / "models" / "reference" / "llama" / "config.json").read_text())
     assert llama["architectures"] == ["LlamaForCausalLM"] and llama["model_type"] == "llama"
     assert next(j for j in planned if j["part"] == "tp2")["skip"].startswith("TP=2 needs two GPUs")
-    assert next(j for j in planned if j["part"] == "fp8")["quantization"] == "fp8"
+    dynamic, folder = (j for j in planned if j["part"] == "fp8")
+    assert dynamic["quantization"] == "fp8" and "quantization" not in folder  # vLLM reads the folder's own
+    config = json.loads((Path(folder["folder"]) / "config.json").read_text())
+    assert folder["folder"].endswith("demo/fp8") and config["quantization_config"]["format"] == "float-quantized"
     lora = next(j for j in planned if j["part"] == "lora")
     assert (tmp_path / "models" / "gqa-untied" / "lora" / "peft" / "adapter_config.json").is_file()
     with_adapter = gpu_proof.golden(tmp_path / "models" / "gqa-untied", "float32", lora=True)

@@ -1,4 +1,5 @@
-"""`ministream quantize`: a converted folder's linear weights in compressed-tensors' int8 (w8a8) and int4 (w4a16)
+"""`ministream quantize`: a converted folder's linear weights in compressed-tensors' int8 (w8a8), int4 (w4a16)
+and fp8 (for GPUs)
 formats, read back by the library and by vLLM, which is held to the reference model on the weights it computes
 with (the folder's own, dequantized: `verify`)."""
 
@@ -125,6 +126,8 @@ def test_a_shape_the_groups_cannot_split_is_refused_naming_the_tensor(tiny_hf):
         pytest.param("patched wheel", "w4a16", marks=pytest.mark.full),
         pytest.param("plugin", "w8a8", marks=pytest.mark.full),
         pytest.param("plugin", "w4a16", marks=pytest.mark.full),
+        pytest.param("patched wheel", "fp8", marks=pytest.mark.full),
+        pytest.param("plugin", "fp8", marks=pytest.mark.full),
     ],
 )
 def test_vllm_computes_the_quantized_folder_as_the_reference_model_on_its_weights(
@@ -133,7 +136,7 @@ def test_vllm_computes_the_quantized_folder_as_the_reference_model_on_its_weight
     """verify on the quantized folder: the golden file from the reference model on the folder's weights,
     dequantized (what vLLM multiplies by); vLLM through compressed-tensors' int kernels, not a fallback."""
     out = quantized(cli, tiny_gqa_hf, tmp_path / scheme, scheme)
-    dtype = {"w8a8": "float32", "w4a16": "bfloat16"}[scheme]  # int4 kernels take 16-bit activations only
+    dtype = {"w8a8": "float32", "w4a16": "bfloat16", "fp8": "float32"}[scheme]  # int4 kernels: 16-bit only
     python, env = route_python(route)
     command = [python, "-m", "ministream.cli", "verify", out, "--dtype", dtype, "--out", tmp_path / "verify"]
     r = subprocess.run([str(c) for c in command], capture_output=True, text=True, env=env, timeout=1800)
@@ -145,7 +148,8 @@ def test_vllm_computes_the_quantized_folder_as_the_reference_model_on_its_weight
         -2000:
     ]
     assert f"rule for {scheme} ({RULES[scheme]}): PASS on perplexity" in text, text[-2000:]
-    assert {"w8a8": "W8A8Int8", "w4a16": "WNA16"}[scheme] in text, text[-4000:]  # vLLM's log: the int kernels ran
+    # vLLM's log: the int kernels ran; fp8 on a CPU through torch's scaled matmul
+    assert {"w8a8": "W8A8Int8", "w4a16": "WNA16", "fp8": "TorchFP8ScaledMMLinearKernel"}[scheme] in text, text[-4000:]
 
 
 def test_int4_weights_in_float32_are_refused_before_vllm_starts_and_auto_runs_them_in_bfloat16(cli, tiny_hf, tmp_path):
@@ -155,3 +159,34 @@ def test_int4_weights_in_float32_are_refused_before_vllm_starts_and_auto_runs_th
     for command in (["verify", out, "--dtype", "float32"], ["generate", out, "--engine", "vllm", "--dtype", "float32"]):
         line = one_line_error(cli(*command, "--prompt", "x") if command[0] == "generate" else cli(*command), rc=2)
         assert "16-bit activations" in line and "--dtype bfloat16" in line, line
+
+
+def test_fp8_weights_sit_on_the_float8_grid(cli, tiny_gqa_hf, tmp_path):
+    """--scheme fp8 (compressed-tensors FP8_DYNAMIC, for GPUs): float8 e4m3 weights, one float32 scale per row
+    whose largest weight lands on float8's largest value (448); rounding moves a weight by at most half of
+    float8's spacing there (3 mantissa bits: 2^-4 of it, or of the smallest subnormal step)."""
+    out = quantized(cli, tiny_gqa_hf, tmp_path / "fp8", "fp8")
+    before, after = load_file(tiny_gqa_hf / "model.safetensors"), load_file(out / "model.safetensors")
+    from ministream.checkpoint.quantize import dequantize_state
+
+    cfg, _ = read_folder(out)  # the library reads it back
+    deq = dequantize_state(after, cfg, "fp8")
+    config = json.loads((out / "config.json").read_text())
+    q = config["quantization_config"]
+    assert (q["format"], q["ignore"], config["dtype"]) == ("float-quantized", ["lm_head"], "float32")
+    group = q["config_groups"]["group_0"]
+    assert (group["weights"]["type"], group["weights"]["strategy"], group["input_activations"]["dynamic"]) == (
+        "float",
+        "channel",
+        True,
+    )
+    for name in (n for n in before if LINEAR.match(n)):
+        stem, w = name.removesuffix(".weight"), before[name]
+        scale = after[f"{stem}.weight_scale"]
+        assert after[name].dtype == torch.float8_e4m3fn and scale.shape == (w.shape[0], 1), name
+        assert torch.allclose(w.abs().amax(1) / scale.squeeze(1), torch.full((w.shape[0],), 448.0), rtol=1e-5)
+        err = (deq[name].float() - w).abs()
+        assert bool((err <= w.abs() * 2**-4 + scale * 2**-9 + 1e-7).all()) and float(err.max()) > 0, name
+    record = json.loads((out / RECORD).read_text())["perplexity"]
+    assert abs(record["quantized"] / record["source"] - 1) < PERPLEXITY_BOUND["fp8"]
+    assert RULES["fp8"] == RULES["w8a8"].replace("2%", f"{PERPLEXITY_BOUND['fp8']:.0%}")

@@ -3,6 +3,9 @@ GPU (`quantization_config` in config.json, quant_method compressed-tensors): rou
 
     w8a8    int8 weights, one scale per output row; vLLM quantizes the activations to int8 per token at run time
     w4a16   int4 weights, one scale per group of 128 inputs (symmetric); activations stay in the model's dtype
+    fp8     float8 (e4m3) weights, one scale per output row; activations to fp8 per token at run time (the
+            preset FP8_DYNAMIC, llm-compressor's usual recipe for GPUs). vLLM 0.32's CPU build runs it too,
+            through torch's scaled matmul (ChannelWiseTorchFP8ScaledMMLinearKernel), in float32 or bfloat16
 
 The scheme, the packing and the config are the compressed-tensors library's own (its presets W8A8 and W4A16 and
 its compressors), so what vLLM unpacks is what the library packed. Each projection keeps its own scales, under
@@ -25,7 +28,13 @@ from .convert import LazyFolder, safetensors_files
 from .format import read_json
 
 # --scheme -> (the compressed-tensors preset, its compression format)
-SCHEMES = {"w8a8": ("W8A8", "int-quantized"), "w4a16": ("W4A16", "pack-quantized")}
+SCHEMES = {
+    "w8a8": ("W8A8", "int-quantized"),
+    "w4a16": ("W4A16", "pack-quantized"),
+    "fp8": ("FP8_DYNAMIC", "float-quantized"),
+}
+# a scheme's stored weight: its safetensors code (pack-quantized stores int32 words: stored())
+WEIGHT_CODES = {"int-quantized": "I8", "float-quantized": "F8_E4M3"}
 LINEAR = re.compile(r"^model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight$")
 WEIGHT_FILES = re.compile(r"^model(-\d+-of-\d+)?\.safetensors(\.index\.json)?$")
 
@@ -37,11 +46,19 @@ def scheme_of(name: str):
     """The compressed-tensors QuantizationScheme of `--scheme name`, and its compressor class."""
     if name not in SCHEMES:
         raise MiniStreamError(f"--scheme {name}: choose one of {', '.join(SCHEMES)}")
-    from compressed_tensors.compressors import IntQuantizationCompressor, PackedQuantizationCompressor
+    from compressed_tensors.compressors import (
+        FloatQuantizationCompressor,
+        IntQuantizationCompressor,
+        PackedQuantizationCompressor,
+    )
     from compressed_tensors.quantization import preset_name_to_scheme
 
     preset, fmt = SCHEMES[name]
-    compressor = PackedQuantizationCompressor if fmt == "pack-quantized" else IntQuantizationCompressor
+    compressor = {
+        "pack-quantized": PackedQuantizationCompressor,
+        "int-quantized": IntQuantizationCompressor,
+        "float-quantized": FloatQuantizationCompressor,
+    }[fmt]
     return preset_name_to_scheme(preset, ["Linear"]), compressor
 
 
@@ -51,7 +68,7 @@ def stored(shape: tuple[int, ...], name: str) -> dict[str, tuple[tuple[int, ...]
     rows, inputs = shape
     group = scheme_of(name)[0].weights.group_size
     if not group:
-        return {"weight": ((rows, inputs), "I8"), "weight_scale": ((rows, 1), "F32")}
+        return {"weight": ((rows, inputs), WEIGHT_CODES[SCHEMES[name][1]]), "weight_scale": ((rows, 1), "F32")}
     return {
         "weight_packed": ((rows, inputs // 8), "I32"),  # eight 4-bit values per int32, along the inputs
         "weight_scale": ((rows, inputs // group), "F32"),

@@ -14,8 +14,9 @@ build/gpu-proof/<v>/, the result in report.json there:
   twin         the reference shape under LlamaForCausalLM's names (the same safetensors) at batch 1, 8 and 64, bf16:
                the same token ids as MiniStream's at each batch size, and both throughputs
   tp2          TP=2, fp32, the GQA model: the reference's token ids; where two GPUs answer (else: skipped, said)
-  fp8          the demo shape (trained; its dimensions multiples of 16) with quantization="fp8": vLLM's top-k
-               rule against the reference in bf16
+  fp8          the demo shape (trained; its dimensions multiples of 16) with quantization="fp8", and its
+               `quantize --scheme fp8` folder (compressed-tensors FP8_DYNAMIC): vLLM's top-k rule against the
+               reference in bf16
   lora         the GQA model with a LoRA adapter (checkpoint --adapter, convert-lora), vLLM's LoRARequest: fp32,
                the token ids of the reference model with the adapter merged
   image        `make image DEVICE=cuda` where a Docker engine runs, the image serving the GQA model: its completion
@@ -34,6 +35,7 @@ from ..atomic import new_folder, write_json
 from ..checkpoint.convert import convert, llama_twin
 from ..checkpoint.demo import make_adapter, make_checkpoint
 from ..checkpoint.lora import convert_lora
+from ..checkpoint.quantize import quantize
 from ..fork.patchset import patch_set_dir
 from ..fork.wheel import build_wheel
 from ..paths import BUILD, CACHE, DIST
@@ -95,7 +97,15 @@ def models(root: Path = MODELS, log=print) -> dict[str, Path]:
         made[name] = folder
     twin(made["reference"])
     adapter(made["gqa-untied"])
+    fp8(made["demo"])
     return made
+
+
+def fp8(folder: Path) -> Path:
+    """folder/fp8: `ministream quantize --scheme fp8` of the converted folder (compressed-tensors FP8_DYNAMIC)."""
+    if not (folder / "fp8" / "config.json").is_file():
+        quantize(folder / "hf", folder / "fp8", "fp8", force=True, log=lambda *a, **k: None)
+    return folder / "fp8"
 
 
 def twin(folder: Path) -> Path:
@@ -189,6 +199,7 @@ def jobs(made: dict[str, Path], n_gpus: int) -> list[dict]:
     if n_gpus < 2:
         tp2["skip"] = f"TP=2 needs two GPUs; {n_gpus} answer(s) here"
     job("fp8", "demo fp8 (vs the reference in bfloat16)", "demo", "hf", "bfloat16", quantization="fp8")
+    job("fp8", "demo quantize --scheme fp8 folder (vs the reference in bfloat16)", "demo", "fp8", "bfloat16")
     peft = str((made["gqa-untied"] / "lora" / "peft").resolve())
     job(
         "lora",

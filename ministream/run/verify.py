@@ -46,11 +46,15 @@ from .prompts import context_prompts
 GOLDEN_VERSION = 1  # the golden file's own layout
 # Each width's rule against the full-precision model (docs/quantize.md, "The rules"): identical ids; the first
 # difference within each other's top-k; and for the quantized widths a bound on perplexity on held-out text.
-PERPLEXITY_BOUND = {"w8a8": 0.02, "w4a16": 0.08}
+PERPLEXITY_BOUND = {"w8a8": 0.02, "w4a16": 0.08, "fp8": 0.02}
+TOP_K_WIDTHS = {"bfloat16", "w8a8", "fp8"}  # held to the top-k rule (w4a16 to its perplexity bound only)
 RULES = {
     "float32": "identical token ids",
     "bfloat16": "first difference within each other's top-k",
-    "w8a8": f"first difference within each other's top-k, perplexity at most {PERPLEXITY_BOUND['w8a8']:.0%} above",
+    **{
+        w: f"first difference within each other's top-k, perplexity at most {PERPLEXITY_BOUND[w]:.0%} above"
+        for w in ("w8a8", "fp8")
+    },
     "w4a16": f"perplexity at most {PERPLEXITY_BOUND['w4a16']:.0%} above",
 }
 
@@ -62,7 +66,7 @@ def rule_passes(width: str, identical: bool, within_top_k: bool, perplexity_chan
     if width == "bfloat16":
         return within_top_k
     fits = perplexity_change is not None and perplexity_change <= PERPLEXITY_BOUND[width]
-    return fits and (within_top_k or width != "w8a8")
+    return fits and (within_top_k or width not in TOP_K_WIDTHS)
 
 
 # cosine similarity below which a stage "diverges": fp32 agrees to ~1e-7; bf16 rounds each layer
