@@ -29,6 +29,8 @@ GGUF ?= $(MODEL).gguf
 GGUF_DTYPE ?= f32
 SCHEME ?= w8a8
 QUANTIZED ?= $(MODEL)-$(SCHEME)
+# quantize: any `ministream quantize` option, e.g. --method gptq [--calibration-text FILE] (calibrated 4-bit)
+QUANTIZE_ARGS ?=
 # install: ZENTORCH=0 leaves out zentorch (AMD CPUs with AVX-512: vLLM's ZenCpuPlatform, fork/zentorch.py)
 ZENTORCH ?=
 # install (DEVICE=cpu): `ministream tune` chooses the core binding and zentorch on this machine against vLLM's own
@@ -158,7 +160,7 @@ gguf: setup
 
 # SCHEME=w8a8|w4a16|fp8: MODEL's linear weights quantized into QUANTIZED (compressed-tensors, what vLLM reads)
 quantize: setup
-	$(MS) quantize '$(MODEL)' '$(QUANTIZED)' --scheme $(SCHEME)
+	$(MS) quantize '$(MODEL)' '$(QUANTIZED)' --scheme $(SCHEME) $(QUANTIZE_ARGS)
 
 generate: setup
 	$(MS) generate '$(MODEL)'

@@ -194,8 +194,35 @@ def add_quantize(sub) -> None:
         help="w8a8: int8 weights and activations; w4a16: int4 weights in groups of 128, activations as they are; "
         "fp8: float8 weights and activations, for GPUs",
     )
+    p.add_argument(
+        "--method",
+        choices=quantize.METHODS,
+        default="rtn",
+        help="rtn: round to nearest, no data (default); gptq: llm-compressor's GPTQ on --calibration-text "
+        "(w4a16; its own environment under build/llmcompressor/, made once)",
+    )
+    p.add_argument(
+        "--calibration-text",
+        type=Path,
+        help="text of the model's own kind for --method gptq (default: the demo models' training corpus)",
+    )
+    p.add_argument("--calibration-samples", type=int, help="windows of 512 tokens GPTQ calibrates on (default: 128)")
     _heldout_text(p)
-    p.set_defaults(func=lambda a: quantize.quantize(a.src, a.out, a.scheme, a.force, text=a.text) and 0)
+    p.set_defaults(
+        func=lambda a: (
+            quantize.quantize(
+                a.src,
+                a.out,
+                a.scheme,
+                a.force,
+                text=a.text,
+                method=a.method,
+                calibration=a.calibration_text,
+                samples=a.calibration_samples,
+            )
+            and 0
+        )
+    )
 
 
 def _heldout_text(p) -> None:

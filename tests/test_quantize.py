@@ -101,7 +101,14 @@ def test_what_quantize_cannot_take_is_refused_by_name_and_nothing_is_written(cli
     assert not (tmp_path / "once.gguf").exists()
     r = cli("quantize", tiny_hf, tmp_path / "x", "--scheme", "int3")
     assert r.returncode == 2 and "w8a8" in r.stderr and "Traceback" not in r.stderr
-    assert not (tmp_path / "twice").exists() and not (tmp_path / "x").exists()
+    # GPTQ calibrates the 4-bit scheme only, on a text that exists: refused before its environment is made
+    assert "--method gptq calibrates w4a16 only" in one_line_error(
+        cli("quantize", tiny_hf, tmp_path / "g", "--scheme", "w8a8", "--method", "gptq")
+    )
+    no_text = ("--calibration-text", tmp_path / "none.txt")
+    line = one_line_error(cli("quantize", tiny_hf, tmp_path / "g", "--scheme", "w4a16", "--method", "gptq", *no_text))
+    assert "none.txt: no such file" in line
+    assert not any((tmp_path / n).exists() for n in ("twice", "x", "g"))
     assert tree(tiny_hf) == before
     # verify holds a quantized folder to its source's perplexity, which only quantize's record knows
     (once / RECORD).unlink()
@@ -190,3 +197,28 @@ def test_fp8_weights_sit_on_the_float8_grid(cli, tiny_gqa_hf, tmp_path):
     record = json.loads((out / RECORD).read_text())["perplexity"]
     assert abs(record["quantized"] / record["source"] - 1) < PERPLEXITY_BOUND["fp8"]
     assert RULES["fp8"] == RULES["w8a8"].replace("2%", f"{PERPLEXITY_BOUND['fp8']:.0%}")
+
+
+@pytest.mark.full
+@pytest.mark.vllm
+def test_gptq_calibrated_int4_is_stored_as_rtn_stores_it_and_vllm_passes_the_w4a16_rule(cli, tiny_gqa_hf, tmp_path):
+    """--method gptq: llm-compressor's GPTQ (its own environment, build/llmcompressor/) on the corpus, stored in
+    round-to-nearest's W4A16 layout (the same tensors and quantization_config) with other int4 values; vLLM
+    loads it and passes the w4a16 rule."""
+    rtn = quantized(cli, tiny_gqa_hf, tmp_path / "rtn", "w4a16")
+    out = tmp_path / "gptq"
+    r = cli("quantize", tiny_gqa_hf, out, "--scheme", "w4a16", "--method", "gptq", timeout=3600)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    record = json.loads((out / RECORD).read_text())
+    how = record["method"]
+    assert how["method"] == "gptq" and how["calibration"]["library"].startswith("llmcompressor ")
+    assert how["calibration"]["samples"] > 0 and how["calibration"]["text"].endswith("corpus.txt")
+    assert abs(record["perplexity"]["quantized"] / record["perplexity"]["source"] - 1) < PERPLEXITY_BOUND["w4a16"]
+    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in rtn.iterdir())  # no scratch left
+    assert json.loads((out / "config.json").read_text()) == json.loads((rtn / "config.json").read_text())
+    a, b = load_file(rtn / "model.safetensors"), load_file(out / "model.safetensors")
+    assert {k: v.shape for k, v in a.items()} == {k: v.shape for k, v in b.items()}
+    assert any(not torch.equal(a[k], b[k]) for k in a if k.endswith("weight_packed"))  # GPTQ chose otherwise
+    v = cli("verify", out, "--dtype", "bfloat16", "--out", tmp_path / "verify", timeout=1800)
+    assert v.returncode == 0, (v.stdout + v.stderr)[-3000:]
+    assert f"rule for w4a16 ({RULES['w4a16']}): PASS on perplexity" in v.stdout + v.stderr

@@ -24,7 +24,8 @@ import torch
 from .. import MiniStreamError
 from ..atomic import check_space, disk_full, new_folder
 from ..spec import TrainConfig, hf_shapes, train_config_from_hf
-from .convert import LazyFolder, safetensors_files
+from . import gptq
+from .convert import LazyFolder, llama_twin, safetensors_files
 from .format import read_json
 
 # --scheme -> (the compressed-tensors preset, its compression format)
@@ -39,6 +40,7 @@ LINEAR = re.compile(r"^model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up
 WEIGHT_FILES = re.compile(r"^model(-\d+-of-\d+)?\.safetensors(\.index\.json)?$")
 
 
+METHODS = ("rtn", "gptq")  # round to nearest (no data), or GPTQ on a calibration text (gptq.py)
 RECORD = "ministream-quantize.json"  # beside config.json: the scheme, the source, what the rounding cost
 
 
@@ -178,6 +180,35 @@ def loss_record(src: Path, out: Path, scheme: str, max_len: int, text: Path | No
     }
 
 
+def calibrate(src: Path, tmp: Path, cfg: TrainConfig, scheme: str, python, text, samples, log) -> tuple[dict, dict]:
+    """GPTQ's tensors for each linear weight, by stem, as stored() names and shapes them, and what the
+    calibration was. The library's scratch folders (inside the output's temporary folder) are removed."""
+    from safetensors.torch import load_file
+
+    twin, made = llama_twin(src, tmp / ".gptq-in"), tmp / ".gptq-out"
+    seq_len = min(gptq.SEQ_LEN, cfg.max_seq_len)
+    try:
+        how = gptq.run(python, twin, made, scheme, text, samples or gptq.SAMPLES, seq_len, log)
+        produced = load_file(made / "model.safetensors")
+    finally:
+        for scratch in (twin, made, made.with_suffix(".json"), made.with_suffix(".log")):
+            shutil.rmtree(scratch, ignore_errors=True) if scratch.is_dir() else scratch.unlink(missing_ok=True)
+    parts: dict[str, dict[str, torch.Tensor]] = {}
+    for name, shape in hf_shapes(cfg).items():
+        if LINEAR.match(name):
+            stem = name.removesuffix(".weight")
+            parts[stem] = {}
+            for local, (want, _code) in stored(tuple(shape), scheme).items():
+                got = produced.get(f"{stem}.{local}")
+                if got is None or tuple(got.shape) != want:
+                    raise MiniStreamError(
+                        f"GPTQ's output has {stem}.{local} {None if got is None else list(got.shape)}, not "
+                        f"{list(want)}: llm-compressor {gptq.LLMCOMPRESSOR} wrote another layout; nothing was written"
+                    )
+                parts[stem][local] = got.contiguous()
+    return how, parts
+
+
 def read_record(folder: Path) -> dict | None:
     """A quantized folder's loss record (None: quantized elsewhere, or before the record existed)."""
     path = Path(folder) / RECORD
@@ -185,12 +216,27 @@ def read_record(folder: Path) -> dict | None:
 
 
 def quantize(
-    src: str | Path, out: str | Path, scheme: str, force: bool = False, log=print, text: Path | None = None
+    src: str | Path,
+    out: str | Path,
+    scheme: str,
+    force: bool = False,
+    log=print,
+    text: Path | None = None,
+    method: str = "rtn",
+    calibration: Path | None = None,
+    samples: int | None = None,
 ) -> Path:
-    """Write `out`: the converted folder `src` with its linear weights quantized by `scheme`; every other file
-    copied as it is. `src` is never written; `out` appears whole or not at all (atomic.new_folder)."""
+    """Write `out`: the converted folder `src` with its linear weights quantized by `scheme`, round to nearest
+    or (method "gptq") calibrated by GPTQ on `calibration` (gptq.py); every other file copied as it is. `src`
+    is never written; `out` appears whole or not at all (atomic.new_folder)."""
     src, out = Path(src), Path(out)
     scheme_of(scheme)  # the name first: the cheapest refusal
+    if method not in METHODS:
+        raise MiniStreamError(f"--method {method}: choose one of {', '.join(METHODS)}")
+    if method == "gptq":
+        gptq.check(scheme)
+        if calibration is not None and not Path(calibration).is_file():
+            raise MiniStreamError(f"--calibration-text {calibration}: no such file")
     if not (src / "config.json").is_file():
         raise MiniStreamError(
             f"{src}: no config.json; quantize takes a converted folder: `ministream convert CHECKPOINT DIR` first"
@@ -214,14 +260,17 @@ def quantize(
     check_space(out.parent if out.parent.exists() else Path("."), sum(f.stat().st_size for f in files), what)
     from safetensors.torch import save_file
 
+    python = gptq.environment(log) if method == "gptq" else None  # made once, before anything is written
     try:
         with new_folder(out, force, inputs=[src]) as tmp:
+            calibrated = calibrate(src, tmp, cfg, scheme, python, calibration, samples, log) if python else None
             state: dict[str, torch.Tensor] = {}
             for name in hf_shapes(cfg):  # a tied head has no tensor of its own: not in hf_shapes either
                 t = tensors[name]
                 if LINEAR.match(name):
                     stem = name.removesuffix(".weight")
-                    state.update({f"{stem}.{k}": v for k, v in compress(t, scheme).items()})
+                    parts = calibrated[1][stem] if calibrated else compress(t, scheme)
+                    state.update({f"{stem}.{k}": v for k, v in parts.items()})
                 else:
                     state[name] = t.contiguous()
             save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
@@ -235,6 +284,7 @@ def quantize(
                 written.update({k: "bfloat16" for k in ("dtype", "torch_dtype") if k in config})
             (tmp / "config.json").write_text(json.dumps(written, indent=2) + "\n")
             record = loss_record(src, tmp, scheme, cfg.max_seq_len, text)
+            record["method"] = {"method": method, **({"calibration": calibrated[0]} if calibrated else {})}
             (tmp / RECORD).write_text(json.dumps(record, indent=2) + "\n")
     except OSError as e:
         raise disk_full(e, out, f"while {what}") or e from None
