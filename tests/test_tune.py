@@ -77,7 +77,11 @@ def test_a_record_counts_only_on_the_machine_and_releases_it_was_measured_on(tmp
         other = {**tuned.fingerprint(), **changed}
         record.write_text(json.dumps({"schema": tuned.SCHEMA, "fingerprint": other, "choice": choice}))
         assert tuned.chosen() is None, changed
-    for bad in ("{", "[]", json.dumps({"schema": 99, "fingerprint": tuned.fingerprint(), "choice": choice})):
+    hand_edited = [{"binding": "mine", "zentorch": False}, {"binding": "ours"}, {"binding": "ours", "zentorch": 1}, []]
+    bad_records = [{"schema": 99, "fingerprint": tuned.fingerprint(), "choice": choice}] + [
+        {"schema": tuned.SCHEMA, "fingerprint": tuned.fingerprint(), "choice": c} for c in hand_edited
+    ]
+    for bad in ("{", "[]", *map(json.dumps, bad_records)):
         record.write_text(bad)
         assert tuned.chosen() is None
 

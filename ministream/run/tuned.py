@@ -65,7 +65,10 @@ def chosen(path: Path | None = None) -> dict | None:
     record = read(path)
     if record is None or record.get("fingerprint") != fingerprint():
         return None
-    return record.get("choice")
+    choice = record.get("choice")
+    if not isinstance(choice, dict) or choice.get("binding") not in ("ours", "vllm") or "zentorch" not in choice:
+        return None  # a hand-edited record counts as none
+    return choice if any(choice["zentorch"] is v for v in (True, False, None)) else None  # 1 is not True here
 
 
 def describe(choice: dict | None) -> str:
