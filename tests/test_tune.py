@@ -25,9 +25,14 @@ def rows(*cells):
         (rows((1, 62, 55, 70), (8, 400, 350, 420)), rows((1, 59, 50, 65), (8, 390, 380, 410)), False),  # overlap
         (rows((1, 80, 75, 85), (8, 300, 290, 310)), rows((1, 60, 55, 65), (8, 400, 390, 410)), False),  # loses at 8
         (rows((1, 60, 58, 62)), rows((1, 70, 68, 72)), False),  # slower beyond spread
+        # the serving batch decides where it tells them apart, whatever batch 1 says (the cost stays recorded)
+        (rows((1, 55, 50, 61), (64, 1600, 1500, 1700)), rows((1, 88, 79, 100), (64, 1000, 950, 1100)), True),
+        (rows((1, 90, 85, 95), (64, 1000, 950, 1100)), rows((1, 60, 55, 65), (64, 1600, 1500, 1700)), False),
+        # where it cannot, a smaller batch beyond the spread, and no loss
+        (rows((1, 90, 85, 95), (64, 1000, 950, 1100)), rows((1, 60, 55, 65), (64, 1010, 940, 1090)), True),
     ],
 )
-def test_ours_replaces_vllms_own_only_where_faster_beyond_the_spread_and_slower_nowhere(ours, vllm, want):
+def test_the_serving_batch_decides_else_faster_beyond_the_spread_and_slower_nowhere(ours, vllm, want):
     assert faster(ours, vllm) is want
     assert decide({"ours": ours, "vllm": vllm}) == {"binding": "ours" if want else "vllm", "zentorch": None}
 

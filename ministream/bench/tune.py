@@ -3,16 +3,19 @@
 Machines of one kind differ: on a Zen 5 EPYC zentorch was slower than vLLM's plain CPU platform in 6 of 9
 bench cells and vLLM's own core binding beat ours at batch 1, while on a Zen 4 zentorch won 1.27x (issue 36).
 So no figure from one machine sets the default on another. `ministream tune` (`make install` runs it) starts
-the reference shape (random weights, bfloat16) on the installed vLLM once per candidate and decodes at batch 1
-and 8, each cell the median of repeats with their range (workers.measure):
+the reference shape (random weights, bfloat16) on the installed vLLM once per candidate and decodes at batch 1,
+8 and 64, each cell the median of repeats with their range (workers.measure):
 
   vllm      vLLM's own: VLLM_CPU_OMP_THREADS_BIND=auto, zentorch hidden (its plain CPU platform)
   ours      every core to the model (engine.core_binding), zentorch hidden
   zentorch  the binding chosen above, on vLLM's ZenCpuPlatform (only where zentorch is installed and used)
 
-A candidate replaces vLLM's own only where it is faster beyond the spread (its range above the other's) at a
-batch size and slower beyond it at none: else vLLM's own. The record (run/tuned.py) holds the choice, every
-cell and the machine; every engine at one rank follows it. A record for this machine and these releases is
+A candidate replaces vLLM's own by RULE: where the serving batch (the largest measured, 64: what `serve`'s
+ceiling under load rests on) tells the two apart beyond the spread (one's slowest repeat above the other's
+fastest), it decides; where it cannot, the candidate must be faster beyond the spread at a smaller batch and
+slower beyond it at none. Else vLLM's own. The cells of every batch stay in the record, so what the choice
+costs at batch 1 is there to read. The record (run/tuned.py) holds the choice, every cell and the
+machine; every engine at one rank follows it. A record for this machine and these releases is
 kept: tune again with --force (after a BIOS or kernel change, say).
 """
 
@@ -30,18 +33,27 @@ from .bench import prepare_model
 from .workers import run_worker
 
 DEFAULT_OUT = BUILD / "tune"
-FULL = dict(dtype="bfloat16", batches=[1, 8], new_tokens=32, prompt_len=32, repeats=5, serial_requests=1)
+FULL = dict(dtype="bfloat16", batches=[1, 8, 64], new_tokens=32, prompt_len=32, repeats=5, serial_requests=1)
 QUICK = dict(FULL, batches=[1], new_tokens=8, repeats=3, eager=True)
-RULE = "a candidate replaces vLLM's own where faster beyond the spread at a batch size and slower beyond it at none"
+RULE = (
+    "a candidate replaces vLLM's own where faster beyond the spread at the serving batch (the largest); where that "
+    "batch cannot tell them apart, where faster beyond the spread at a smaller batch and slower beyond it at none"
+)
 
 
 def faster(a: list[dict], b: list[dict]) -> bool:
-    """Whether cells `a` beat cells `b` by RULE: at some batch size a's slowest repeat is faster than b's
-    fastest, and at none is b's slowest faster than a's fastest."""
-    pairs = [(x["tokens_per_s_range"], y["tokens_per_s_range"]) for x in a for y in b if x["batch"] == y["batch"]]
+    """Whether cells `a` beat cells `b` by RULE ("beyond the spread": one's slowest repeat above the other's
+    fastest)."""
+    pairs = {
+        x["batch"]: (x["tokens_per_s_range"], y["tokens_per_s_range"]) for x in a for y in b if x["batch"] == y["batch"]
+    }
     if not pairs:
         raise ValueError("no batch size measured on both sides")
-    return any(ra[0] > rb[1] for ra, rb in pairs) and not any(rb[0] > ra[1] for ra, rb in pairs)
+    ra, rb = pairs.pop(max(pairs))  # the serving batch
+    if ra[0] > rb[1] or rb[0] > ra[1]:
+        return ra[0] > rb[1]
+    rest = pairs.values()
+    return any(ra[0] > rb[1] for ra, rb in rest) and not any(rb[0] > ra[1] for ra, rb in rest)
 
 
 def decide(cells: dict[str, list[dict]]) -> dict:
