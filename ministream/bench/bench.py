@@ -37,7 +37,7 @@ from .. import MiniStreamError
 from ..atomic import write_json
 from ..checkpoint.convert import llama_twin
 from ..paths import BUILD
-from ..run import engine
+from ..run import engine, tuned
 from ..run.folder import open_folder
 from ..run.server import free_port
 from . import widths
@@ -256,7 +256,7 @@ def jobs(model: dict, width: str, with_vllm_bind: bool, systems: list[str], kv_c
     if reverse:  # alternate the order, so drift on a shared machine does not always favour one
         vllm.reverse()
     if _has_zentorch():  # the same engine on vLLM's plain CPU platform: `import zentorch` made to fail
-        hide = {"PYTHONPATH": os.pathsep.join(filter(None, [str(_no_zentorch()), os.environ.get("PYTHONPATH")]))}
+        hide = {"PYTHONPATH": tuned.hide_zentorch()}
         vllm.append(("ministream_no_zentorch", {"kind": "vllm", "model_dir": model["hf"]}, {**kv, **hide}))
     if with_vllm_bind:
         # "auto" is vLLM 0.32's own default for the variable: what a user gets without our defaults
@@ -272,15 +272,6 @@ def _has_zentorch() -> bool:
     import importlib.util
 
     return importlib.util.find_spec("zentorch") is not None
-
-
-def _no_zentorch() -> Path:
-    """A folder whose zentorch package raises ImportError, first on PYTHONPATH: vLLM then falls back to its
-    plain CPU platform (vllm/platforms/__init__.py catches the ImportError), all else the same."""
-    folder = BUILD / "bench-no-zentorch"
-    (folder / "zentorch").mkdir(parents=True, exist_ok=True)
-    (folder / "zentorch" / "__init__.py").write_text('raise ImportError("zentorch hidden by ministream bench")\n')
-    return folder.resolve()
 
 
 def save(result: dict, out: Path, partial: bool = False) -> Path:

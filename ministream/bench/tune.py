@@ -20,7 +20,6 @@ kept: tune again with --force (after a BIOS or kernel change, say).
 """
 
 import datetime
-import os
 import sys
 import time
 from pathlib import Path
@@ -66,7 +65,7 @@ def decide(cells: dict[str, list[dict]]) -> dict:
 
 def candidates(binding: str | None = None) -> dict[str, dict]:
     """Each candidate's environment; the zentorch one at `binding` (the chosen one)."""
-    hidden = {"PYTHONPATH": os.pathsep.join(filter(None, [str(tuned.NO_ZENTORCH), os.environ.get("PYTHONPATH")]))}
+    hidden = {"PYTHONPATH": tuned.hide_zentorch()}
     bind = {"vllm": "auto", "ours": engine.core_binding(1)}
     envs = {"vllm": {engine.BIND: "auto", **hidden}, "ours": {engine.BIND: bind["ours"], **hidden}}
     if binding is not None:

@@ -226,12 +226,8 @@ def engine_env(tp: int = 1, environ: dict | None = None) -> dict:
     default goes before the user's)."""
     env = dict(os.environ if environ is None else environ)
     for k, v in defaults(tp).items():
-        env[k] = _joined(v, env[k]) if k == "PYTHONPATH" and env.get(k) else env.get(k, v)
+        env[k] = tuned.hide_zentorch(env.get(k, "")) if k == "PYTHONPATH" else env.get(k, v)
     return env
-
-
-def _joined(first: str, path: str) -> str:
-    return path if first in path.split(os.pathsep) else os.pathsep.join([first, path])
 
 
 def kv_cache_bytes(environ: dict | None = None) -> int:
@@ -266,7 +262,7 @@ def use_defaults(tp: int = 1) -> None:
     """Put the defaults into this process's environment (vLLM's engine processes inherit it); zentorch, where
     the check turned it off, out of this process's reach too (vLLM may pick its platform here)."""
     os.environ.update(engine_env(tp))
-    if str(tuned.NO_ZENTORCH) in os.environ.get("PYTHONPATH", "").split(os.pathsep) and "zentorch" not in sys.modules:
+    if tuned.hides_zentorch(os.environ.get("PYTHONPATH", "")) and "zentorch" not in sys.modules:
         sys.modules["zentorch"] = None  # type: ignore[assignment]  # `import zentorch` raises ImportError
 
 

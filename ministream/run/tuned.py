@@ -23,6 +23,17 @@ NO_ZENTORCH = Path(__file__).with_name("no_zentorch")
 FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8")  # what the kernels pick by
 
 
+def hide_zentorch(pythonpath: str | None = None) -> str:
+    """`pythonpath` (None: this process's PYTHONPATH) with NO_ZENTORCH first, once."""
+    path = os.environ.get("PYTHONPATH", "") if pythonpath is None else pythonpath
+    parts = [p for p in path.split(os.pathsep) if p and p != str(NO_ZENTORCH)]
+    return os.pathsep.join([str(NO_ZENTORCH), *parts])
+
+
+def hides_zentorch(pythonpath: str) -> bool:
+    return str(NO_ZENTORCH) in pythonpath.split(os.pathsep)
+
+
 def record_path() -> Path:
     return Path(os.environ.get(RECORD_ENV) or Path(sys.prefix) / RECORD_NAME)
 
