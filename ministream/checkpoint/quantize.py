@@ -40,6 +40,8 @@ LINEAR = re.compile(r"^model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up
 WEIGHT_FILES = re.compile(r"^model(-\d+-of-\d+)?\.safetensors(\.index\.json)?$")
 
 
+# stored()'s safetensors codes as torch names: what GPTQ's tensors are checked against before they are written
+CODE_DTYPES = {"I8": "int8", "I32": "int32", "I64": "int64", "F32": "float32", "F8_E4M3": "float8_e4m3fn"}
 METHODS = ("rtn", "gptq")  # round to nearest (no data), or GPTQ on a calibration text (gptq.py)
 RECORD = "ministream-quantize.json"  # beside config.json: the scheme, the source, what the rounding cost
 
@@ -198,12 +200,13 @@ def calibrate(src: Path, tmp: Path, cfg: TrainConfig, scheme: str, python, text,
         if LINEAR.match(name):
             stem = name.removesuffix(".weight")
             parts[stem] = {}
-            for local, (want, _code) in stored(tuple(shape), scheme).items():
+            for local, (want, code) in stored(tuple(shape), scheme).items():
                 got = produced.get(f"{stem}.{local}")
-                if got is None or tuple(got.shape) != want:
+                if got is None or tuple(got.shape) != want or got.dtype != getattr(torch, CODE_DTYPES[code]):
+                    found = "nothing" if got is None else f"{list(got.shape)} {got.dtype}"
                     raise MiniStreamError(
-                        f"GPTQ's output has {stem}.{local} {None if got is None else list(got.shape)}, not "
-                        f"{list(want)}: llm-compressor {gptq.LLMCOMPRESSOR} wrote another layout; nothing was written"
+                        f"GPTQ's output has {found} for {stem}.{local}, not {list(want)} {code}: llm-compressor "
+                        f"{gptq.LLMCOMPRESSOR} wrote another layout; nothing was written"
                     )
                 parts[stem][local] = got.contiguous()
     return how, parts
