@@ -31,6 +31,7 @@ from ministream.run.generate import DEFAULT_PROMPTS, tokenize
 from ministream.run.server import call, complete as any_complete, greedy, stop, stream as any_stream, wait_ready
 
 CONTEXT = 512  # the tiny preset's max_position_embeddings: the servers' limit
+SEQUENCES = 8  # the vanishing client's request: sequences generated at once
 START_TIMEOUT = 600  # s for each server to answer
 PROMPTS = DEFAULT_PROMPTS[:8]
 STREAMS = 64
@@ -161,7 +162,9 @@ def test_client_that_vanishes_mid_stream_is_dropped_and_the_server_keeps_serving
             "model": server["name"],
             "prompt": PROMPTS[1],
             "max_tokens": asked,
-            "temperature": 0,
+            "n": SEQUENCES,  # more work in the one request than a busy moment's gap before SIGSTOP (as the drain test)
+            "temperature": 1.0,
+            "seed": 0,
             "ignore_eos": True,
             "stream": True,
         }
@@ -205,8 +208,8 @@ def test_client_that_vanishes_mid_stream_is_dropped_and_the_server_keeps_serving
         time.sleep(0.2)
     assert metric(server["url"], "num_requests_running") == 0
     spent = metric(server["url"], "generation_tokens_total") - generated
-    print(f"\nclient gone ({how}) after the first token: {spent:.0f} of {asked} tokens generated")
-    assert spent < asked  # aborted, not computed to the end for nobody
+    print(f"\nclient gone ({how}) after the first token: {spent:.0f} of {asked * SEQUENCES} tokens generated")
+    assert spent < asked * SEQUENCES  # aborted, not computed to the end for nobody
     still_serves(server, answers)
 
 
