@@ -31,7 +31,7 @@ from ministream.run.generate import DEFAULT_PROMPTS, tokenize
 from ministream.run.server import call, complete as any_complete, greedy, stop, stream as any_stream, wait_ready
 
 CONTEXT = 512  # the tiny preset's max_position_embeddings: the servers' limit
-SEQUENCES = 8  # the vanishing client's request: sequences generated at once
+SEQUENCES = 64  # the vanishing client's request: sequences generated at once, each to the context's end
 START_TIMEOUT = 600  # s for each server to answer
 PROMPTS = DEFAULT_PROMPTS[:8]
 STREAMS = 64
@@ -135,6 +135,52 @@ def metric(url: str, name: str) -> float:
 ABORTED = re.compile(r"Request \S+ aborted\.")  # vLLM's AsyncLLM, with --enable-log-requests
 
 
+class Engine:
+    """vLLM's engine core and its worker: SIGSTOP on the core alone left the worker spinning on the queue
+    between them, taking the cores the test needed to wake up."""
+
+    def __init__(self, proc: subprocess.Popen):
+        family = psutil.Process(proc.pid).children(recursive=True)
+        cores = [p for p in family if "EngineCore" in " ".join(p.cmdline())]
+        assert len(cores) == 1, [p.cmdline() for p in family]
+        self.processes = [cores[0], *cores[0].children(recursive=True)]
+
+    def suspend(self) -> None:
+        for p in self.processes:
+            p.suspend()
+
+    def resume(self) -> None:
+        for p in reversed(self.processes):
+            p.resume()
+
+
+SLICE = 0.02  # s the held engine runs at a time: a few decode steps, far from the request's 496
+
+
+def _first_token_with_the_engine_held(engine: Engine, sock: socket.socket) -> bytes:
+    """What the server sent up to its first streamed token, the engine held (SIGSTOP) between short
+    slices of running. Watching a free-running engine lost the race on CI's loaded 2 cores: it generated
+    every token before the client saw the first one."""
+    seen = b""
+    deadline = time.monotonic() + 120
+    while b"data: {" not in seen:
+        assert time.monotonic() < deadline, f"no token in 120 s: {seen[:200]!r}"
+        engine.resume()
+        time.sleep(SLICE)
+        engine.suspend()
+        sock.settimeout(0.3)  # the API server, never held, passes on what the engine made in the slice
+        try:
+            while chunk := sock.recv(65536):
+                seen += chunk
+        except TimeoutError:
+            pass
+        else:
+            raise AssertionError(f"the server closed the stream: {seen[:200]!r}")
+        finally:
+            sock.settimeout(60)
+    return seen
+
+
 def _finished(sock: socket.socket, seen: bytes) -> bool:
     """Whether the stream already holds its end ([DONE]), reading what the server sent within a second."""
     sock.settimeout(1)
@@ -154,15 +200,15 @@ def _finished(sock: socket.socket, seen: bytes) -> bool:
 @pytest.mark.vllm
 @pytest.mark.parametrize("how", ["close", "reset"])
 def test_client_that_vanishes_mid_stream_is_dropped_and_the_server_keeps_serving(server, answers, how):
-    """The engine core is held (SIGSTOP) from the first token until the server has aborted the request: a
-    machine fast enough to generate every token before the abort reached the engine made this a race."""
+    """The engine runs in short slices until the first token reaches the client, then is held (SIGSTOP)
+    until the server has aborted the request: a free-running engine could finish before either."""
     asked = CONTEXT - 16
     body = json.dumps(
         {
             "model": server["name"],
             "prompt": PROMPTS[1],
             "max_tokens": asked,
-            "n": SEQUENCES,  # more work in the one request than a busy moment's gap before SIGSTOP (as the drain test)
+            "n": SEQUENCES,  # work for seconds: a loaded machine can wake the test that long after a slice
             "temperature": 1.0,
             "seed": 0,
             "ignore_eos": True,
@@ -170,30 +216,26 @@ def test_client_that_vanishes_mid_stream_is_dropped_and_the_server_keeps_serving
         }
     ).encode()
     port = int(server["url"].rsplit(":", 1)[1])
-    core = engine_core(server["proc"])  # found before asking: the window from the first token to SIGSTOP stays short
-    for _ in range(3):
-        generated = metric(server["url"], "generation_tokens_total")
-        aborted = len(ABORTED.findall(server["log"].read_text()))
-        sock = socket.create_connection(("127.0.0.1", port), timeout=60)
-        sock.sendall(
-            b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-            b"Content-Length: %d\r\n\r\n" % len(body) + body
-        )
-        seen = b""
-        while b"data: {" not in seen:  # the first streamed token
-            chunk = sock.recv(4096)
-            assert chunk, seen
-            seen += chunk
-        core.suspend()
-        assert seen.startswith(b"HTTP/1.1 200")
-        if not _finished(sock, seen):
-            break
-        # a busy machine let the engine finish every token before SIGSTOP: that request cannot vanish mid-stream
-        core.resume()
-        sock.close()
-    else:
-        pytest.fail("the engine finished every request before it could be held, 3 times")
+    engine = Engine(server["proc"])
     try:
+        for _ in range(3):
+            generated = metric(server["url"], "generation_tokens_total")
+            aborted = len(ABORTED.findall(server["log"].read_text()))
+            sock = socket.create_connection(("127.0.0.1", port), timeout=60)
+            engine.suspend()  # the engine runs only in short slices until the first token reaches us
+            sock.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                b"Content-Length: %d\r\n\r\n" % len(body) + body
+            )
+            seen = _first_token_with_the_engine_held(engine, sock)
+            assert seen.startswith(b"HTTP/1.1 200")
+            if not _finished(sock, seen):
+                break
+            # the engine finished every token in one slice: that request cannot vanish mid-stream
+            engine.resume()
+            sock.close()
+        else:
+            pytest.fail("the engine finished every request before it could be held, 3 times")
         if how == "reset":  # no goodbye: the kernel answers the server with RST
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         sock.close()
@@ -202,7 +244,7 @@ def test_client_that_vanishes_mid_stream_is_dropped_and_the_server_keeps_serving
             time.sleep(0.2)
         assert len(ABORTED.findall(server["log"].read_text())) > aborted, "the server never aborted the request"
     finally:
-        core.resume()
+        engine.resume()
     deadline = time.monotonic() + 30
     while metric(server["url"], "num_requests_running") and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -211,13 +253,6 @@ def test_client_that_vanishes_mid_stream_is_dropped_and_the_server_keeps_serving
     print(f"\nclient gone ({how}) after the first token: {spent:.0f} of {asked * SEQUENCES} tokens generated")
     assert spent < asked * SEQUENCES  # aborted, not computed to the end for nobody
     still_serves(server, answers)
-
-
-def engine_core(proc: subprocess.Popen) -> psutil.Process:
-    family = psutil.Process(proc.pid).children(recursive=True)
-    engines = [p for p in family if "EngineCore" in " ".join(p.cmdline())]
-    assert len(engines) == 1, [p.cmdline() for p in family]
-    return engines[0]
 
 
 def stream(server, prompt: str) -> tuple[str, bool]:
