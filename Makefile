@@ -225,12 +225,12 @@ bench: setup
 	$(MS) bench --out '$(BENCH_OUT)' $(if $(BENCH_QUICK),--quick) $(BENCH_ARGS)
 	$(MS) bench-nodes --out '$(BENCH_OUT)' $(if $(BENCH_QUICK),--quick)
 
-# every width (fp32, bf16, int8, 4-bit) on vLLM and llama.cpp against the full-precision reference model: greedy
-# ids, vLLM's top-k rule and perplexity on held-out text (docs/quantize.md); ACCURACY_ARGS: folders, --presets,
-# --systems, --text
+# every width (fp32, bf16, int8, 4-bit by RTN and GPTQ, fp8) on vLLM and llama.cpp against the full-precision
+# reference model: greedy ids, vLLM's top-k rule and perplexity on held-out text (docs/quantize.md); the reference
+# shape trained once (~25 min on 2 cores, kept under --cache); ACCURACY_ARGS: folders, --presets, --systems, --text
 bench-accuracy: setup
 	$(MAKE) --no-print-directory install
-	$(MS) bench-accuracy --out '$(BENCH_OUT)/accuracy' $(or $(ACCURACY_ARGS),--presets tiny,tiny-gqa,reference)
+	$(MS) bench-accuracy --out '$(BENCH_OUT)/accuracy' $(or $(ACCURACY_ARGS),--presets tiny,tiny-gqa,reference-trained)
 
 # BENCH_ARGS: any `ministream bench-serve` option (--rates, --systems, --num-prompts, ...)
 bench-serve: setup

@@ -702,6 +702,7 @@ def add_bench(sub) -> None:
 
 def add_bench_serve(sub) -> None:
     from .bench import benchserve
+    from .bench.widths import WIDTHS
     from .run.engine import add_engine_options
 
     quick_rates, full_rates = benchserve.QUICK["rates"], benchserve.FULL["rates"]
@@ -732,7 +733,7 @@ def add_bench_serve(sub) -> None:
         help="requests per rate (default: about a minute of arrivals, "
         f"{benchserve.FULL['min_prompts']} to {benchserve.FULL['max_prompts']})",
     )
-    add_engine_options(p, "bench", ["dtype"], benchmark=benchserve.FULL)
+    add_engine_options(p, "bench", ["dtype"], benchmark=benchserve.FULL, choices={"dtype": list(WIDTHS)})
     p.add_argument(
         "--preset", help=f"the model: a `ministream checkpoint` preset (default: {benchserve.FULL['preset']})"
     )

@@ -486,3 +486,16 @@ def test_compiled_over_eager_takes_the_forced_systems_first_and_the_default_only
     )
     row = summarize(result)["rows"][1]
     assert row["compiled_over_eager"] == pytest.approx(2 * 99 / 80)  # forced compiled over forced eager
+
+
+def test_every_accuracy_system_is_held_to_a_rule_verify_states():
+    """Each system's width names a rule of verify's; GPTQ's 4-bit is held to round-to-nearest's, fp8 to its own,
+    and a calibrated width quantizes by its method into a folder of its own name."""
+    from ministream.bench.accuracy import SYSTEMS, width
+    from ministream.bench.widths import WIDTHS
+    from ministream.run.verify import RULES
+
+    assert {width(name) for name in SYSTEMS} <= set(RULES)
+    assert width("vllm w4a16 gptq") == width("vllm w4a16") == "w4a16"
+    assert width("vllm fp8") == "fp8" and width("llama.cpp q8_0") == "w8a8" and width("vllm bfloat16") == "bfloat16"
+    assert WIDTHS["w4a16-gptq"].method == "gptq" and WIDTHS["w4a16"].method == "rtn"

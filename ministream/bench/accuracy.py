@@ -10,10 +10,10 @@ llama-perplexity's method). Against the reference model in float32 on the same f
 - perplexity on the held-out text, and its change against the reference model's.
 
 Systems: each width (widths.py) on each engine: vLLM on the folder in float32 and bfloat16 and on
-`ministream quantize` folders (w8a8, w4a16), llama.cpp on `ministream gguf` files (f32, bf16, q8_0, q4_0).
-Each vLLM system runs in a process of its own (one engine each); llama.cpp is llama-server for the prompts
-and llama-perplexity for the text. Results: accuracy.json and accuracy.md in --out, with the
-machine and the command.
+`ministream quantize` folders (w8a8, w4a16 by RTN and by GPTQ, fp8), llama.cpp on `ministream gguf` files
+(f32, bf16, q8_0, q4_0). Each vLLM system runs in a process of its own (one engine each); llama.cpp is
+llama-server for the prompts and llama-perplexity for the text. Results: accuracy.json and accuracy.md in
+--out, with the machine and the command.
 """
 
 import json
@@ -37,6 +37,8 @@ SYSTEMS = {
     "vllm bfloat16": ("vllm", "bfloat16"),
     "vllm w8a8": ("vllm", "w8a8"),
     "vllm w4a16": ("vllm", "w4a16"),
+    "vllm fp8": ("vllm", "fp8"),
+    "vllm w4a16 gptq": ("vllm", "w4a16-gptq"),
     "llama.cpp f32": ("llama.cpp", "float32"),
     "llama.cpp bf16": ("llama.cpp", "bfloat16"),
     "llama.cpp q8_0": ("llama.cpp", "w8a8"),
@@ -49,8 +51,8 @@ KV_CACHE = {"float32": "f32", "bfloat16": "bf16"}
 
 
 def width(name: str) -> str:
-    """The width a system is held to (verify.RULES)."""
-    return SYSTEMS[name][1]
+    """The width whose rule a system is held to (verify.RULES)."""
+    return WIDTHS[SYSTEMS[name][1]].rule
 
 
 def bench_accuracy(
@@ -174,8 +176,8 @@ def _vllm(folder: Path, work: Path, w: Width, golden: dict, c: Chunks):
     if w.scheme:  # quantize's record measured on the same text as the rows
         from ..checkpoint.quantize import quantize
 
-        model = work / f"{folder.name}-{w.scheme}"
-        quantize(folder, model, w.scheme, force=True, log=lambda *a: None, text=Path(c.text))
+        model = work / f"{folder.name}-{w.scheme}-{w.method}"
+        quantize(folder, model, w.scheme, force=True, log=lambda *a: None, text=Path(c.text), method=w.method)
     job = work / "job.json"
     write_json(job, {"model": str(model), "dtype": dtype, "golden": golden, "chunks": c.ids, "first": c.first})
     done = subprocess.run(

@@ -3,7 +3,8 @@
 A width is what the weights are stored in. Full precision runs the converted folder itself; a quantized width
 runs vLLM on a `ministream quantize` folder and llama.cpp on a GGUF of llama.cpp's own quantizer, both made
 from the same float32 folder. The dtype is what the engine computes in: vLLM 0.32's CPU int8 kernels take
-float32 activations here, its int4 kernels bfloat16 (docs/quantize.md); llama.cpp dequantizes as it goes.
+float32 activations here, its int4 kernels bfloat16 (docs/quantize.md), its fp8 one either (bfloat16, as GPUs
+serve fp8); llama.cpp dequantizes as it goes.
 """
 
 from dataclasses import dataclass
@@ -16,6 +17,12 @@ class Width:
     scheme: str | None  # vLLM runs `ministream quantize --scheme` of the folder; None: the folder itself
     gguf: str  # llama.cpp runs `ministream gguf --dtype`
     bytes_per_parameter: int | None  # full precision: every parameter's size; quantized: read_bytes reads the files
+    method: str = "rtn"  # `ministream quantize --method`: round to nearest, or calibrated (gptq)
+
+    @property
+    def rule(self) -> str:
+        """The width whose rule (verify.RULES) it is held to: its scheme's, or its dtype's at full precision."""
+        return self.scheme or self.dtype
 
 
 WIDTHS = {
@@ -24,6 +31,10 @@ WIDTHS = {
     "float16": Width("float16", None, "f16", 2),
     "w8a8": Width("float32", "w8a8", "q8_0", None),
     "w4a16": Width("bfloat16", "w4a16", "q4_0", None),
+    # GPUs' 8 bits; llama.cpp has no float8 type, so its 8-bit file is q8_0, as for int8
+    "fp8": Width("bfloat16", "fp8", "q8_0", None),
+    # 4-bit calibrated by GPTQ (llm-compressor) in the same layout; llama.cpp's counterpart stays q4_0
+    "w4a16-gptq": Width("bfloat16", "w4a16", "q4_0", None, "gptq"),
 }
 
 
@@ -43,7 +54,7 @@ def vllm_folder(folder: str | Path, name: str) -> Path:
     folder, w = Path(folder), width(name)
     if w.scheme is None:
         return folder
-    return quantize(folder, folder.parent / f"{folder.name}-{w.scheme}", w.scheme, force=True)
+    return quantize(folder, folder.parent / f"{folder.name}-{name}", w.scheme, force=True, method=w.method)
 
 
 def gguf_file(folder: str | Path, name: str) -> Path:

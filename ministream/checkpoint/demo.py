@@ -40,9 +40,12 @@ PRESETS = {
     # GQA, head_dim != d_model / n_heads, untied head, padded vocabulary: every variant in one model
     "tiny-gqa": (dict(TINY, n_heads=4, n_kv_heads=2, head_dim=64, tie_embeddings=False, vocab_size=576), 512, 300),
     "demo": (dict(d_model=192, n_layers=4, n_heads=3, d_ff=512, max_seq_len=1024), 1024, 250),
-    # the write-up's ~132M shape; a few steps only (each costs seconds on a laptop CPU)
+    # the write-up's ~132M shape, untrained: for speed, which does not depend on the weights
     "reference": (REFERENCE, 32000, 0),
     "reference-gqa": (dict(REFERENCE, n_kv_heads=4), 32000, 0),
+    # the same shape trained, for accuracy (a quantized width has a trained model's peaked outputs to keep):
+    # about 10 s a step on 2 cores, so made once under --cache
+    "reference-trained": (REFERENCE, 32000, 150),
 }
 COMMON = dict(norm_eps=1e-6, rope_theta=10000.0)
 # --prefix: the keys as DistributedDataParallel (module.) and torch.compile (_orig_mod.) save them

@@ -66,16 +66,23 @@ OFFLINE_DTYPE = "float32"  # an offline engine compared with the reference model
 
 
 def add_engine_options(
-    parser: argparse.ArgumentParser, kind: str, names: Sequence[str], benchmark: dict | None = None
+    parser: argparse.ArgumentParser,
+    kind: str,
+    names: Sequence[str],
+    benchmark: dict | None = None,
+    choices: dict[str, list[str]] | None = None,
 ) -> None:
     """EngineSettings' fields `names` as options of a command of `kind` (engine_options: their flags, defaults
     and help, as that kind of command says them), recorded for EngineSettings.from_args. benchmark: a
-    benchmark's settings, whose values a "bench" option's help names as its default."""
+    benchmark's settings, whose values a "bench" option's help names as its default; choices: an option's
+    choices that a floor above says (a benchmark's widths)."""
     table = engine_options()
     for name in names:
         if kind not in table[name]:
             raise ValueError(f"a {kind} command has no --{name.replace('_', '-')}: say it in engine_options first")
         spec = dict(table[name][kind])
+        if choices and name in choices:
+            spec["choices"] = choices[name]
         if benchmark is not None and "help" in spec:
             spec["help"] = spec["help"].format(**benchmark)
         parser.add_argument("--" + name.replace("_", "-"), **spec)
@@ -95,10 +102,9 @@ def engine_options() -> dict[str, dict[str, dict]]:
             "offline": dict(default=OFFLINE_DTYPE, choices=list(DTYPES)),
             "server": dict(help="weights/activations dtype (default: vLLM's auto, the folder's torch_dtype)"),
             "judge": dict(choices=list(DTYPES), help="dtype to serve in (default: config.json's)"),
-            # what every system of a benchmark runs: the reference server and llama.cpp too
-            # and the quantized widths (bench/widths.py): vLLM on a `ministream quantize` folder, llama.cpp on its
-            # own quantized GGUF, nothing else
-            "bench": dict(choices=["bfloat16", "float32", "w8a8", "w4a16"], help="weight width; default: {dtype}"),
+            # what every system of a benchmark runs: the reference server and llama.cpp too; the choices are
+            # the benchmark's widths (bench/widths.py), given by the command
+            "bench": dict(help="weight width; default: {dtype}"),
         },
         "tp": {
             "offline": dict(type=int, default=1, help="vLLM tensor_parallel_size"),
