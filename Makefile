@@ -105,6 +105,7 @@ help:
 	@echo "                                   without a GPU, with a negative control on the stock wheel [NEAREST_PINS=1]"
 	@echo "make gpu-proof VLLM_VERSION=x      on a GPU: golden outputs with CUDA graphs, LLaMA twin at batch 1/8/64, TP=2,"
 	@echo "                                   fp8, LoRA, the CUDA image -> build/gpu-proof/x/report.json [PREPARE=1]"
+	@echo "                                   [EXPORT=1: for a GPU machine offline; JUDGE=outputs.json: its run judged]"
 	@echo "make verify MODEL=dir [RAW=dir]    reference model's golden outputs vs the installed vLLM: exit 0 if they pass"
 	@echo "                                   the rule for DTYPE (float32|bfloat16), else layer by layer [PROMPTS=file]"
 	@echo "make doctor MODEL=dir              check a converted folder and the installed vLLM, one line per finding"
@@ -199,9 +200,12 @@ cuda-smoke: setup
 	$(MS) cuda-smoke $(VLLM_VERSION) $(if $(filter 1,$(NEAREST_PINS)),--nearest-pins)
 
 # on a machine with a GPU: golden outputs, the LLaMA twin, TP=2, fp8, LoRA, the CUDA image -> build/gpu-proof/x/report.json;
-# where no GPU answers it stops in one line (PREPARE=1: only what needs no GPU)
+# where no GPU answers it stops in one line (PREPARE=1: only what needs no GPU; EXPORT=1: that, and the jobs with the
+# folders they read for a GPU machine with no package index, build/gpu-proof/x/offline/: docs/gpu.md; JUDGE=file:
+# that machine's outputs judged into report.json)
 gpu-proof: setup
-	$(MS) gpu-proof $(VLLM_VERSION) $(if $(filter 1,$(NEAREST_PINS)),--nearest-pins) $(if $(filter 1,$(PREPARE)),--prepare-only)
+	$(MS) gpu-proof $(VLLM_VERSION) $(if $(filter 1,$(NEAREST_PINS)),--nearest-pins) $(if $(filter 1,$(PREPARE)),--prepare-only) \
+	  $(if $(filter 1,$(EXPORT)),--export) $(if $(JUDGE),--judge $(JUDGE))
 
 vllm-tests: install
 	$(MS) vllm-tests $(VLLM_VERSION) $(if $(VLLM_SRC),--tree '$(VLLM_SRC)') $(if $(COMPARE),--compare) $(if $(filter 1,$(QUICK)),--quick)

@@ -541,7 +541,30 @@ def add_gpu_proof(sub) -> None:
         action="store_true",
         help="make what needs no GPU (the models, the LLaMA twin, the LoRA adapter, the golden outputs, the jobs)",
     )
-    p.set_defaults(func=lambda a: gpu_proof.run_proof(a.version, a.nearest_pins, a.prepare_only))
+    p.add_argument(
+        "--export",
+        action="store_true",
+        help="with --prepare-only: the jobs and the folders they read, for a GPU machine with no package index "
+        "(build/gpu-proof/VERSION/offline/)",
+    )
+    p.add_argument(
+        "--judge",
+        type=Path,
+        metavar="OUTPUTS",
+        help="judge the outputs of --export's jobs, run on a GPU elsewhere (gpu_probe.py), into report.json",
+    )
+    p.set_defaults(func=_gpu_proof)
+
+
+def _gpu_proof(a) -> int:
+    from .checks import gpu_proof
+
+    if a.judge:
+        return gpu_proof.judge_run(a.version, a.judge)
+    done = gpu_proof.run_proof(a.version, a.nearest_pins, a.prepare_only or a.export)
+    if a.export and done == 0:
+        gpu_proof.export(a.version)
+    return done
 
 
 def add_image(sub) -> None:

@@ -115,8 +115,9 @@ def test_without_ignore_eos_generation_stops_at_eos_as_generate_does(ref, refere
 
 
 def test_one_request_at_a_time_a_second_request_waits_for_the_first(ref, tiny_hf):
-    """B is sent once A has streamed its first token; B's first token comes after A's last, by the client's
-    clock and by the server's own record of when each generation started and finished."""
+    """B is sent once A has streamed its first token; B's generation starts after A's ends, by the server's own
+    record of when each started and finished. Not by the client's clock: A's and B's times are taken by two
+    threads, and a loaded machine once woke A's reader 0.6 ms after B's had stamped its first token."""
     url, server = ref
     results, a_started = {}, threading.Event()
     body = {"temperature": 0, "ignore_eos": True}
@@ -129,8 +130,7 @@ def test_one_request_at_a_time_a_second_request_waits_for_the_first(ref, tiny_hf
     assert a_started.wait(120)
     results["b"] = stream(url, {**body, "prompt": DEFAULT_PROMPTS[1], "max_tokens": 4})
     a.join(120)
-    assert results["a"]["done"] and results["b"]["done"]
-    assert results["b"]["token_times"][0] > results["a"]["token_times"][-1]
+    assert results["a"]["done"] and results["b"]["done"] and len(results["a"]["token_times"]) == 200
     first, second = server.record[-2:]
     assert second["received"] < first["finished"]  # B arrived while A was generating ...
     assert second["started"] >= first["finished"]  # ... and began only when A was done

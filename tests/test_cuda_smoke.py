@@ -108,8 +108,102 @@ def test_gpu_proof_prepares_every_job_that_needs_no_gpu(tmp_path):
     config = json.loads((Path(folder["folder"]) / "config.json").read_text())
     assert folder["folder"].endswith("demo/fp8") and config["quantization_config"]["format"] == "float-quantized"
     lora = next(j for j in planned if j["part"] == "lora")
+    assert lora["dtype"] == "bfloat16" and lora["rule"] == "bfloat16"  # vLLM's CUDA LoRA kernels take no fp32
     assert (tmp_path / "models" / "gqa-untied" / "lora" / "peft" / "adapter_config.json").is_file()
     with_adapter = gpu_proof.golden(tmp_path / "models" / "gqa-untied", "float32", lora=True)
     without = gpu_proof.golden(tmp_path / "models" / "gqa-untied", "float32")
     assert lora["prompt_ids"] == without["prompt_ids"]
     assert [o["ids"] for o in with_adapter["outputs"]] != [o["ids"] for o in without["outputs"]]  # it changes them
+
+
+def _proof_tree(tmp_path, monkeypatch) -> dict:
+    """A prepared proof as --prepare-only leaves it, without training: folders, the twin's links, the golden
+    outputs of one model, and jobs.json (one job skipped, one with an adapter, one the twin of another)."""
+    monkeypatch.chdir(tmp_path)  # the repository root: OUT is relative to it, as the jobs' folders must be
+    monkeypatch.setattr(gpu_proof, "OUT", Path("gpu-proof"))
+    monkeypatch.setattr(gpu_proof, "MODELS", Path("gpu-proof") / "models")
+    model = gpu_proof.MODELS / "gqa-untied"
+    for part in ("hf", "raw", "lora/peft", "lora/raw"):
+        (model / part).mkdir(parents=True)
+    (model / "hf" / "config.json").write_text("{}")
+    (model / "hf" / "model.safetensors").write_bytes(b"weights")
+    (model / "raw" / "model.pt").write_bytes(b"a training checkpoint")
+    (model / "lora" / "peft" / "adapter_config.json").write_text("{}")
+    gpu_proof.twin(model)
+    gold = {"prompt_ids": [[1, 2]], "outputs": [{"ids": [5, 6], "logprobs": [{5: -0.1}, {6: -0.2}]}]}
+    (model / "golden-float32-1.json").write_text(json.dumps(gold))
+    common = dict(
+        dtype="float32",
+        tp=1,
+        prompt_ids=[[1, 2]],
+        max_tokens=2,
+        top_k=1,
+        golden=["gqa-untied", "float32", 1, False],
+        rule="float32",
+    )
+    jobs = [
+        dict(common, part="golden", name="ours", folder=str((model / "hf").resolve())),
+        dict(common, part="twin", name="twin", folder=str((model / "llama").resolve()), same_as="ours"),
+        dict(common, part="tp2", name="tp2", folder=str((model / "hf").resolve()), tp=2, skip="TP=2 needs two GPUs"),
+        dict(
+            common,
+            part="lora",
+            name="lora",
+            folder=str((model / "hf").resolve()),
+            lora={"name": "p", "path": str((model / "lora" / "peft").resolve()), "rank": 8},
+        ),
+    ]
+    (gpu_proof.OUT / "9.9.9").mkdir(parents=True)
+    (gpu_proof.OUT / "9.9.9" / "jobs.json").write_text(json.dumps(jobs))
+    return gold
+
+
+def test_the_export_carries_the_jobs_a_gpu_machine_runs_and_only_the_files_they_read(tmp_path, monkeypatch):
+    _proof_tree(tmp_path, monkeypatch)
+    dest = gpu_proof.export("9.9.9", log=lambda *a: None)
+    jobs = json.loads((dest / "jobs.json").read_text())
+    assert [j["name"] for j in jobs] == ["ours", "twin", "lora"]  # the skipped one is not sent
+    carried = dest / "models" / "gqa-untied"
+    assert jobs[0]["folder"] == str(carried / "hf") and not Path(jobs[0]["folder"]).is_absolute()
+    assert jobs[2]["lora"]["path"] == str(carried / "lora" / "peft")
+    assert not (carried / "raw").exists()  # no training checkpoint travels
+    link = carried / "llama" / "model.safetensors"
+    assert link.is_symlink() and not Path(link.readlink()).is_absolute() and link.read_bytes() == b"weights"
+    assert json.loads((carried / "llama" / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+
+
+def test_outputs_run_elsewhere_are_judged_by_the_proofs_rules(tmp_path, monkeypatch):
+    gold = _proof_tree(tmp_path, monkeypatch)
+    gpu_proof.export("9.9.9", log=lambda *a: None)
+    graphs = {"enforce_eager": False, "cudagraph_mode": "FULL_AND_PIECEWISE"}
+    same = {"outputs": gold["outputs"], **graphs}
+    wrong = {"outputs": [{"ids": [5, 7], "logprobs": [{5: -0.1}, {7: -0.2}]}], **graphs}
+    outputs = tmp_path / "outputs.json"
+    outputs.write_text(json.dumps([same, same, same]))
+    assert gpu_proof.judge_run("9.9.9", outputs, log=lambda *a: None) == 0
+    report = json.loads((gpu_proof.OUT / "9.9.9" / "report.json").read_text())
+    assert [c["ok"] for c in report["cases"]] == [True, True, True] and report["image"]["ok"] is None
+    outputs.write_text(json.dumps([same, wrong, {**same, "cudagraph_mode": "NONE"}]))
+    assert gpu_proof.judge_run("9.9.9", outputs, log=lambda *a: None) == 1  # the twin differs; eager
+    report = json.loads((gpu_proof.OUT / "9.9.9" / "report.json").read_text())
+    assert [c["ok"] for c in report["cases"]] == [True, False, False] and not report["cases"][2]["cuda_graphs"]
+    outputs.write_text(json.dumps([same]))
+    with pytest.raises(MiniStreamError, match="1 outputs for 3 jobs"):
+        gpu_proof.judge_run("9.9.9", outputs)
+
+
+def test_parallel_probes_return_every_jobs_outputs_in_the_jobs_order(tmp_path):
+    """Real probe processes (the installed vLLM imported in each); every job fails at once on a folder that
+    is not there, so each output names its own job's folder."""
+    import subprocess
+    import sys
+
+    jobs = [
+        {"name": f"job {i}", "folder": str(tmp_path / f"missing-{i}"), "dtype": "float32", "tp": 1} for i in range(5)
+    ]
+    (tmp_path / "jobs.json").write_text(json.dumps(jobs))
+    cmd = [sys.executable, "-m", "ministream.checks.gpu_probe", tmp_path / "jobs.json", tmp_path / "out.json"]
+    subprocess.run([str(c) for c in [*cmd, "--parallel", "2"]], check=True, timeout=600)
+    got = json.loads((tmp_path / "out.json").read_text())
+    assert [f"missing-{i}" in g["error"] for i, g in enumerate(got)] == [True] * 5
+    assert sorted(p.name for p in (tmp_path / "out.parts").glob("jobs-*.json")) == ["jobs-0.json", "jobs-1.json"]

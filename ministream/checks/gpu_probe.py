@@ -1,15 +1,18 @@
 """gpu_probe: what `gpu-proof` runs inside the CUDA environment, on a GPU, with this package on PYTHONPATH.
 
-    python -m ministream.checks.gpu_probe JOBS.json OUTPUTS.json
+    python -m ministream.checks.gpu_probe JOBS.json OUTPUTS.json [--parallel N]
 
 Each job ({name, folder, dtype, tp, prompt_ids, max_tokens, top_k, quantization, lora}) is one engine with the
 engine settings of every other engine here (run/engine.py: compiled, so CUDA graphs on a GPU), asked for greedy
 tokens with their top-k logprobs, then once more for a timing of the warm engine. OUTPUTS.json is rewritten
-after each job, so what finished survives a crash of a later one.
+after each job, so what finished survives a crash of a later one. --parallel N: N processes share the GPU, each
+running every Nth job with 1/N of the memory vLLM would take (compiling is CPU work: a lent machine's minutes
+go N times as far; the throughputs then are not one engine's alone).
 """
 
 import gc
 import json
+import subprocess
 import sys
 import time
 import traceback
@@ -51,8 +54,9 @@ def run_job(job: dict) -> dict:
     from ..run.generate import vllm_engine
 
     overrides: dict = {}
-    if job.get("quantization"):
-        overrides["quantization"] = job["quantization"]
+    for key in ("quantization", "gpu_memory_utilization", "kv_cache_memory_bytes"):
+        if job.get(key):
+            overrides[key] = job[key]
     lora = None
     if job.get("lora"):
         from vllm.lora.request import LoRARequest
@@ -92,5 +96,40 @@ def main(jobs_file: str, out_file: str) -> None:
         Path(out_file).write_text(json.dumps(done))
 
 
+GPU_SHARE = 0.85  # of the GPU's memory, split among --parallel processes (vLLM's own default is 0.9)
+# a fixed KV cache: vLLM otherwise sizes it from how the GPU's free memory moved while it profiled, which the
+# other processes' allocations move too (vLLM's kv_cache_memory_bytes, since 0.11)
+SHARED_KV_CACHE = 2 << 30
+
+
+def main_parallel(jobs_file: str, out_file: str, n: int) -> None:
+    """Every nth job in each of n processes at once; the outputs merged back into the jobs' order."""
+    jobs = json.loads(Path(jobs_file).read_text())
+    n = max(1, min(n, len(jobs)))
+    work = Path(out_file).with_suffix(".parts")
+    work.mkdir(parents=True, exist_ok=True)
+    procs, logs = [], []
+    for i in range(n):
+        share = dict(gpu_memory_utilization=round(GPU_SHARE / n, 3), kv_cache_memory_bytes=SHARED_KV_CACHE)
+        mine = [dict(j, **share) for j in jobs[i::n]]
+        (work / f"jobs-{i}.json").write_text(json.dumps(mine))
+        logs.append(open(work / f"probe-{i}.log", "w"))
+        cmd = [sys.executable, "-m", "ministream.checks.gpu_probe", work / f"jobs-{i}.json", work / f"out-{i}.json"]
+        procs.append(subprocess.Popen([str(c) for c in cmd], stdout=logs[-1], stderr=subprocess.STDOUT))
+    for proc, log in zip(procs, logs, strict=True):
+        proc.wait()
+        log.close()
+    merged: list[dict] = [{"error": "its process ended before it ran (see its probe log)"} for _ in jobs]
+    for i in range(n):
+        part = work / f"out-{i}.json"
+        for k, got in enumerate(json.loads(part.read_text()) if part.is_file() else []):
+            merged[i + k * n] = got
+    Path(out_file).write_text(json.dumps(merged))
+
+
 if __name__ == "__main__":
-    main(*sys.argv[1:3])
+    if "--parallel" in sys.argv:
+        at = sys.argv.index("--parallel")
+        main_parallel(sys.argv[1], sys.argv[2], int(sys.argv[at + 1]))
+    else:
+        main(*sys.argv[1:3])

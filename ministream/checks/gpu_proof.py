@@ -17,14 +17,15 @@ build/gpu-proof/<v>/, the result in report.json there:
   fp8          the demo shape (trained; its dimensions multiples of 16) with quantization="fp8", and its
                `quantize --scheme fp8` folder (compressed-tensors FP8_DYNAMIC): vLLM's top-k rule against the
                reference in bf16
-  lora         the GQA model with a LoRA adapter (checkpoint --adapter, convert-lora), vLLM's LoRARequest: fp32,
-               the token ids of the reference model with the adapter merged
+  lora         the GQA model with a LoRA adapter (checkpoint --adapter, convert-lora), vLLM's LoRARequest: bf16
+               (vLLM's CUDA LoRA kernels take no fp32), the top-k rule against the reference with the adapter merged
   image        `make image DEVICE=cuda` where a Docker engine runs, the image serving the GQA model: its completion
                at temperature 0 has the reference's token ids (vLLM's image is pulled from Docker Hub)
 Each engine runs in a process of its own (gpu_probe.py), so one that fails or holds GPU memory stops no other.
 """
 
 import json
+import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -201,12 +202,14 @@ def jobs(made: dict[str, Path], n_gpus: int) -> list[dict]:
     job("fp8", "demo fp8 (vs the reference in bfloat16)", "demo", "hf", "bfloat16", quantization="fp8")
     job("fp8", "demo quantize --scheme fp8 folder (vs the reference in bfloat16)", "demo", "fp8", "bfloat16")
     peft = str((made["gqa-untied"] / "lora" / "peft").resolve())
+    # bf16: vLLM's CUDA LoRA kernels take fp16/bf16 weights only (lora/ops/triton_ops, an assert on fp32, seen
+    # on an H200 with 0.26.0); the CPU's run fp32 (features.md)
     job(
         "lora",
-        "gqa-untied float32 + LoRA",
+        "gqa-untied bfloat16 + LoRA",
         "gqa-untied",
         "hf",
-        "float32",
+        "bfloat16",
         lora={"name": "proof", "path": peft, "rank": LORA_RANK},
     )
     return out
@@ -324,6 +327,98 @@ def image_part(version: str, made: dict[str, Path], want: dict) -> dict:
     }
 
 
+def judge_all(planned: list[dict], engine, made: dict[str, Path], log=print) -> list[dict]:
+    """Every planned job's verdict; engine(i, job) gives its outputs (run now, or read from a run elsewhere)."""
+    cases, outputs = [], {}
+    for i, job in enumerate(planned):
+        if job.get("skip"):
+            cases.append({"part": job["part"], "name": job["name"], "ok": None, "skipped": job["skip"]})
+            continue
+        got = outputs[job["name"]] = engine(i, job)
+        model, dtype, n, lora = job["golden"]
+        case = judge(job, got, golden(made[model], dtype, n, lora), outputs.get(job.get("same_as", "")))
+        cases.append(case)
+        log(f"  {'ok  ' if case['ok'] else 'FAIL'} {case['name']}: {case.get('detail') or case.get('error', '')}")
+    return cases
+
+
+def passed(report: dict) -> bool:
+    ran = [c for c in report["cases"] if c["ok"] is not None]
+    return bool(ran) and all(c["ok"] for c in ran) and report.get("image", {}).get("ok") is not False
+
+
+# --- on a lent GPU machine with no package index ----------------------------------------------------------------
+
+
+def offline_dir(version: str) -> Path:
+    return OUT / version / "offline"
+
+
+def export(version: str, log=print) -> Path:
+    """For a GPU machine that reaches no package index (a lent one, its own torch installed): offline/ under the
+    release's proof folder, holding the prepared jobs it can run (those skipped here left out) with their folders
+    relative to the repository root, and only the files they read (hf/, llama/ linked to hf/ as here, fp8/, the
+    adapter's peft/; no training checkpoint). There, in a copy of the tree with the CUDA wheel on the path:
+        python -m ministream.checks.gpu_probe build/gpu-proof/<v>/offline/jobs.json OUT.json --parallel N
+    and here: ministream gpu-proof <v> --judge OUT.json."""
+    planned = json.loads((OUT / version / "jobs.json").read_text())  # --prepare-only's, just written
+    dest = offline_dir(version)
+    with new_folder(dest, force=True) as tmp:
+        ran = []
+        for job in planned:
+            if job.get("skip"):
+                continue
+            ran.append(dict(job, folder=_carry(Path(job["folder"]), tmp, dest)))
+            if job.get("lora"):
+                ran[-1]["lora"] = dict(job["lora"], path=_carry(Path(job["lora"]["path"]), tmp, dest))
+        write_json(tmp / "jobs.json", ran)
+    log(f"gpu-proof {version}: {len(ran)} engines' jobs and the folders they read in {dest}")
+    return dest
+
+
+def _carry(folder: Path, tmp: Path, dest: Path) -> str:
+    """folder (under MODELS) copied into tmp/models; its path as a job there reads it: dest's, from the root.
+    A link to a file of another folder of the same model stays a link, relative (the twin's weights)."""
+    rel = folder.resolve().relative_to(MODELS.resolve())
+    into = tmp / "models" / rel
+    if not into.is_dir():
+        into.mkdir(parents=True)
+        for f in sorted(folder.iterdir()):
+            target = f.resolve()
+            if f.is_symlink() and target.is_relative_to(folder.parent.resolve()):
+                (into / f.name).symlink_to(Path("..") / target.relative_to(folder.parent.resolve()))
+                _carry(target.parent, tmp, dest)
+            elif f.is_file():
+                shutil.copy2(target, into / f.name)
+    return str(dest / "models" / rel)
+
+
+def judge_run(version: str, outputs_file: Path, log=print) -> int:
+    """`gpu-proof VERSION --judge OUT.json`: the outputs of export()'s jobs, run on a GPU elsewhere, judged here
+    by the rules a full run uses; report.json as a full run writes it (the image part not run: said)."""
+    jobs_file = offline_dir(version) / "jobs.json"
+    if not jobs_file.is_file():
+        raise MiniStreamError(f"{jobs_file} is missing: export the jobs first (gpu-proof {version} --export)")
+    try:
+        got = json.loads(Path(outputs_file).read_text())
+    except (OSError, ValueError) as e:
+        raise MiniStreamError(f"{outputs_file}: not the outputs of a gpu_probe run ({e})") from None
+    planned = json.loads(jobs_file.read_text())
+    if len(got) != len(planned):
+        raise MiniStreamError(
+            f"{outputs_file}: {len(got)} outputs for {len(planned)} jobs of {offline_dir(version)}/jobs.json; "
+            f"judge the outputs of that export's run"
+        )
+    report: dict[str, Any] = {"version": version, "where": f"engines run elsewhere; outputs {outputs_file}"}
+    made = {name: MODELS / name for name in PROOF_MODELS}  # as the export found them: their golden outputs
+    report["cases"] = judge_all(planned, lambda i, job: got[i], made, log)
+    report["image"] = {"ok": None, "skipped": "not run: the engines ran on a machine of their own, offline"}
+    report["ok"] = passed(report)
+    write_json(OUT / version / "report.json", report)
+    log(f"gpu-proof {version}: {'passed' if report['ok'] else 'FAILED'} ({OUT / version / 'report.json'})")
+    return 0 if report["ok"] else 1
+
+
 def _token_id(token: str) -> int:
     return int(token.removeprefix("token_id:"))  # the server's name of a token with return_tokens_as_token_ids
 
@@ -345,20 +440,14 @@ def run_proof(version: str, nearest_pins: bool = False, prepare_only: bool = Fal
         built = cuda_smoke.wheel(version)
         venv, replaced = cuda_smoke.environment(version, built, nearest_pins)
         report.update(wheel=str(built), replaced_pins=replaced)
-        outputs: dict[str, dict] = {}
-        for i, job in enumerate(planned):
-            if job.get("skip"):
-                report["cases"].append({"part": job["part"], "name": job["name"], "ok": None, "skipped": job["skip"]})
-                continue
+
+        def engine(i: int, job: dict) -> dict:
             log(f"gpu-proof {version}: {job['part']}: {job['name']} ...")
-            got = outputs[job["name"]] = run_job(venv, job, OUT / version / f"{i:02d}-{job['part']}")
-            model, dtype, n, lora = job["golden"]
-            case = judge(job, got, golden(made[model], dtype, n, lora), outputs.get(job.get("same_as", "")))
-            report["cases"].append(case)
-            log(f"  {'ok  ' if case['ok'] else 'FAIL'} {case['name']}: {case.get('detail') or case.get('error', '')}")
+            return run_job(venv, job, OUT / version / f"{i:02d}-{job['part']}")
+
+        report["cases"] = judge_all(planned, engine, made, log)
         report["image"] = image_part(version, made, golden(made["gqa-untied"], "float32"))
-        ran = [c for c in report["cases"] if c["ok"] is not None]
-        report["ok"] = bool(ran) and all(c["ok"] for c in ran) and report["image"].get("ok") is not False
+        report["ok"] = passed(report)
     except StageFailed as e:  # cuda-smoke's environment: a pin nobody published, uv's own error
         report["error"] = f"{e.stage}: {e.error}"
     except (MiniStreamError, OSError, subprocess.SubprocessError) as e:
