@@ -13,7 +13,7 @@ import pytest
 from packaging.version import Version
 
 from ministream import MiniStreamError
-from ministream.checks import cuda_smoke, gpu_proof
+from ministream.checks import cuda_smoke, gpu_probe, gpu_proof
 from ministream.fork.patchset import supported_versions
 
 from conftest import one_line_error
@@ -174,22 +174,27 @@ def test_the_export_carries_the_jobs_a_gpu_machine_runs_and_only_the_files_they_
 
 def test_outputs_run_elsewhere_are_judged_by_the_proofs_rules(tmp_path, monkeypatch):
     gold = _proof_tree(tmp_path, monkeypatch)
-    gpu_proof.export("9.9.9", log=lambda *a: None)
+    jobs = json.loads((gpu_proof.export("9.9.9", log=lambda *a: None) / "jobs.json").read_text())
     graphs = {"enforce_eager": False, "cudagraph_mode": "FULL_AND_PIECEWISE"}
-    same = {"outputs": gold["outputs"], **graphs}
+    right = {"outputs": gold["outputs"], **graphs}
     wrong = {"outputs": [{"ids": [5, 7], "logprobs": [{5: -0.1}, {7: -0.2}]}], **graphs}
     outputs = tmp_path / "outputs.json"
-    outputs.write_text(json.dumps([same, same, same]))
-    assert gpu_proof.judge_run("9.9.9", outputs, log=lambda *a: None) == 0
+
+    def made(*results: dict) -> Path:  # as gpu_probe writes them: each with its job's identity, in any order
+        outputs.write_text(json.dumps([{"job": gpu_probe.identity(j), **r} for j, r in zip(jobs, results)][::-1]))
+        return outputs
+
+    assert gpu_proof.judge_run("9.9.9", made(right, right, right), log=lambda *a: None) == 0
     report = json.loads((gpu_proof.OUT / "9.9.9" / "report.json").read_text())
     assert [c["ok"] for c in report["cases"]] == [True, True, True] and report["image"]["ok"] is None
-    outputs.write_text(json.dumps([same, wrong, {**same, "cudagraph_mode": "NONE"}]))
-    assert gpu_proof.judge_run("9.9.9", outputs, log=lambda *a: None) == 1  # the twin differs; eager
+    assert gpu_proof.judge_run("9.9.9", made(right, wrong, {**right, "cudagraph_mode": "NONE"}), log=print) == 1
     report = json.loads((gpu_proof.OUT / "9.9.9" / "report.json").read_text())
     assert [c["ok"] for c in report["cases"]] == [True, False, False] and not report["cases"][2]["cuda_graphs"]
-    outputs.write_text(json.dumps([same]))
-    with pytest.raises(MiniStreamError, match="1 outputs for 3 jobs"):
-        gpu_proof.judge_run("9.9.9", outputs)
+    with pytest.raises(MiniStreamError, match=r"no outputs for 1 of the 3 jobs .*\(lora\)"):
+        gpu_proof.judge_run("9.9.9", made(right, right))
+    jobs[0]["prompt_ids"] = [[1, 3]]  # outputs of another run's prompts, under the same name: never judged
+    with pytest.raises(MiniStreamError, match="the outputs named ours were made from another folder, dtype or prompts"):
+        gpu_proof.judge_run("9.9.9", made(right, right, right))
 
 
 def test_parallel_probes_return_every_jobs_outputs_in_the_jobs_order(tmp_path):
@@ -205,5 +210,18 @@ def test_parallel_probes_return_every_jobs_outputs_in_the_jobs_order(tmp_path):
     cmd = [sys.executable, "-m", "ministream.checks.gpu_probe", tmp_path / "jobs.json", tmp_path / "out.json"]
     subprocess.run([str(c) for c in [*cmd, "--parallel", "2"]], check=True, timeout=600)
     got = json.loads((tmp_path / "out.json").read_text())
-    assert [f"missing-{i}" in g["error"] for i, g in enumerate(got)] == [True] * 5
+    assert [f"missing-{i}" in g["error"] and g["job"]["name"] == f"job {i}" for i, g in enumerate(got)] == [True] * 5
     assert sorted(p.name for p in (tmp_path / "out.parts").glob("jobs-*.json")) == ["jobs-0.json", "jobs-1.json"]
+
+
+def test_judging_without_an_export_or_on_a_file_not_json_is_refused_naming_what_to_run(tmp_path, monkeypatch):
+    _proof_tree(tmp_path, monkeypatch)
+    with pytest.raises(
+        MiniStreamError, match=r"jobs.json is missing: export the jobs first \(gpu-proof 9.9.9 --export\)"
+    ):
+        gpu_proof.judge_run("9.9.9", tmp_path / "outputs.json")
+    gpu_proof.export("9.9.9", log=lambda *a: None)
+    (tmp_path / "outputs.json").write_text("<html>")
+    with pytest.raises(MiniStreamError, match="outputs.json: not the outputs of a gpu_probe run"):
+        gpu_proof.judge_run("9.9.9", tmp_path / "outputs.json")
+    assert not (gpu_proof.OUT / "9.9.9" / "report.json").exists()

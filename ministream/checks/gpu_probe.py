@@ -4,13 +4,15 @@
 
 Each job ({name, folder, dtype, tp, prompt_ids, max_tokens, top_k, quantization, lora}) is one engine with the
 engine settings of every other engine here (run/engine.py: compiled, so CUDA graphs on a GPU), asked for greedy
-tokens with their top-k logprobs, then once more for a timing of the warm engine. OUTPUTS.json is rewritten
-after each job, so what finished survives a crash of a later one. --parallel N: N processes share the GPU, each
-running every Nth job with 1/N of the memory vLLM would take (compiling is CPU work: a lent machine's minutes
-go N times as far; the throughputs then are not one engine's alone).
+tokens with their top-k logprobs, then once more for a timing of the warm engine. Each output carries its job's
+identity (identity(): name, folder, dtype, a hash of the prompts), so outputs are judged against the job that
+made them. OUTPUTS.json is rewritten after each job, so what finished survives a crash of a later one.
+--parallel N: N processes share the GPU, each running every Nth job with 1/N of the memory vLLM would take
+(compiling is CPU work: a lent machine's minutes go N times as far; the throughputs then are not one engine's).
 """
 
 import gc
+import hashlib
 import json
 import subprocess
 import sys
@@ -47,6 +49,12 @@ def generate(llm, job: dict, lora) -> tuple[list[dict], float]:
         steps = [{int(t): float(lp.logprob) for t, lp in step.items()} for step in (c.logprobs or [])]
         results.append({"ids": list(c.token_ids), "logprobs": steps})
     return results, took
+
+
+def identity(job: dict) -> dict:
+    """What names a job's outputs: its name, folder, dtype and prompts."""
+    prompts = hashlib.sha256(json.dumps(job.get("prompt_ids")).encode()).hexdigest()[:16]
+    return {"name": job.get("name"), "folder": job.get("folder"), "dtype": job.get("dtype"), "prompts": prompts}
 
 
 def run_job(job: dict) -> dict:
@@ -86,10 +94,10 @@ def main(jobs_file: str, out_file: str) -> None:
     done = []
     for job in json.loads(Path(jobs_file).read_text()):
         try:
-            done.append(run_job(job))
+            done.append({"job": identity(job), **run_job(job)})
         except Exception as e:  # recorded per job: the next job still runs
             traceback.print_exc()
-            done.append({"error": f"{type(e).__name__}: {e}"[:1000]})
+            done.append({"job": identity(job), "error": f"{type(e).__name__}: {e}"[:1000]})
         finally:
             gc.collect()
             _reset_dynamo()
@@ -119,7 +127,7 @@ def main_parallel(jobs_file: str, out_file: str, n: int) -> None:
     for proc, log in zip(procs, logs, strict=True):
         proc.wait()
         log.close()
-    merged: list[dict] = [{"error": "its process ended before it ran (see its probe log)"} for _ in jobs]
+    merged = [{"job": identity(j), "error": "its process ended before it ran (see its probe log)"} for j in jobs]
     for i in range(n):
         part = work / f"out-{i}.json"
         for k, got in enumerate(json.loads(part.read_text()) if part.is_file() else []):

@@ -41,7 +41,7 @@ from ..fork.patchset import patch_set_dir
 from ..fork.wheel import build_wheel
 from ..paths import BUILD, CACHE, DIST
 from ..run.verify import compare, make_golden
-from . import cuda_smoke
+from . import cuda_smoke, gpu_probe
 from .environments import PACKAGE_COPY, StageFailed, _run_env, _tail, package_copy, package_python
 from .lines import PROMPTS, TEST_MODELS
 
@@ -395,7 +395,8 @@ def _carry(folder: Path, tmp: Path, dest: Path) -> str:
 
 def judge_run(version: str, outputs_file: Path, log=print) -> int:
     """`gpu-proof VERSION --judge OUT.json`: the outputs of export()'s jobs, run on a GPU elsewhere, judged here
-    by the rules a full run uses; report.json as a full run writes it (the image part not run: said)."""
+    by the rules a full run uses; report.json as a full run writes it (the image part not run: said). Each output
+    is matched to its job by name and must come from that job (gpu_probe.identity); else refused, naming it."""
     jobs_file = offline_dir(version) / "jobs.json"
     if not jobs_file.is_file():
         raise MiniStreamError(f"{jobs_file} is missing: export the jobs first (gpu-proof {version} --export)")
@@ -404,14 +405,22 @@ def judge_run(version: str, outputs_file: Path, log=print) -> int:
     except (OSError, ValueError) as e:
         raise MiniStreamError(f"{outputs_file}: not the outputs of a gpu_probe run ({e})") from None
     planned = json.loads(jobs_file.read_text())
-    if len(got) != len(planned):
+    named = {o["job"]["name"]: o for o in got if isinstance(o, dict) and "job" in o} if isinstance(got, list) else {}
+    missing = [job["name"] for job in planned if job["name"] not in named]
+    if missing:
         raise MiniStreamError(
-            f"{outputs_file}: {len(got)} outputs for {len(planned)} jobs of {offline_dir(version)}/jobs.json; "
-            f"judge the outputs of that export's run"
+            f"{outputs_file} has no outputs for {len(missing)} of the {len(planned)} jobs of {jobs_file} "
+            f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}): judge the outputs of that export's run"
+        )
+    other = [job["name"] for job in planned if named[job["name"]]["job"] != gpu_probe.identity(job)]
+    if other:
+        raise MiniStreamError(
+            f"{outputs_file}: the outputs named {', '.join(other[:3])} were made from another folder, dtype or "
+            f"prompts than {jobs_file} holds now: run that export's jobs again, then judge"
         )
     report: dict[str, Any] = {"version": version, "where": f"engines run elsewhere; outputs {outputs_file}"}
     made = {name: MODELS / name for name in PROOF_MODELS}  # as the export found them: their golden outputs
-    report["cases"] = judge_all(planned, lambda i, job: got[i], made, log)
+    report["cases"] = judge_all(planned, lambda i, job: named[job["name"]], made, log)
     report["image"] = {"ok": None, "skipped": "not run: the engines ran on a machine of their own, offline"}
     report["ok"] = passed(report)
     write_json(OUT / version / "report.json", report)
