@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# gpu-proof's engines on a GPU machine that reaches no package index (docs/gpu.md, "On a lent machine").
+# gpu-proof's engines on a GPU machine that reaches no package index (docs/gpu.md, "Run on an H200").
 # Run from the repository root of a copy of the tree, after `ministream gpu-proof VERSION --export` here:
 #   scripts/gpu_offline.sh VERSION [PARALLEL]
 # BUNDLE (default .gpu/) may hold archives split into NAME.00, NAME.01, ...: site.tar.xz (the patched CUDA wheel and
@@ -31,8 +31,6 @@ export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH}
 jobs=${JOBS:-build/gpu-proof/$version/offline/jobs.json}
 [ -f "$jobs" ] || { echo "error: $jobs is missing: run \`ministream gpu-proof $version --export\` first" >&2; exit 2; }
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 VLLM_NO_USAGE_STATS=1
-# CUDA cannot be used in a forked engine process once the parent touched it: spawn (what vLLM picks itself on a GPU)
-export VLLM_WORKER_MULTIPROC_METHOD=spawn
 # vLLM samples with FlashInfer where it is installed; this machine has not got it (a JIT package of its own)
 export VLLM_USE_FLASHINFER_SAMPLER=${VLLM_USE_FLASHINFER_SAMPLER:-0}
 echo "unpacked in $(($(date +%s) - started)) s"

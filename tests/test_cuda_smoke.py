@@ -7,6 +7,8 @@ pins a flashinfer-python nobody published, so it runs with --nearest-pins and sa
 """
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -200,9 +202,6 @@ def test_outputs_run_elsewhere_are_judged_by_the_proofs_rules(tmp_path, monkeypa
 def test_parallel_probes_return_every_jobs_outputs_in_the_jobs_order(tmp_path):
     """Real probe processes (the installed vLLM imported in each); every job fails at once on a folder that
     is not there, so each output names its own job's folder."""
-    import subprocess
-    import sys
-
     jobs = [
         {"name": f"job {i}", "folder": str(tmp_path / f"missing-{i}"), "dtype": "float32", "tp": 1} for i in range(5)
     ]

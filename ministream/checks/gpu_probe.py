@@ -14,6 +14,7 @@ made them. OUTPUTS.json is rewritten after each job, so what finished survives a
 import gc
 import hashlib
 import json
+import os
 import subprocess
 import sys
 import time
@@ -91,6 +92,9 @@ def run_job(job: dict) -> dict:
 
 
 def main(jobs_file: str, out_file: str) -> None:
+    # vLLM's engine process must be spawned: forked, it failed to start on an H200 ("Cannot re-initialize CUDA in
+    # forked subprocess"), once this process had touched CUDA
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     done = []
     for job in json.loads(Path(jobs_file).read_text()):
         try:
