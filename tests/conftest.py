@@ -10,8 +10,11 @@ import subprocess
 import sys
 import sysconfig
 import threading
+import time
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
@@ -99,6 +102,52 @@ def pytest_configure(config):
             "(pytest-xdist issue #1386): `make setup` installs the pytest pyproject.toml allows (<9.2), "
             "or run on one process with TEST_WORKERS=0"
         )
+
+
+class HeldEngine:
+    """A vLLM server's engine core and its worker, held (SIGSTOP) and let run in short slices: for a test that
+    must act while a request is still in flight. A free-running engine lost that race on CI's loaded 2 cores: it
+    generated every token before the test woke. The worker is held with the core: held alone, the core left it
+    spinning on the queue between them, on the cores the test needed to wake up."""
+
+    SLICE = 0.02  # s the engine runs at a time: a few decode steps
+    HELD = 0.3  # s it is held between slices, while the API server (never held) passes on what it made
+
+    def __init__(self, server: subprocess.Popen):
+        family = psutil.Process(server.pid).children(recursive=True)
+        cores = [p for p in family if "EngineCore" in " ".join(p.cmdline())]
+        assert len(cores) == 1, [p.cmdline() for p in family]
+        self.processes = [cores[0], *cores[0].children(recursive=True)]
+
+    def suspend(self) -> None:
+        for p in self.processes:
+            p.suspend()
+
+    def resume(self) -> None:
+        for p in reversed(self.processes):
+            with suppress(psutil.NoSuchProcess):  # one that has exited (a drained server's) holds nothing
+                p.resume()
+
+    @contextmanager
+    def running_in_slices(self):
+        """The engine runs SLICE, then is held HELD, over and over, while the block waits for what it needs
+        (the first token); held when the block ends, by whatever it ended."""
+        done = threading.Event()
+
+        def slices() -> None:
+            while not done.is_set():
+                self.resume()
+                time.sleep(self.SLICE)
+                self.suspend()
+                done.wait(self.HELD)
+
+        thread = threading.Thread(target=slices, daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            done.set()
+            thread.join()
 
 
 def made_once(tmp_path_factory, kind: str, name: str, make) -> Path:

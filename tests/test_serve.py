@@ -14,6 +14,7 @@ import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from pathlib import Path
 
 import psutil
@@ -40,6 +41,8 @@ from ministream.run.server import (
     stream,
     wait_ready,
 )
+
+from conftest import HeldEngine
 
 MAX_TOKENS = 16
 MAX_MODEL_LEN = 256
@@ -392,9 +395,10 @@ def test_sigterm_drains_the_stream_in_flight_refuses_new_requests_and_stops_ever
     api = psutil.Process(proc.pid).children()[0].pid
     assert os.getpgid(proc.pid) == proc.pid and os.getpgid(api) == api
     assert {os.getpgid(p) for p in family} == {proc.pid, api}
-    # The stream in flight must outlast the signal's way to the engine core. One sequence of 248 tokens took
-    # 0.8 s here and once ended before the signal reached the engine on CI's loaded machine (nothing left to
-    # drain): MAX_NUM_SEQS sequences of it are ~3 times the work, in the same one request.
+    # The stream in flight must still be running when the signal reaches the engine core: a free-running engine
+    # finished its MAX_NUM_SEQS x 248 tokens (2 s) before that on loaded machines, CI's and mine, leaving nothing
+    # to drain. So the engine runs in slices until the first token is out, and is held until vLLM has sent it
+    # SIGTERM; it takes the signal when it resumes, with every sequence unfinished.
     long = MAX_MODEL_LEN - 8
     body = greedy(
         server["name"],
@@ -405,23 +409,31 @@ def test_sigterm_drains_the_stream_in_flight_refuses_new_requests_and_stops_ever
         seed=0,
         stream_options={"include_usage": True},
     )
-    with stream(f"{server['url']}/v1/completions", body, headers=HEADERS) as r:
-        events = iter(r)
-        next(events)  # running: its first token is out
-        os.kill(proc.pid, signal.SIGTERM)
-        deadline = time.monotonic() + 30
-        while "shutdown triggered" not in log.read_text() and time.monotonic() < deadline:
-            time.sleep(0.05)  # serve forwards the signal to vLLM's API server
-        refused = _status(server, "x")
-        probe = subprocess.run(
-            [str(Path(sys.executable).parent / "ministream"), "ready", "--url", server["url"]],
-            capture_output=True,
-            text=True,
-            env={**os.environ, "VLLM_API_KEY": API_KEY},
-            timeout=60,
-        )
-        rest = list(events)
-        assert r.done
+    engine = HeldEngine(proc)
+    engine.suspend()
+    try:
+        with ExitStack() as opened:
+            with engine.running_in_slices():
+                r = opened.enter_context(stream(f"{server['url']}/v1/completions", body, headers=HEADERS))
+                events = iter(r)
+                next(events)  # running: its first token is out
+            os.kill(proc.pid, signal.SIGTERM)
+            deadline = time.monotonic() + 30
+            while "send sigterm to process EngineCore" not in log.read_text() and time.monotonic() < deadline:
+                time.sleep(0.05)  # serve forwards the signal to vLLM's API server, which sends it on
+            engine.resume()
+            refused = _status(server, "x")
+            probe = subprocess.run(
+                [str(Path(sys.executable).parent / "ministream"), "ready", "--url", server["url"]],
+                capture_output=True,
+                text=True,
+                env={**os.environ, "VLLM_API_KEY": API_KEY},
+                timeout=60,
+            )
+            rest = list(events)
+            assert r.done
+    finally:
+        engine.resume()
     assert rest[-1]["usage"]["completion_tokens"] == long * MAX_NUM_SEQS  # every token of the stream in flight
     assert refused in (500, 503, None), refused  # vLLM 0.32 answers 500 while it drains; None: already gone
     assert probe.returncode == 1 and probe.stderr.startswith("not ready"), probe.stderr  # endpoints drop the pod

@@ -30,6 +30,8 @@ from ministream.run.folder import check_servable
 from ministream.run.generate import DEFAULT_PROMPTS, tokenize
 from ministream.run.server import call, complete as any_complete, greedy, stop, stream as any_stream, wait_ready
 
+from conftest import HeldEngine
+
 CONTEXT = 512  # the tiny preset's max_position_embeddings: the servers' limit
 # the vanishing client's request: sequences to generate, each to the context's end. Work for the engine of half a
 # minute and more: a slice the loaded test overslept let it run free, and 64 x 496 tokens took it 5 s (6400 tok/s)
@@ -137,49 +139,17 @@ def metric(url: str, name: str) -> float:
 ABORTED = re.compile(r"Request \S+ aborted\.")  # vLLM's AsyncLLM, with --enable-log-requests
 
 
-class Engine:
-    """vLLM's engine core and its worker: SIGSTOP on the core alone left the worker spinning on the queue
-    between them, taking the cores the test needed to wake up."""
-
-    def __init__(self, proc: subprocess.Popen):
-        family = psutil.Process(proc.pid).children(recursive=True)
-        cores = [p for p in family if "EngineCore" in " ".join(p.cmdline())]
-        assert len(cores) == 1, [p.cmdline() for p in family]
-        self.processes = [cores[0], *cores[0].children(recursive=True)]
-
-    def suspend(self) -> None:
-        for p in self.processes:
-            p.suspend()
-
-    def resume(self) -> None:
-        for p in reversed(self.processes):
-            p.resume()
-
-
-SLICE = 0.02  # s the held engine runs at a time: a few decode steps, far from the request's 496
-
-
-def _first_token_with_the_engine_held(engine: Engine, sock: socket.socket) -> bytes:
-    """What the server sent up to its first streamed token, the engine held (SIGSTOP) between short
-    slices of running. Watching a free-running engine lost the race on CI's loaded 2 cores: it generated
-    every token before the client saw the first one."""
+def _first_token_with_the_engine_held(engine: HeldEngine, sock: socket.socket) -> bytes:
+    """What the server sent up to its first streamed token, the engine running only in short slices meanwhile
+    and held once it is there."""
     seen = b""
-    deadline = time.monotonic() + 120
-    while b"data: {" not in seen:
-        assert time.monotonic() < deadline, f"no token in 120 s: {seen[:200]!r}"
-        engine.resume()
-        time.sleep(SLICE)
-        engine.suspend()
-        sock.settimeout(0.3)  # the API server, never held, passes on what the engine made in the slice
-        try:
-            while chunk := sock.recv(65536):
-                seen += chunk
-        except TimeoutError:
-            pass
-        else:
-            raise AssertionError(f"the server closed the stream: {seen[:200]!r}")
-        finally:
-            sock.settimeout(60)
+    with engine.running_in_slices():
+        sock.settimeout(120)
+        while b"data: {" not in seen:
+            chunk = sock.recv(65536)
+            assert chunk, f"the server closed the stream: {seen[:200]!r}"
+            seen += chunk
+    sock.settimeout(60)
     return seen
 
 
@@ -218,7 +188,7 @@ def test_client_that_vanishes_mid_stream_is_dropped_and_the_server_keeps_serving
         }
     ).encode()
     port = int(server["url"].rsplit(":", 1)[1])
-    engine = Engine(server["proc"])
+    engine = HeldEngine(server["proc"])
     try:
         for _ in range(3):
             generated = metric(server["url"], "generation_tokens_total")
