@@ -233,15 +233,34 @@ def greedy_with_logprobs(url: str, ids: list[int], max_tokens: int, top_k: int) 
     return got
 
 
+PERPLEXITY_TRIES = 3
+
+
 def perplexity(home: Path, gguf: Path, text: Path, n_ctx: int, threads: int = 2, kv: str = "f16") -> float:
     """llama-perplexity on `text` with chunks of n_ctx tokens (checkpoint/perplexity.py's method), its KV cache in
-    `kv`: the running estimate it prints after the last chunk to stdout ("[5]38.8701,"), which is its final
-    estimate; the "Final estimate" line goes through its log thread and was seen missing at exit."""
+    `kv`: its estimate over every chunk it announced (final_estimate), run again where its output lost it."""
     cmd = [home / "bin" / "llama-perplexity", "-m", gguf, "-f", text, "-c", n_ctx, "-b", n_ctx, "-t", threads]
     cmd += ["-ctk", kv, "-ctv", kv]
-    done = subprocess.run([str(c) for c in cmd], capture_output=True, text=True)
-    running = re.findall(r"\[(\d+)\]([0-9.]+|nan|inf),", done.stdout)
-    if done.returncode != 0 or not running:
-        tail = " | ".join((done.stdout + done.stderr).strip().splitlines()[-4:])
-        raise MiniStreamError(f"llama-perplexity on {gguf} failed (exit {done.returncode}): {tail[-800:]}")
-    return float(running[-1][1])
+    for _ in range(PERPLEXITY_TRIES):
+        done = subprocess.run([str(c) for c in cmd], capture_output=True, text=True)
+        found = final_estimate(done.stdout, done.stderr) if done.returncode == 0 else None
+        if found is not None:
+            return found
+    tail = " | ".join((done.stdout + done.stderr).strip().splitlines()[-4:])
+    raise MiniStreamError(
+        f"llama-perplexity on {gguf} gave no estimate over all its chunks in {PERPLEXITY_TRIES} runs "
+        f"(exit {done.returncode}): {tail[-800:]}"
+    )
+
+
+def final_estimate(stdout: str, stderr: str) -> float | None:
+    """llama-perplexity's estimate over all N chunks it announced ("calculating perplexity over N chunks"): the
+    running estimate it prints to stdout after chunk N ("[N]40.0750,"), else its "Final estimate: PPL = x" log
+    line; None where it printed neither. Its output has been seen to stop after chunk N-1, with exit 0 and no
+    Final line (2026-12-04): that earlier estimate (35.95 against the whole text's 40.08) is no answer."""
+    announced = re.search(r"calculating perplexity over (\d+) chunks", stderr + stdout)
+    running = dict(re.findall(r"\[(\d+)\]([0-9.]+|nan|inf),", stdout))
+    if announced and announced.group(1) in running:
+        return float(running[announced.group(1)])
+    final = re.search(r"Final estimate: PPL = ([0-9.]+|nan|inf)", stderr + stdout)
+    return float(final.group(1)) if final else None
