@@ -11,6 +11,7 @@ import pytest
 
 from ministream.bench.tune import candidates, decide, faster
 from ministream.run import engine, tuned
+from ministream.run.generate import reference_generate
 
 
 def rows(*cells):
@@ -34,7 +35,11 @@ def rows(*cells):
 )
 def test_the_serving_batch_decides_else_faster_beyond_the_spread_and_slower_nowhere(ours, vllm, want):
     assert faster(ours, vllm) is want
-    assert decide({"ours": ours, "vllm": vllm}) == {"binding": "ours" if want else "vllm", "zentorch": None}
+    assert decide({"ours": ours, "vllm": vllm}) == {
+        "binding": "ours" if want else "vllm",
+        "zentorch": None,
+        "in_process": None,
+    }
 
 
 def test_zentorch_is_judged_against_the_plain_platform_at_the_chosen_binding():
@@ -44,9 +49,39 @@ def test_zentorch_is_judged_against_the_plain_platform_at_the_chosen_binding():
     assert decide({"vllm": vllm, "ours": ours, "zentorch": rows((1, 61, 57, 66))}) == {
         "binding": "vllm",
         "zentorch": False,  # within the spread: vLLM's own platform
+        "in_process": None,
     }
     with pytest.raises(ValueError, match="no batch size"):
         faster(rows((1, 1, 1, 1)), rows((8, 1, 1, 1)))
+
+
+def test_the_core_in_process_is_judged_against_the_settings_chosen_before_it():
+    vllm, ours, zen = rows((1, 60, 58, 62)), rows((1, 50, 48, 52)), rows((1, 80, 78, 82))
+    # against zentorch where it won: 75 beats vLLM's 60 but not zentorch's 80
+    assert decide({"vllm": vllm, "ours": ours, "zentorch": zen, "in_process": rows((1, 75, 73, 77))}) == {
+        "binding": "vllm",
+        "zentorch": True,
+        "in_process": False,
+    }
+    # against the plain platform at vLLM's binding where zentorch lost
+    slow_zen = rows((1, 40, 38, 42))
+    assert decide({"vllm": vllm, "ours": ours, "zentorch": slow_zen, "in_process": rows((1, 75, 73, 77))}) == {
+        "binding": "vllm",
+        "zentorch": False,
+        "in_process": True,
+    }
+    # the serving batch decides for it too: a batch-1 win does not outweigh a loss at 64
+    fast1_slow64 = rows((1, 90, 88, 92), (64, 900, 880, 920))
+    assert (
+        decide(
+            {
+                "vllm": rows((1, 60, 58, 62), (64, 1000, 980, 1020)),
+                "ours": rows((1, 50, 48, 52), (64, 800, 790, 810)),
+                "in_process": fast1_slow64,
+            }
+        )["in_process"]
+        is False
+    )
 
 
 def test_candidates_hide_zentorch_but_the_zentorch_one_and_bind_as_named():
@@ -54,6 +89,10 @@ def test_candidates_hide_zentorch_but_the_zentorch_one_and_bind_as_named():
     assert envs["vllm"][engine.BIND] == "auto" and envs["ours"][engine.BIND] == engine.core_binding(1)
     assert all(str(tuned.NO_ZENTORCH) in envs[n]["PYTHONPATH"].split(os.pathsep) for n in ("vllm", "ours"))
     assert envs["zentorch"] == {engine.BIND: "auto"}  # at the chosen binding, zentorch importable
+    # the core in process at the settings chosen: zentorch hidden unless it won
+    assert envs["in_process"] == {**envs["vllm"], engine.IN_PROCESS: "0"}
+    assert candidates("ours", True)["in_process"] == {engine.BIND: engine.core_binding(1), engine.IN_PROCESS: "0"}
+    assert "in_process" not in candidates()
 
 
 def test_engines_follow_the_choice_at_one_rank_and_keep_a_core_per_rank_under_tp(monkeypatch):
@@ -71,6 +110,42 @@ def test_engines_follow_the_choice_at_one_rank_and_keep_a_core_per_rank_under_tp
     assert again["PYTHONPATH"] == env["PYTHONPATH"]  # said once however often it is applied
 
 
+def test_an_offline_engine_s_core_runs_in_process_only_where_chosen_and_at_one_rank(monkeypatch):
+    monkeypatch.setattr(engine, "has_gpu", lambda: False)
+    inproc = {"binding": "ours", "zentorch": None, "in_process": True}
+    assert engine.offline_defaults(1, 1, inproc) == {engine.IN_PROCESS: "0"}
+    assert engine.offline_defaults(2, 1, inproc) == {} and engine.offline_defaults(1, 2, inproc) == {}
+    for other in (
+        {**inproc, "in_process": False},
+        {**inproc, "in_process": None},
+        {"binding": "ours", "zentorch": None},
+    ):
+        assert engine.offline_defaults(1, 1, other) == {}
+    assert engine.IN_PROCESS not in engine.cpu_defaults(1, inproc)  # a server's environment never gets it
+    monkeypatch.setattr(engine, "has_gpu", lambda: True)
+    assert engine.offline_defaults(1, 1, inproc) == {}
+
+
+def test_the_in_process_default_is_taken_back_for_an_engine_it_does_not_fit_and_a_user_s_own_kept(monkeypatch):
+    monkeypatch.setattr(engine, "has_gpu", lambda: False)
+    monkeypatch.setattr(tuned, "chosen", lambda path=None: {"binding": "ours", "zentorch": None, "in_process": True})
+    monkeypatch.setattr(engine, "_SET_HERE", set())
+    before = dict(os.environ)  # use_defaults writes this process's environment: restored whole below
+    try:
+        os.environ.pop(engine.IN_PROCESS, None)
+        engine.use_defaults(1)
+        assert os.environ[engine.IN_PROCESS] == "0"
+        engine.use_defaults(2)  # vLLM starts its ranks from processes of their own: the caller's set is gone
+        assert engine.IN_PROCESS not in os.environ
+        os.environ[engine.IN_PROCESS] = "1"  # the user's word
+        engine.use_defaults(1)
+        engine.use_defaults(2)
+        assert os.environ[engine.IN_PROCESS] == "1"
+    finally:
+        os.environ.clear()
+        os.environ.update(before)
+
+
 def test_a_record_counts_only_on_the_machine_and_releases_it_was_measured_on(tmp_path, monkeypatch):
     record = tmp_path / "tune.json"
     monkeypatch.setenv(tuned.RECORD_ENV, str(record))
@@ -82,7 +157,19 @@ def test_a_record_counts_only_on_the_machine_and_releases_it_was_measured_on(tmp
         other = {**tuned.fingerprint(), **changed}
         record.write_text(json.dumps({"schema": tuned.SCHEMA, "fingerprint": other, "choice": choice}))
         assert tuned.chosen() is None, changed
-    hand_edited = [{"binding": "mine", "zentorch": False}, {"binding": "ours"}, {"binding": "ours", "zentorch": 1}, []]
+    before_in_process = {"binding": "ours", "zentorch": None}  # a record tune wrote before it measured the core
+    record.write_text(
+        json.dumps({"schema": tuned.SCHEMA, "fingerprint": tuned.fingerprint(), "choice": before_in_process})
+    )
+    assert tuned.chosen() == before_in_process
+    hand_edited = [
+        {"binding": "mine", "zentorch": False},
+        {"binding": "ours"},
+        {"binding": "ours", "zentorch": 1},
+        {"binding": "ours", "zentorch": None, "in_process": 1},
+        {"binding": "ours", "zentorch": None, "in_process": "yes"},
+        [],
+    ]
     bad_records = [{"schema": 99, "fingerprint": tuned.fingerprint(), "choice": choice}] + [
         {"schema": tuned.SCHEMA, "fingerprint": tuned.fingerprint(), "choice": c} for c in hand_edited
     ]
@@ -118,14 +205,18 @@ def test_tune_measures_every_candidate_and_records_the_rule_s_choice(cli, tiny_h
     runs = got["runs"]
     assert runs["vllm"]["env"][engine.BIND] == "auto" and runs["vllm"]["vllm_platform"] == "CpuPlatform"
     assert runs["ours"]["env"][engine.BIND] == engine.core_binding(1) and runs["ours"]["vllm_platform"] == "CpuPlatform"
-    cells = {name: run["rows"] for name, run in runs.items() if run.get("vllm_platform") != "ZenCpuPlatform"}
+    chosen_bind = {"ours": engine.core_binding(1), "vllm": "auto"}[got["choice"]["binding"]]
+    cells = {name: runs[name]["rows"] for name in ("vllm", "ours", "in_process")}
     if tuned.fingerprint()["zentorch"] is not None and runs["zentorch"]["vllm_platform"] == "ZenCpuPlatform":
         cells["zentorch"] = runs["zentorch"]["rows"]
-        assert (
-            runs["zentorch"]["env"][engine.BIND]
-            == {"ours": engine.core_binding(1), "vllm": "auto"}[got["choice"]["binding"]]
-        )
-    assert got["choice"] == decide(cells)
+        assert runs["zentorch"]["env"][engine.BIND] == chosen_bind
+    # the core in process, at the binding and platform chosen before it
+    inproc = runs["in_process"]
+    assert inproc["engine_core"] == "InprocClient" and inproc["env"][engine.IN_PROCESS] == "0"
+    assert all(runs[n]["engine_core"] == "SyncMPClient" for n in runs if n != "in_process")
+    assert inproc["env"][engine.BIND] == chosen_bind
+    assert inproc["vllm_platform"] == ("ZenCpuPlatform" if got["choice"]["zentorch"] else "CpuPlatform")
+    assert got["choice"] == decide(cells) and got["choice"]["in_process"] in (True, False)
     assert all(len(run["rows"][0]["seconds"]) == 3 for run in runs.values())  # --quick's repeats, each a median
     assert f"(ministream tune, {record})" in r.stdout.splitlines()[-1]
     again = cli("tune", "--quick", "--model", tiny_hf, "--out", tmp_path / "out", env=env, timeout=120)
@@ -134,7 +225,14 @@ def test_tune_measures_every_candidate_and_records_the_rule_s_choice(cli, tiny_h
 
 @pytest.mark.full
 @pytest.mark.vllm
-@pytest.mark.parametrize("choice", [{"binding": "vllm", "zentorch": False}, {"binding": "ours", "zentorch": True}])
+@pytest.mark.parametrize(
+    "choice",
+    [
+        {"binding": "vllm", "zentorch": False},
+        {"binding": "ours", "zentorch": True},
+        {"binding": "ours", "zentorch": False, "in_process": True},
+    ],
+)
 def test_an_engine_follows_the_record(cli, tiny_hf, tmp_path, choice):
     env = {**os.environ, tuned.RECORD_ENV: str(_record(tmp_path / "record.json", choice))}
     env.pop(engine.BIND, None)
@@ -142,16 +240,25 @@ def test_an_engine_follows_the_record(cli, tiny_hf, tmp_path, choice):
     code = (
         "import sys; from pathlib import Path; from ministream.run import engine, generate; "
         "settings = engine.EngineSettings(dtype='float32', max_model_len=64, enforce_eager=True); "
-        "generate.vllm_engine(Path(sys.argv[1]), settings); from vllm.platforms import current_platform; "
-        "print('platform:', type(current_platform).__name__)"
+        "llm = generate.vllm_engine(Path(sys.argv[1]), settings); from vllm.platforms import current_platform; "
+        "print('platform:', type(current_platform).__name__); "
+        "print('core:', type(llm.llm_engine.engine_core).__name__); import os; "
+        "print('bind:', os.environ.get('VLLM_CPU_OMP_THREADS_BIND')); "
+        "print('ids:', generate.vllm_generate(llm, [[0, 5, 9, 13]], 8)[0]['ids'])"
     )
     r = subprocess.run([sys.executable, "-c", code, tiny_hf], capture_output=True, text=True, env=env, timeout=900)
     log = r.stdout + r.stderr
     assert r.returncode == 0, log[-3000:]
     bind = "auto" if choice["binding"] == "vllm" else engine.core_binding(1)
-    assert f"VLLM_CPU_OMP_THREADS_BIND='{bind}'" in log  # the engine core's own report of its binding
+    if choice.get("in_process"):  # the worker runs in this process and reads this environment
+        assert f"bind: {bind}" in r.stdout
+    else:
+        assert f"VLLM_CPU_OMP_THREADS_BIND='{bind}'" in log  # the engine core's own report of its binding
     zen = tuned.fingerprint()["zentorch"] is not None and "avx512" in Path("/proc/cpuinfo").read_text()
     assert f"platform: {'ZenCpuPlatform' if zen and choice['zentorch'] else 'CpuPlatform'}" in r.stdout
+    # the core in the caller's process where the record says so, in its own elsewhere; the tokens the same
+    assert f"core: {'InprocClient' if choice.get('in_process') else 'SyncMPClient'}" in r.stdout
+    assert f"ids: {reference_generate(tiny_hf, [[0, 5, 9, 13]], 8)[0]['ids']}" in r.stdout
 
 
 def test_doctor_names_the_defaults_or_that_this_machine_was_never_measured(tmp_path, monkeypatch):
@@ -163,3 +270,11 @@ def test_doctor_names_the_defaults_or_that_this_machine_was_never_measured(tmp_p
     monkeypatch.setenv(tuned.RECORD_ENV, str(_record(tmp_path / "r.json", {"binding": "vllm", "zentorch": None})))
     found = check_tuned()
     assert found.level == "ok" and found.text.startswith("vLLM's own core binding") and "r.json" in found.text
+
+
+def test_the_core_in_process_is_named_where_offline_engines_take_it_and_not_on_serve_s_line(tmp_path, monkeypatch):
+    choice = {"binding": "ours", "zentorch": None, "in_process": True}
+    monkeypatch.setenv(tuned.RECORD_ENV, str(_record(tmp_path / "r.json", choice)))
+    assert "an offline engine's core in its caller's process" in tuned.describe(choice)
+    assert "core in its caller's process" not in tuned.describe(choice, offline=False)
+    assert "core in its caller's process" not in tuned.describe({**choice, "in_process": False})

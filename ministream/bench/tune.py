@@ -9,6 +9,9 @@ the reference shape (random weights, bfloat16) on the installed vLLM once per ca
   vllm      vLLM's own: VLLM_CPU_OMP_THREADS_BIND=auto, zentorch hidden (its plain CPU platform)
   ours      every core to the model (engine.core_binding), zentorch hidden
   zentorch  the binding chosen above, on vLLM's ZenCpuPlatform (only where zentorch is installed and used)
+  in_process  the settings chosen above, the offline engine's core (and its worker) in the caller's process
+            (VLLM_ENABLE_V1_MULTIPROCESSING=0): no process hop a step; offline engines at one rank only, since
+            `vllm serve` keeps its own processes
 
 A candidate replaces vLLM's own by RULE: where the serving batch (the largest measured, 64: what `serve`'s
 ceiling under load rests on) tells the two apart beyond the spread (one's slowest repeat above the other's
@@ -57,19 +60,29 @@ def faster(a: list[dict], b: list[dict]) -> bool:
 
 def decide(cells: dict[str, list[dict]]) -> dict:
     """The choice from the candidates' rows: ours over vLLM's binding, then zentorch over the plain platform
-    at the chosen binding (None where it was not measured: not installed, or vLLM did not use it)."""
+    at the chosen binding, then the core in process over the settings chosen so far (each None where it was
+    not measured: zentorch not installed or not used by vLLM; in_process in a run that had none)."""
     binding = "ours" if faster(cells["ours"], cells["vllm"]) else "vllm"
     zen = cells.get("zentorch")
-    return {"binding": binding, "zentorch": None if zen is None else faster(zen, cells[binding])}
+    zentorch = None if zen is None else faster(zen, cells[binding])
+    inproc = cells.get("in_process")
+    best = "zentorch" if zentorch else binding
+    return {
+        "binding": binding,
+        "zentorch": zentorch,
+        "in_process": None if inproc is None else faster(inproc, cells[best]),
+    }
 
 
-def candidates(binding: str | None = None) -> dict[str, dict]:
-    """Each candidate's environment; the zentorch one at `binding` (the chosen one)."""
+def candidates(binding: str | None = None, zentorch: bool | None = None) -> dict[str, dict]:
+    """Each candidate's environment; the zentorch one at `binding` (the chosen one), the in_process one at the
+    binding and platform chosen (`zentorch`: the choice; False or None: hidden)."""
     hidden = {"PYTHONPATH": tuned.hide_zentorch()}
     bind = {"vllm": "auto", "ours": engine.core_binding(1)}
     envs = {"vllm": {engine.BIND: "auto", **hidden}, "ours": {engine.BIND: bind["ours"], **hidden}}
     if binding is not None:
         envs["zentorch"] = {engine.BIND: bind[binding]}
+        envs["in_process"] = {**(envs["zentorch"] if zentorch else envs[binding]), engine.IN_PROCESS: "0"}
     return envs
 
 
@@ -100,6 +113,10 @@ def tune(out: Path = DEFAULT_OUT, model: Path | None = None, quick: bool = False
         runs["zentorch"] = _measure("zentorch", spec, {**base, **candidates(binding)["zentorch"]}, out)
         if runs["zentorch"].get("vllm_platform") == "ZenCpuPlatform":
             cells["zentorch"] = runs["zentorch"]["rows"]
+    so_far = decide(cells)
+    inproc = candidates(binding, so_far["zentorch"])["in_process"]
+    runs["in_process"] = _measure("in_process", spec, {**base, **inproc}, out)
+    cells["in_process"] = runs["in_process"]["rows"]
     choice = decide(cells)
     write_json(
         record,

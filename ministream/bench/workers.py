@@ -95,7 +95,10 @@ def _worker(spec: dict) -> dict:
         llm = vllm_engine(Path(spec["model_dir"]), settings)
         result["weights_file_bytes"] = widths.folder_bytes(spec["model_dir"])
         result["start_s"] = time.perf_counter() - t
-        result["env"] = {k: os.environ.get(k) for k in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE")}
+        result["env"] = {k: os.environ.get(k) for k in (engine.BIND, engine.KV_CACHE, engine.IN_PROCESS)}
+        # InprocClient: the core in this process; SyncMPClient: in its own (None: a vLLM before the V1 engine)
+        core = getattr(llm.llm_engine, "engine_core", None)
+        result["engine_core"] = None if core is None else type(core).__name__
         from vllm.platforms import current_platform
 
         result["vllm_platform"] = type(current_platform).__name__  # ZenCpuPlatform where zentorch is used

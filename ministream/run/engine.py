@@ -30,6 +30,8 @@ SEED = 0  # every engine samples from the same seed, so runs repeat
 # The server keeps the model's own length (or --max-model-len): what doctor judges.
 OFFLINE_MAX_MODEL_LEN = 2048
 BIND, KV_CACHE = "VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE"  # vLLM's CPU settings (GiB for the cache)
+# "0": an offline engine's core (and, on vLLM's CPU platform, its worker) runs in the caller's process
+IN_PROCESS = "VLLM_ENABLE_V1_MULTIPROCESSING"
 # 0.11-0.19's CPU worker takes its cores from BIND's "|"-list by its global rank (v1/worker/cpu_worker.py,
 # omp_cpuids[self.rank]): over nodes, rank 1 on a node with one rank found no entry (IndexError). 0.20 reads it
 # by local rank and wants exactly the node's ranks (vllm/utils/ompmultiprocessing.py).
@@ -264,9 +266,32 @@ def llm_kwargs(model: Path, settings: EngineSettings, **overrides) -> dict:
     }
 
 
-def use_defaults(tp: int = 1) -> None:
-    """Put the defaults into this process's environment (vLLM's engine processes inherit it); zentorch, where
-    the check turned it off, out of this process's reach too (vLLM may pick its platform here)."""
+def offline_defaults(tp: int = 1, pp: int = 1, choice: dict | None = None) -> dict[str, str]:
+    """What an offline engine (LLM) adds to cpu_defaults: its core in the caller's process, where `ministream
+    tune` found that faster here (the two process hops of a CPU step cost most where cores are few: bench.md,
+    the decode step taken apart); one rank only, as vLLM runs several ranks from processes of their own."""
+    if has_gpu() or tp > 1 or pp > 1:
+        return {}
+    choice = tuned.chosen() if choice is None else choice
+    return {IN_PROCESS: "0"} if choice is not None and choice.get("in_process") is True else {}
+
+
+_SET_HERE: set[str] = set()  # what use_defaults put into this process's environment (not the user's)
+
+
+def use_defaults(tp: int = 1, pp: int = 1) -> None:
+    """Put the defaults into this process's environment (vLLM's engine processes inherit it), with an offline
+    engine's own; zentorch, where the check turned it off, out of this process's reach too (vLLM may pick its
+    platform here). An offline default set for an earlier engine of this process and not this one's is taken
+    back; a user's own setting is left as it is."""
+    offline = offline_defaults(tp, pp)
+    for k in _SET_HERE - set(offline):
+        os.environ.pop(k, None)
+    _SET_HERE.intersection_update(offline)
+    for k, v in offline.items():
+        if k not in os.environ:
+            os.environ[k] = v
+            _SET_HERE.add(k)
     os.environ.update(engine_env(tp))
     if tuned.hides_zentorch(os.environ.get("PYTHONPATH", "")) and "zentorch" not in sys.modules:
         sys.modules["zentorch"] = None  # type: ignore[assignment]  # `import zentorch` raises ImportError

@@ -83,7 +83,7 @@ def reference_generate(
 def vllm_engine(model: Path, settings: engine.EngineSettings, **overrides):
     """The installed vLLM's offline engine on a converted folder, run as `settings` say, on this machine's
     defaults (engine.py); overrides: LLM(...)'s arguments for a caller's reason."""
-    engine.use_defaults(settings.tp)
+    engine.use_defaults(settings.tp, settings.pp)
     try:
         from vllm import LLM
     except ImportError:

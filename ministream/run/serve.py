@@ -418,7 +418,8 @@ def serve(
     shown = " ".join(f"{k}={env[k]}" for k in (*SHOWN, "VLLM_HOST_IP") if k in env)
     print(f"ministream serve: {shown} {' '.join(cmd)}", flush=True)
     if not engine.has_gpu() and local == 1:
-        print(f"ministream serve: CPU defaults (yours win): {tuned.describe(tuned.chosen())}", flush=True)
+        said = tuned.describe(tuned.chosen(), offline=False)
+        print(f"ministream serve: CPU defaults (yours win): {said}", flush=True)
     peers: dict = {}
     if cluster:
         mine = nodes.card(model, settings, nnodes, release)

@@ -1,5 +1,6 @@
 """What `ministream tune` chose on this machine, for this environment: the CPU defaults that are the machine's
-to decide (the core binding, and with it the threads; zentorch where it is installed), read by every engine.
+to decide (the core binding, and with it the threads; zentorch where it is installed; an offline engine's core in
+its caller's process or its own), read by every engine.
 
 `tune` (bench/tune.py; `make install` runs it) measures them against vLLM's own in one run and keeps ours only
 where it is faster beyond the run's spread. Its record sits in the environment (sys.prefix) beside the vLLM it
@@ -71,23 +72,27 @@ def read(path: Path | None = None) -> dict | None:
 
 
 def chosen(path: Path | None = None) -> dict | None:
-    """The record's choice ({"binding": "ours" | "vllm", "zentorch": bool | None}) where it was measured on
-    this machine with these releases; None otherwise (no check, or another machine's)."""
+    """The record's choice ({"binding": "ours" | "vllm", "zentorch": bool | None, "in_process": bool | None})
+    where it was measured on this machine with these releases; None otherwise (no check, or another machine's)."""
     record = read(path)
     if record is None or record.get("fingerprint") != fingerprint():
         return None
     choice = record.get("choice")
     if not isinstance(choice, dict) or choice.get("binding") not in ("ours", "vllm") or "zentorch" not in choice:
         return None  # a hand-edited record counts as none
-    return choice if any(choice["zentorch"] is v for v in (True, False, None)) else None  # 1 is not True here
+    # in_process: a record written before tune measured it has none, and keeps vLLM's own (None)
+    flags = (choice["zentorch"], choice.get("in_process"))
+    return choice if all(any(f is v for v in (True, False, None)) for f in flags) else None  # 1 is not True here
 
 
-def describe(choice: dict | None) -> str:
-    """The choice in words, for serve's start line and doctor."""
+def describe(choice: dict | None, offline: bool = True) -> str:
+    """The choice in words, for serve's start line (offline=False: without what only offline engines take)
+    and doctor."""
     if choice is None:
         return f"not checked on this machine (`ministream tune`): every core to the model{_zen(None)}"
     binding = "every core to the model" if choice["binding"] == "ours" else "vLLM's own core binding"
-    return f"{binding}{_zen(choice.get('zentorch'))} (ministream tune, {record_path()})"
+    core = ", an offline engine's core in its caller's process" if offline and choice.get("in_process") is True else ""
+    return f"{binding}{_zen(choice.get('zentorch'))}{core} (ministream tune, {record_path()})"
 
 
 def _zen(on: bool | None) -> str:
