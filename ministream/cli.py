@@ -979,7 +979,10 @@ def add_bench_step(sub) -> None:
         help="widths (bench/widths.py): float32, bfloat16, w8a8, w4a16 (default: float32,bfloat16)",
     )
     p.add_argument(
-        "--variants", type=lambda s: s.split(","), default=list(benchstep.VARIANTS), help=", ".join(benchstep.VARIANTS)
+        "--variants",
+        type=lambda s: s.split(","),
+        default=list(benchstep.VARIANTS),
+        help=", ".join(benchstep.VARIANTS) + ", or a+b: both",
     )
     p.add_argument("--note", default="")
     p.set_defaults(func=lambda a: benchstep.bench_step(a.out, a.presets, a.dtypes, a.variants, a.note))

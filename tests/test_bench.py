@@ -499,3 +499,30 @@ def test_every_accuracy_system_is_held_to_a_rule_verify_states():
     assert width("vllm w4a16 gptq") == width("vllm w4a16") == "w4a16"
     assert width("vllm fp8") == "fp8" and width("llama.cpp q8_0") == "w8a8" and width("vllm bfloat16") == "bfloat16"
     assert WIDTHS["w4a16-gptq"].method == "gptq" and WIDTHS["w4a16"].method == "rtn"
+
+
+def test_bench_step_variants_combine_and_an_unknown_one_is_refused_before_any_engine(tmp_path):
+    from ministream import MiniStreamError
+    from ministream.bench import benchstep
+
+    what, env, overrides = benchstep.variant_settings("in_process+bfloat16")
+    assert env == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} and overrides == {"dtype": "bfloat16"}
+    assert what == "; ".join(benchstep.VARIANTS[v][0] for v in ("in_process", "bfloat16"))
+    assert benchstep.variant_settings("default") == benchstep.VARIANTS["default"]
+    with pytest.raises(MiniStreamError, match="unknown variant 'async_scheduling'"):
+        benchstep.bench_step(tmp_path / "out", ["reference"], ["w8a8"], ["default", "async_scheduling"])
+    assert not (tmp_path / "out").exists()  # refused before the folder, the model or an engine
+
+
+def test_llama_perplexity_s_estimate_is_over_every_chunk_it_announced_or_none():
+    from ministream.bench.llamacpp import final_estimate
+
+    # llama-perplexity's own output (tiny-gqa q8_0, 635 tokens, -c 256), whole and as it was once cut short
+    announced = "0.00.013.894 I perplexity: calculating perplexity over 5 chunks, n_ctx=256, batch_size=256, n_seq=1\n"
+    whole = "0.00 minutes [1]29.0993,[2]25.7539,[3]33.8605,[4]35.9518,[5]40.0750,\n"
+    cut = "0.00 minutes [1]29.0993,[2]25.7539,[3]33.8605,[4]35.9518,"
+    final = "0.00.036.720 I Final estimate: PPL = 40.0750 +/- 4.55100\n"
+    assert final_estimate(whole, announced) == 40.075
+    assert final_estimate(cut, announced) is None  # chunk 4's estimate is not the text's
+    assert final_estimate(cut, announced + final) == 40.075
+    assert final_estimate("", "") is None

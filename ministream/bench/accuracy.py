@@ -36,6 +36,7 @@ SYSTEMS = {
     "vllm float32": ("vllm", "float32"),
     "vllm bfloat16": ("vllm", "bfloat16"),
     "vllm w8a8": ("vllm", "w8a8"),
+    "vllm w8a8 bf16": ("vllm", "w8a8-bf16"),
     "vllm w4a16": ("vllm", "w4a16"),
     "vllm fp8": ("vllm", "fp8"),
     "vllm w4a16 gptq": ("vllm", "w4a16-gptq"),

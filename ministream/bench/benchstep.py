@@ -14,7 +14,8 @@ runner's first, then the V2 runner's, the only one from vLLM 0.34)
 and beside them the time the weights take to read at the machine's read bandwidth (at a quantized width, the
 file each engine runs: widths.read_bytes). llama.cpp: llama-bench's decode (the graph alone) against
 llama-server's time per predicted token (with sampling and the server).
-Variants (VARIANTS) run the same request with one vLLM setting changed, each its own engine in the same run.
+Variants (VARIANTS) run the same request with one vLLM setting changed, each its own engine in the same run;
+"a+b" runs a and b together.
 """
 
 import json
@@ -26,6 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .. import MiniStreamError
 from ..atomic import write_json
 from ..run import engine
 from ..run.server import free_port
@@ -44,12 +46,25 @@ VARIANTS: dict[str, tuple[str, dict, dict]] = {
         {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
         {},
     ),
-    "async_scheduling": (
-        "async scheduling asked for (the CPU platform turns it off by default)",
+    # vLLM 0.32's CPU platform turns async scheduling off whatever is asked (platforms/cpu.py), so it is no variant
+    "bfloat16": (
+        "computes in bfloat16 (a quantized folder's activations and its float head)",
         {},
-        {"async_scheduling": True},
+        {"dtype": "bfloat16"},
     ),
 }
+
+
+def variant_settings(variant: str) -> tuple[str, dict, dict]:
+    """VARIANTS' entry, or for "a+b" theirs together."""
+    parts = variant.split("+")
+    unknown = [p for p in parts if p not in VARIANTS]
+    if unknown:
+        raise MiniStreamError(f"bench-step: unknown variant {unknown[0]!r}: choose from {', '.join(VARIANTS)}, or a+b")
+    chosen = [VARIANTS[p] for p in parts]
+    env = {k: v for _, e, _ in chosen for k, v in e.items()}
+    overrides = {k: v for _, _, o in chosen for k, v in o.items()}
+    return "; ".join(what for what, _, _ in chosen), env, overrides
 
 
 def _install_timers(worker) -> None:
@@ -172,6 +187,8 @@ def _llamacpp(model: dict, dtype: str, threads: int, out: Path) -> dict:
 
 def bench_step(out: Path, presets: list[str], dtypes: list[str], variants: list[str], note: str = "") -> int:
     """`ministream bench-step`: every (preset, dtype) x (MiniStream under each variant, the LLaMA twin, llama.cpp)."""
+    for variant in variants:  # an unknown one refused before any engine starts
+        variant_settings(variant)
     out.mkdir(parents=True, exist_ok=True)
     threads = engine_threads()
     result: dict[str, Any] = {
@@ -194,7 +211,7 @@ def bench_step(out: Path, presets: list[str], dtypes: list[str], variants: list[
             systems = [(f"ministream {v}", vllm_dir, v) for v in variants]
             systems += [] if w.scheme else [("llama default", model["llama"], "default")]
             for name, folder, variant in systems:
-                what, env, overrides = VARIANTS[variant]
+                what, env, overrides = variant_settings(variant)
                 spec = {"model_dir": folder, "dtype": w.dtype, "vocab": model["vocab"], "overrides": overrides}
                 print(f"bench-step: {preset} {dtype} {name} ({what}) ...", flush=True)
                 got = _run(spec, {**kv, **env}, out / f"{preset}-{dtype}-{name.replace(' ', '-')}")

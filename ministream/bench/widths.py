@@ -3,8 +3,8 @@
 A width is what the weights are stored in. Full precision runs the converted folder itself; a quantized width
 runs vLLM on a `ministream quantize` folder and llama.cpp on a GGUF of llama.cpp's own quantizer, both made
 from the same float32 folder. The dtype is what the engine computes in: vLLM 0.32's CPU int8 kernels take
-float32 activations here, its int4 kernels bfloat16 (docs/quantize.md), its fp8 one either (bfloat16, as GPUs
-serve fp8); llama.cpp dequantizes as it goes.
+float32 (the folder's own, w8a8) or bfloat16 (w8a8-bf16) activations, its int4 kernels bfloat16 only
+(docs/quantize.md), its fp8 one either (bfloat16, as GPUs serve fp8); llama.cpp dequantizes as it goes.
 """
 
 from dataclasses import dataclass
@@ -30,6 +30,8 @@ WIDTHS = {
     "bfloat16": Width("bfloat16", None, "bf16", 2),
     "float16": Width("float16", None, "f16", 2),
     "w8a8": Width("float32", "w8a8", "q8_0", None),
+    # the same int8 folder computing in bfloat16: its float head and activations at half float32's bytes (docs/bench.md)
+    "w8a8-bf16": Width("bfloat16", "w8a8", "q8_0", None),
     "w4a16": Width("bfloat16", "w4a16", "q4_0", None),
     # GPUs' 8 bits; llama.cpp has no float8 type, so its 8-bit file is q8_0, as for int8
     "fp8": Width("bfloat16", "fp8", "q8_0", None),
