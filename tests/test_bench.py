@@ -526,3 +526,23 @@ def test_llama_perplexity_s_estimate_is_over_every_chunk_it_announced_or_none():
     assert final_estimate(cut, announced) is None  # chunk 4's estimate is not the text's
     assert final_estimate(cut, announced + final) == 40.075
     assert final_estimate("", "") is None
+
+
+@pytest.mark.parametrize("wrote_result", [True, False])
+def test_a_worker_that_aborts_after_writing_its_result_keeps_its_figures_and_says_so(
+    tmp_path, monkeypatch, wrote_result
+):
+    """vLLM on zentorch's platform has aborted at exit after its work ("terminate called without an active
+    exception", 1 engine of 8 here): a real process that writes its result (or not) and then SIGABRTs itself."""
+    from ministream.bench import workers
+
+    child = tmp_path / "python"
+    write = 'printf \'{"rows": [1]}\' > "$4"\n' if wrote_result else ""
+    child.write_text(f"#!/bin/sh\n{write}kill -ABRT $$\n")  # argv: -m ministream.bench.workers SPEC RESULT
+    child.chmod(0o755)
+    monkeypatch.setattr(workers.sys, "executable", str(child))
+    got = workers.run_worker("aborts", {"kind": "vllm"}, tmp_path)
+    if wrote_result:
+        assert got["rows"] == [1] and got["exit_note"].startswith("exit -6 after writing its result")
+    else:
+        assert got["error"] == "exit -6" and "rows" not in got

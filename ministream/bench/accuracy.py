@@ -30,6 +30,7 @@ from ..run.verify import builtin_prompts, compare, make_golden, rule_passes
 from . import llamacpp
 from .machine import machine, machine_line
 from .widths import WIDTHS, Width
+from .workers import exit_note
 
 # name -> (engine, width: widths.py says what each engine runs for it)
 SYSTEMS = {
@@ -179,16 +180,19 @@ def _vllm(folder: Path, work: Path, w: Width, golden: dict, c: Chunks):
 
         model = work / f"{folder.name}-{w.scheme}-{w.method}"
         quantize(folder, model, w.scheme, force=True, log=lambda *a: None, text=Path(c.text), method=w.method)
-    job = work / "job.json"
+    job, answer_file = work / "job.json", work / "answer.json"
     write_json(job, {"model": str(model), "dtype": dtype, "golden": golden, "chunks": c.ids, "first": c.first})
+    answer_file.unlink(missing_ok=True)  # the system before this one left its own
     done = subprocess.run(
         [sys.executable, "-c", f"from {__name__} import _vllm_child; _vllm_child({str(job)!r})"],
         capture_output=True,
         text=True,
     )
-    if done.returncode != 0:
+    if not answer_file.is_file():
         raise MiniStreamError(f"vLLM on {model} in {dtype} failed: {done.stderr.strip()[-1500:]}")
-    answer = json.loads((work / "answer.json").read_text())
+    if note := exit_note(done.returncode):
+        print(f"bench-accuracy: vLLM on {model} in {dtype}: {note}", file=sys.stderr)
+    answer = json.loads(answer_file.read_text())
     return answer["outputs"], answer["perplexity"]
 
 

@@ -33,7 +33,7 @@ from ..run import engine
 from ..run.server import free_port
 from . import bench, widths
 from .machine import machine, machine_line, read_bandwidth
-from .workers import engine_threads, prompts
+from .workers import engine_threads, exit_note, prompts
 
 PROMPT, NEW, REPEATS = 32, 128, 3
 PARTS = ["forward", "logits", "inputs", "sample"]
@@ -247,15 +247,17 @@ def _read_ms(model: dict, width: str, file_bytes: int, gb_per_s: float) -> float
 def _run(spec: dict, env: dict, stem: Path) -> dict:
     spec_file, result_file = stem.with_suffix(".spec.json"), stem.with_suffix(".result.json")
     write_json(spec_file, spec)
+    result_file.unlink(missing_ok=True)  # an earlier run's into the same folder
     run = subprocess.run(
         [sys.executable, "-m", "ministream.bench.benchstep", str(spec_file), str(result_file)],
         env={**os.environ, **env},
         capture_output=True,
         text=True,
     )
-    if run.returncode != 0:
-        return {"error": (run.stderr or run.stdout).strip().splitlines()[-1][:400]}
-    return json.loads(result_file.read_text())
+    if not result_file.is_file():
+        return {"error": ((run.stderr or run.stdout).strip().splitlines() or [f"exit {run.returncode}"])[-1][:400]}
+    note = exit_note(run.returncode)
+    return {**json.loads(result_file.read_text()), **({"exit_note": note} if note else {})}
 
 
 def table(result: dict) -> str:
