@@ -33,8 +33,9 @@ QUANTIZED ?= $(MODEL)-$(SCHEME)
 QUANTIZE_ARGS ?=
 # install: ZENTORCH=0 leaves out zentorch (AMD CPUs with AVX-512: vLLM's ZenCpuPlatform, fork/zentorch.py)
 ZENTORCH ?=
-# install (DEVICE=cpu): `ministream tune` chooses the core binding and zentorch on this machine against vLLM's own
-# (4-5 min on 2 cores, once per machine and release; docs/tune.md); TUNE=0 leaves it out; TUNE_ARGS: --force, --quick
+# install (DEVICE=cpu): `ministream tune` chooses the core binding, zentorch and where an offline engine's core runs
+# on this machine against vLLM's own (3-5 min on 2 cores, once per machine and release; docs/tune.md); TUNE=0 leaves
+# it out; TUNE_ARGS: --force, --quick
 TUNE ?=
 TUNE_ARGS ?=
 # install, cuda-smoke: NEAREST_PINS=1 installs the nearest published version where the release pins one that no
@@ -96,7 +97,8 @@ help:
 	@echo "make wheel VLLM_VERSION=x DEVICE=d patched release wheel into dist/ (d: cuda|cpu, now $(DEVICE))"
 	@echo "make install VLLM_VERSION=x        install the patched wheel into $(VENV)/ (+ zentorch on AMD AVX-512 CPUs;"
 	@echo "                                   ZENTORCH=0: without it); on a CPU, then make tune (TUNE=0: not)"
-	@echo "make tune                          core binding and zentorch chosen on this machine against vLLM's own"
+	@echo "make tune                          core binding, zentorch, an offline engine's core in process: chosen"
+	@echo "                                   on this machine against vLLM's own"
 	@echo "                                   (a same-run check, once per machine and release; TUNE_ARGS=--force)"
 	@echo "make plugin VLLM_VERSION=x         the model as a vLLM plugin wheel for a fixed (stock) vLLM x -> dist/"
 	@echo "make vllm-tests VLLM_VERSION=x     vLLM's own tests of MiniStream (test_registry, test_initialization, our"

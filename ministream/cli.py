@@ -1021,7 +1021,8 @@ def add_tune(sub) -> None:
         sub,
         "tune",
         tune.__doc__,
-        "choose this machine's core binding and zentorch by a same-run check against vLLM's own (make install)",
+        "choose this machine's core binding, zentorch and an offline engine's core process by a same-run check "
+        "against vLLM's own (make install)",
     )
     p.add_argument("--model", type=Path, help="a converted folder to measure on (default: the reference shape)")
     p.add_argument("--out", type=Path, default=tune.DEFAULT_OUT, help="logs and models (default: %(default)s)")

@@ -8,7 +8,8 @@ On a machine without a GPU: a KV cache of a quarter of the memory available (1 t
 ranks) instead of a fraction of system memory; one core per rank under tensor parallelism; at one rank, the
 core binding and zentorch that `ministream tune` chose on this machine (tuned.py: vLLM's own unless ours was
 faster beyond the spread), and where it never ran there, every core to the model (vLLM keeps one for its front
-end otherwise). With a GPU, vLLM's own defaults. Settings the user put in the environment always win.
+end otherwise); for an offline engine at one rank, its core in the caller's process where tune found that
+faster (offline_defaults). With a GPU, vLLM's own defaults. Settings the user put in the environment always win.
 """
 
 import argparse
