@@ -43,7 +43,7 @@ VARIANTS: dict[str, tuple[str, dict, dict]] = {
     "default": ("the engine default (engine.py)", {}, {}),
     "in_process": (
         "engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)",
-        {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+        {engine.IN_PROCESS: "0"},
         {},
     ),
     # vLLM 0.32's CPU platform turns async scheduling off whatever is asked (platforms/cpu.py), so it is no variant

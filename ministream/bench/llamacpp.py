@@ -238,18 +238,20 @@ PERPLEXITY_TRIES = 3
 
 def perplexity(home: Path, gguf: Path, text: Path, n_ctx: int, threads: int = 2, kv: str = "f16") -> float:
     """llama-perplexity on `text` with chunks of n_ctx tokens (checkpoint/perplexity.py's method), its KV cache in
-    `kv`: its estimate over every chunk it announced (final_estimate), run again where its output lost it."""
+    `kv`: its estimate over every chunk it announced (final_estimate), run again where its output lost it (exit 0);
+    a run that failed is not run again."""
     cmd = [home / "bin" / "llama-perplexity", "-m", gguf, "-f", text, "-c", n_ctx, "-b", n_ctx, "-t", threads]
     cmd += ["-ctk", kv, "-ctv", kv]
     for _ in range(PERPLEXITY_TRIES):
         done = subprocess.run([str(c) for c in cmd], capture_output=True, text=True)
-        found = final_estimate(done.stdout, done.stderr) if done.returncode == 0 else None
+        tail = " | ".join((done.stdout + done.stderr).strip().splitlines()[-4:])
+        if done.returncode != 0:  # a failure, not a lost line: running it again would fail again
+            raise MiniStreamError(f"llama-perplexity on {gguf} failed (exit {done.returncode}): {tail[-800:]}")
+        found = final_estimate(done.stdout, done.stderr)
         if found is not None:
             return found
-    tail = " | ".join((done.stdout + done.stderr).strip().splitlines()[-4:])
     raise MiniStreamError(
-        f"llama-perplexity on {gguf} gave no estimate over all its chunks in {PERPLEXITY_TRIES} runs "
-        f"(exit {done.returncode}): {tail[-800:]}"
+        f"llama-perplexity on {gguf} gave no estimate over all its chunks in {PERPLEXITY_TRIES} runs: {tail[-800:]}"
     )
 
 

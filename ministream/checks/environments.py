@@ -24,7 +24,7 @@ from ..fork.install import BREAKING_EXTRAS
 from ..fork.plugin import DISTRIBUTION as PLUGIN_DISTRIBUTION
 from ..fork.release import cpu_lines
 from ..paths import BUILD
-from ..run.engine import KV_CACHE
+from ..run.engine import IN_PROCESS, KV_CACHE
 
 LINES = BUILD / "lines"
 TRIXIE = LINES / "trixie"
@@ -161,11 +161,13 @@ def _run_env(line: dict, venv: Path, cache: Path | None = None) -> dict:
     # VLLM_ENABLE_V1_MULTIPROCESSING=0: the engine core runs in the probe's process, not in one more
     # Python that imports vLLM again (~30 s per engine on 2 cores); the model code is the same
     env.update(
-        PYTHONPATH=str(PACKAGE_COPY.resolve()),
-        HF_HUB_OFFLINE="1",
-        TRANSFORMERS_OFFLINE="1",
-        VLLM_ENABLE_V1_MULTIPROCESSING="0",
-        GIT_PYTHON_REFRESH="quiet",  # GitPython (`ministream`'s patch modules) refuses to import without git
+        {
+            "PYTHONPATH": str(PACKAGE_COPY.resolve()),
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            IN_PROCESS: "0",
+            "GIT_PYTHON_REFRESH": "quiet",  # GitPython (`ministream`'s patch modules) refuses to import without git
+        }
     )
     if cache is not None:
         env.update(VLLM_CACHE_ROOT=str(cache.resolve()), TORCHINDUCTOR_CACHE_DIR=str((cache / "inductor").resolve()))

@@ -45,6 +45,7 @@ from ..fork.plugin import FIRST_PLUGIN_RELEASE, build_plugin
 from ..fork.release import cpu_lines, release_wheel
 from ..fork.wheel import build_wheel, patched_version
 from ..run import nodes
+from ..run.engine import IN_PROCESS
 from ..run.serve import served_name
 from ..run.server import ServerFailed, complete, free_port, log_tail, stop, wait_ready
 from ..run.verify import compare, make_golden
@@ -342,7 +343,7 @@ def _nodes_case(venv: Path, line: dict, job: dict, workdir: Path, cache: Path) -
     workdir.mkdir(parents=True, exist_ok=True)
     package_copy()
     env = _run_env(line, venv, cache)
-    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING")  # as a user's server runs: the engine core in its own process
+    env.pop(IN_PROCESS)  # as a user's server runs: the engine core in its own process
     folder, http = Path(job["folder"]), free_port()
     serve = [*package_python(venv), "ministream.cli", "serve", folder, "--dtype", job["dtype"], "--tp", job["tp"]]
     serve += ["--port", http, "--node-timeout", NODES_TIMEOUT]
