@@ -29,7 +29,8 @@ GGUF ?= $(MODEL).gguf
 GGUF_DTYPE ?= f32
 SCHEME ?= w8a8
 QUANTIZED ?= $(MODEL)-$(SCHEME)
-# quantize: any `ministream quantize` option, e.g. --method gptq [--calibration-text FILE] (calibrated 4-bit)
+# quantize: any `ministream quantize` option, e.g. --method gptq [--calibration-text FILE] (calibrated 4-bit),
+# --head quantized (the head in the scheme too: untied, lm_head.*)
 QUANTIZE_ARGS ?=
 # install: ZENTORCH=0 leaves out zentorch (AMD CPUs with AVX-512: vLLM's ZenCpuPlatform, fork/zentorch.py)
 ZENTORCH ?=

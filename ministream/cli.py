@@ -207,6 +207,14 @@ def add_quantize(sub) -> None:
         help="text of the model's own kind for --method gptq (default: the demo models' training corpus)",
     )
     p.add_argument("--calibration-samples", type=int, help="windows of 512 tokens GPTQ calibrates on (default: 128)")
+    p.add_argument(
+        "--head",
+        choices=quantize.HEADS,
+        default="float",
+        help="float: the head as it is, tied to the embedding where the model ties it (default); quantized: the "
+        "head by the same scheme too, rounded to nearest, as a tensor of its own (w8a8, w4a16; vLLM with PR "
+        "#37291, e.g. 0.32.0): a decode step reads half the head's bfloat16 bytes at int8",
+    )
     _heldout_text(p)
     p.set_defaults(
         func=lambda a: (
@@ -219,6 +227,7 @@ def add_quantize(sub) -> None:
                 method=a.method,
                 calibration=a.calibration_text,
                 samples=a.calibration_samples,
+                head=a.head,
             )
             and 0
         )
@@ -1142,5 +1151,26 @@ def _run(argv) -> int:
         return 2
 
 
+def console() -> None:
+    """The `ministream` command: main's exit status. Where an offline engine's core ran in this process (tune's
+    in_process choice), the exit skips the interpreter's teardown: vLLM's in-process engine has aborted there
+    after its work was done ("terminate called without an active exception", exit -6: 1 verify in 7 on an
+    Intel Xeon with AMX, 1 engine in 8 on the family-26 EPYC, 2026-12-04), which made a passed verify fail.
+    Every output is written, atomically, before main returns, and that engine has no processes to stop."""
+    import logging
+    import os
+
+    from .run.engine import IN_PROCESS
+
+    rc = main()
+    code = rc if isinstance(rc, int) else (0 if rc is None else 1)
+    if os.environ.get(IN_PROCESS) == "0" and "vllm" in sys.modules:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    console()

@@ -546,3 +546,34 @@ def test_a_worker_that_aborts_after_writing_its_result_keeps_its_figures_and_say
         assert got["rows"] == [1] and got["exit_note"].startswith("exit -6 after writing its result")
     else:
         assert got["error"] == "exit -6" and "rows" not in got
+
+
+def test_a_llama_server_that_dies_of_sigsegv_at_start_is_started_again_without_repacking(monkeypatch, tmp_path):
+    """llama.cpp's AMX kernels die of SIGSEGV on some virtualized Xeons (llama.cpp #20824): a stand-in
+    llama-server (a real process that kills itself with SIGSEGV unless given --no-repack, else serves /health
+    over HTTP on loopback) is started once more with --no-repack, and that is recorded for the results."""
+    from ministream.bench import llamacpp
+    from ministream.run.server import free_port
+
+    monkeypatch.setattr(llamacpp, "NO_REPACK", False)
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "www").mkdir()
+    (tmp_path / "www" / "health").write_text("ok")
+    server = tmp_path / "bin" / "llama-server"
+    server.write_text(
+        "#!/bin/sh\n"
+        'case " $* " in *" --no-repack "*) ;; *) kill -SEGV $$ ;; esac\n'
+        'port=$(echo "$@" | sed "s/.*--port \\([0-9]*\\).*/\\1/")\n'
+        f'exec python3 -m http.server "$port" --bind 127.0.0.1 --directory {tmp_path / "www"}\n'
+    )
+    server.chmod(0o755)
+    port = free_port()
+    with llamacpp.server(tmp_path / "m.gguf", port, 1, home=tmp_path, log_file=tmp_path / "log") as url:
+        assert url == f"http://127.0.0.1:{port}"
+    assert llamacpp.NO_REPACK
+    monkeypatch.setattr(llamacpp, "NO_REPACK", False)
+    server.write_text("#!/bin/sh\nexit 3\n")  # any other death is an error, with no second start
+    with pytest.raises(Exception, match=r"llama-server exited \(3\)"):
+        with llamacpp.server(tmp_path / "m.gguf", free_port(), 1, home=tmp_path, log_file=tmp_path / "log"):
+            pass
+    assert not llamacpp.NO_REPACK

@@ -3,6 +3,7 @@ from another folder; and its shape: every module imports on its own, and MiniStr
 
 import ast
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -328,3 +329,21 @@ def test_doctor_patch_and_clean_do_not_import_torch():
     for command in ("doctor", "patch", "clean", "matrix", "install"):
         r = subprocess.run([sys.executable, "-c", code, command], capture_output=True, text=True, cwd=CHECKOUT)
         assert r.stdout.strip() == "False", (command, r.stdout, r.stderr[-2000:])
+
+
+@pytest.mark.parametrize("in_process", [True, False])
+def test_the_command_skips_the_teardown_only_where_an_engine_core_ran_in_its_process(in_process, tmp_path):
+    """console(): after an offline engine's core ran in the process (VLLM_ENABLE_V1_MULTIPROCESSING=0 and vLLM
+    imported), main's status without the interpreter's teardown, where vLLM's in-process engine has aborted
+    (exit -6) after its work; otherwise a plain exit, teardown and all. The same status either way."""
+    script = (
+        "import atexit, sys; atexit.register(lambda: print('teardown ran', flush=True)); import vllm; "
+        "sys.argv = ['ministream', 'doctor', sys.argv[1]]; from ministream.cli import console; console()"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+    env.update({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if in_process else {})
+    r = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path / "none")], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert r.returncode == 2 and "no such folder" in r.stderr, r.stderr[-2000:]
+    assert ("teardown ran" in r.stdout) is not in_process, r.stdout[-2000:]

@@ -16,8 +16,16 @@ from safetensors.torch import load_file
 from ministream import MiniStreamError
 from ministream.checkpoint.convert import read_folder
 from ministream.checkpoint.perplexity import chunks, folder_perplexity
-from ministream.checkpoint.quantize import LINEAR, RECORD, check_shapes
+from ministream.checkpoint.quantize import LINEAR, RECORD, check_shapes, quantization_config, read_scheme
 from ministream.paths import HELDOUT
+from ministream.run.folder import (
+    CPU_INT8,
+    CT_CONFIG,
+    CT_HEAD,
+    check_quantized_head,
+    installed_vllm_dir,
+    int8_needs_16_bits,
+)
 from ministream.run.verify import PERPLEXITY_BOUND, RULES
 from ministream.spec import train_config_from_hf
 
@@ -27,10 +35,15 @@ SCHEMES = ["w8a8", "w4a16"]
 GROUP = {"w8a8": None, "w4a16": 128}  # inputs per scale: a whole row, or groups of 128
 
 
-def quantized(cli, src, out, scheme):
-    r = cli("quantize", src, out, "--scheme", scheme)
+def quantized(cli, src, out, scheme, head="float"):
+    r = cli("quantize", src, out, "--scheme", scheme, "--head", head)
     assert r.returncode == 0, r.stderr
     return out
+
+
+def int8_dtype() -> str:
+    """What a w8a8 folder runs in here: float32, or bfloat16 where vLLM's int8 kernel is its AMX one (16-bit only)."""
+    return "bfloat16" if int8_needs_16_bits(installed_vllm_dir()) else "float32"
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
@@ -112,8 +125,72 @@ def test_what_quantize_cannot_take_is_refused_by_name_and_nothing_is_written(cli
     assert tree(tiny_hf) == before
     # verify holds a quantized folder to its source's perplexity, which only quantize's record knows
     (once / RECORD).unlink()
-    line = one_line_error(cli("verify", once, "--out", tmp_path / "v"), rc=2)
+    line = one_line_error(cli("verify", once, "--dtype", int8_dtype(), "--out", tmp_path / "v"), rc=2)
     assert RECORD in line and "quantize the converted folder again" in line, line
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_a_quantized_head_is_a_tensor_of_its_own_by_the_same_scheme_and_the_embedding_stays(
+    scheme, cli, tiny_hf, tiny_gqa_hf, tmp_path
+):
+    """--head quantized: the head (a tied model's embedding, an untied one's lm_head) quantized as a linear
+    weight under lm_head.*, the config untied and its group targeting lm_head; the embedding as it was."""
+    for src in (tiny_hf, tiny_gqa_hf):
+        out = quantized(cli, src, tmp_path / f"{src.name}-{scheme}", scheme, head="quantized")
+        before, after = load_file(src / "model.safetensors"), load_file(out / "model.safetensors")
+        config = json.loads((out / "config.json").read_text())
+        assert config["tie_word_embeddings"] is False and read_scheme(config, "config.json") == (scheme, True)
+        q = config["quantization_config"]
+        assert q["ignore"] == [] and q["config_groups"]["group_0"]["targets"] == ["Linear", "lm_head"]
+        embed = before["model.embed_tokens.weight"]
+        head = before.get("lm_head.weight", embed)  # tiny ties its head, tiny-gqa does not
+        assert torch.equal(after["model.embed_tokens.weight"], embed)
+        stored = "lm_head.weight" if scheme == "w8a8" else "lm_head.weight_packed"
+        assert after[stored].dtype == (torch.int8 if scheme == "w8a8" else torch.int32)
+        rows, inputs = head.shape
+        assert after["lm_head.weight_scale"].shape == (rows, inputs // (GROUP[scheme] or inputs))
+        _, deq = read_folder(out)  # the library's decompression: within half a step of the source's head
+        step = after["lm_head.weight_scale"].repeat_interleave(GROUP[scheme] or inputs, dim=1)
+        err = (deq["lm_head.weight"] - head).abs()
+        assert bool((err <= step / 2 + 1e-6).all()) and float(err.max()) > 0
+        assert json.loads((out / RECORD).read_text())["head"] == "quantized"
+        r = cli("doctor", out)
+        assert "the head too" in r.stdout and "untied, lm_head.weight present" in r.stdout, r.stdout
+    line = one_line_error(cli("quantize", tiny_hf, tmp_path / "f", "--scheme", "fp8", "--head", "quantized"))
+    assert "--head float" in line and "#52543" in line
+    assert not (tmp_path / "f").exists()
+
+
+def test_a_quantized_head_is_refused_where_vllm_would_read_it_as_float_weights(tmp_path):
+    """check_quantized_head reads the vLLM's compressed-tensors config: without a ParallelLMHead case (vLLM PR
+    #37291) the head's int8 values would be multiplied as weights, so serve/generate/verify refuse first."""
+    config = {"quantization_config": quantization_config("w8a8", True)}
+    old, new = tmp_path / "old", tmp_path / "new"
+    for root, text in ((old, "if isinstance(layer, LinearBase):"), (new, f"if {CT_HEAD}:")):
+        (root / CT_CONFIG).parent.mkdir(parents=True)
+        (root / CT_CONFIG).write_text(text)
+    bad = check_quantized_head(config, old)
+    assert bad is not None and bad.level == "error" and "#37291" in bad.text and "--head float" in bad.fix
+    good = check_quantized_head(config, new)
+    assert good is not None and good.level == "ok"
+    float_head = {"quantization_config": config["quantization_config"] | {"ignore": ["lm_head"]}}
+    float_head["quantization_config"]["config_groups"] = {
+        "group_0": config["quantization_config"]["config_groups"]["group_0"] | {"targets": ["Linear"]}
+    }
+    assert check_quantized_head(float_head, old) is None  # a float head: any vLLM reads it
+
+
+def test_int8_in_float32_is_refused_where_vllm_takes_its_amx_kernel(tmp_path):
+    """vLLM 0.32's int8 GEMM on a CPU with AMX takes 16-bit activations only: decided from the CPU's flags and
+    the vLLM's own kernel file."""
+    vllm = tmp_path / "vllm"
+    (vllm / CPU_INT8).parent.mkdir(parents=True)
+    (vllm / CPU_INT8).write_text("torch.ops._C.int8_scaled_mm_with_quant(")
+    amx, avx = tmp_path / "amx", tmp_path / "avx"
+    amx.write_text("processor\t: 0\nflags\t\t: fpu avx512f amx_bf16 amx_tile amx_int8\n")
+    avx.write_text("processor\t: 0\nflags\t\t: fpu avx512f avx512_vnni\n")
+    assert int8_needs_16_bits(vllm, amx) and not int8_needs_16_bits(vllm, avx)
+    assert not int8_needs_16_bits(tmp_path / "no-vllm", amx) and not int8_needs_16_bits(None, amx)
 
 
 def test_a_shape_the_groups_cannot_split_is_refused_naming_the_tensor(tiny_hf):
@@ -127,23 +204,27 @@ def test_a_shape_the_groups_cannot_split_is_refused_naming_the_tensor(tiny_hf):
 
 @pytest.mark.vllm
 @pytest.mark.parametrize(
-    "route, scheme",
+    "route, scheme, head",
     [
-        ("patched wheel", "w8a8"),
-        pytest.param("patched wheel", "w4a16", marks=pytest.mark.full),
-        pytest.param("plugin", "w8a8", marks=pytest.mark.full),
-        pytest.param("plugin", "w4a16", marks=pytest.mark.full),
-        pytest.param("patched wheel", "fp8", marks=pytest.mark.full),
-        pytest.param("plugin", "fp8", marks=pytest.mark.full),
+        ("patched wheel", "w8a8", "float"),
+        ("patched wheel", "w8a8", "quantized"),
+        pytest.param("patched wheel", "w4a16", "float", marks=pytest.mark.full),
+        pytest.param("patched wheel", "w4a16", "quantized", marks=pytest.mark.full),
+        pytest.param("plugin", "w8a8", "float", marks=pytest.mark.full),
+        pytest.param("plugin", "w8a8", "quantized", marks=pytest.mark.full),
+        pytest.param("plugin", "w4a16", "float", marks=pytest.mark.full),
+        pytest.param("patched wheel", "fp8", "float", marks=pytest.mark.full),
+        pytest.param("plugin", "fp8", "float", marks=pytest.mark.full),
     ],
 )
 def test_vllm_computes_the_quantized_folder_as_the_reference_model_on_its_weights(
-    route, scheme, route_python, cli, tiny_gqa_hf, tmp_path
+    route, scheme, head, route_python, cli, tiny_hf, tiny_gqa_hf, tmp_path
 ):
     """verify on the quantized folder: the golden file from the reference model on the folder's weights,
-    dequantized (what vLLM multiplies by); vLLM through compressed-tensors' int kernels, not a fallback."""
-    out = quantized(cli, tiny_gqa_hf, tmp_path / scheme, scheme)
-    dtype = {"w8a8": "float32", "w4a16": "bfloat16", "fp8": "float32"}[scheme]  # int4 kernels: 16-bit only
+    dequantized (what vLLM multiplies by); vLLM through compressed-tensors' int kernels, not a fallback. A
+    quantized head on the tied model (its embedding becomes a head of its own), the rest on the GQA one."""
+    out = quantized(cli, tiny_hf if head == "quantized" else tiny_gqa_hf, tmp_path / scheme, scheme, head)
+    dtype = {"w8a8": int8_dtype(), "w4a16": "bfloat16", "fp8": "float32"}[scheme]  # int4 kernels: 16-bit only
     python, env = route_python(route)
     command = [python, "-m", "ministream.cli", "verify", out, "--dtype", dtype, "--out", tmp_path / "verify"]
     r = subprocess.run([str(c) for c in command], capture_output=True, text=True, env=env, timeout=1800)
@@ -157,6 +238,17 @@ def test_vllm_computes_the_quantized_folder_as_the_reference_model_on_its_weight
     assert f"rule for {scheme} ({RULES[scheme]}): PASS on perplexity" in text, text[-2000:]
     # vLLM's log: the int kernels ran; fp8 on a CPU through torch's scaled matmul
     assert {"w8a8": "W8A8Int8", "w4a16": "WNA16", "fp8": "TorchFP8ScaledMMLinearKernel"}[scheme] in text, text[-4000:]
+
+
+@pytest.mark.vllm
+def test_int8_in_float32_is_refused_by_name_before_vllm_starts_on_a_cpu_whose_int8_kernel_is_16_bit(
+    cli, tiny_hf, tmp_path
+):
+    if int8_dtype() == "float32":
+        pytest.skip("vLLM's int8 kernel on this CPU takes float32 (no AMX): the w8a8 engine test runs it so")
+    out = quantized(cli, tiny_hf, tmp_path / "w8a8", "w8a8")
+    line = one_line_error(cli("verify", out, "--dtype", "float32", "--out", tmp_path / "v"), rc=2)
+    assert "AMX" in line and "--dtype bfloat16" in line, line
 
 
 def test_int4_weights_in_float32_are_refused_before_vllm_starts_and_auto_runs_them_in_bfloat16(cli, tiny_hf, tmp_path):

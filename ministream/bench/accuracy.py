@@ -38,6 +38,7 @@ SYSTEMS = {
     "vllm bfloat16": ("vllm", "bfloat16"),
     "vllm w8a8": ("vllm", "w8a8"),
     "vllm w8a8 bf16": ("vllm", "w8a8-bf16"),
+    "vllm w8a8 bf16 head": ("vllm", "w8a8-bf16-head"),
     "vllm w4a16": ("vllm", "w4a16"),
     "vllm fp8": ("vllm", "fp8"),
     "vllm w4a16 gptq": ("vllm", "w4a16-gptq"),

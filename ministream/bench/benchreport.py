@@ -108,6 +108,12 @@ def table(result: dict) -> str:
     }
     if platforms:
         lines.append("vLLM's platform: " + ", ".join(f"{k} {v}" for k, v in platforms.items()))
+    unpacked = [f"{r['model']} {r['dtype']}" for r in result["runs"] if r.get("llamacpp_no_repack")]
+    if unpacked:
+        lines.append(
+            "llama-server ran with --no-repack (its AMX kernels died of SIGSEGV here, llama.cpp #20824; "
+            "unpacked weights are slower): " + ", ".join(unpacked)
+        )
     for run in result["runs"]:
         for f in run.get("llama_bench") or []:
             what = f"prompt processing {f['n_prompt']}" if f["n_prompt"] else f"decode {f['n_gen']}"

@@ -11,7 +11,9 @@ import os
 import platform
 import re
 import shutil
+import signal
 import subprocess
+import sys
 import tarfile
 import time
 import urllib.request
@@ -153,8 +155,11 @@ def server(
     extra: tuple = (),
 ) -> Iterator[str]:
     """llama-server on 127.0.0.1:`port` serving `gguf` with `parallel` slots (continuous batching across
-    them) of `ctx_per_slot` tokens each; yields its base URL once /health answers, stops it after."""
-    cmd = server_command(home or build(), gguf, port, threads, parallel, ctx_per_slot, extra)
+    them) of `ctx_per_slot` tokens each; yields its base URL once /health answers, stops it after. Where it
+    dies of SIGSEGV before serving, it starts once more without its repacked (AMX) weights (NO_REPACK)."""
+    home = home or build()
+    extra = (*extra, *NO_REPACK_ARGS) if NO_REPACK else extra
+    cmd = server_command(home, gguf, port, threads, parallel, ctx_per_slot, extra)
     out = open(log_file, "w") if log_file else subprocess.DEVNULL
     proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
@@ -162,6 +167,9 @@ def server(
         deadline = time.monotonic() + 120
         while True:
             if proc.poll() is not None:
+                if proc.returncode == -signal.SIGSEGV and not NO_REPACK:
+                    _stop_repacking(gguf)
+                    break
                 said = Path(log_file).read_text()[-1500:] if log_file else ""
                 raise MiniStreamError(f"llama-server exited ({proc.returncode}) before it served {gguf}: {said}")
             try:
@@ -173,7 +181,8 @@ def server(
             if time.monotonic() > deadline:
                 raise MiniStreamError(f"llama-server did not answer on {url}/health within 120 s")
             time.sleep(0.3)
-        yield url
+        if proc.returncode is None:
+            yield url
     finally:
         proc.terminate()
         try:
@@ -183,6 +192,28 @@ def server(
             proc.wait()
         if log_file:
             out.close()  # type: ignore[union-attr]
+    if NO_REPACK and proc.returncode == -signal.SIGSEGV:  # the first start died: the second, as NO_REPACK says
+        with server(gguf, port, threads, parallel, ctx_per_slot, log_file, home, extra) as again:
+            yield again
+
+
+# llama.cpp's AMX kernels die of SIGSEGV on some virtualized Xeons with AMX (llama.cpp #20824; PR #26954: its
+# worker threads never ask the kernel for AMX state): llama-server did at every start on the Intel Xeon here
+# (2026-12-04), llama-bench did not. Its weights then stay unpacked (--no-repack): slower than llama.cpp at
+# its best, and every result says so (bench: llamacpp_no_repack).
+NO_REPACK_ARGS = ("--no-repack",)
+NO_REPACK = False
+
+
+def _stop_repacking(gguf: Path) -> None:
+    global NO_REPACK
+    NO_REPACK = True
+    print(
+        f"llama.cpp: llama-server died of SIGSEGV before serving {gguf.name}, as its AMX kernels do on some "
+        "virtualized CPUs (llama.cpp #20824); starting it again with --no-repack (unpacked weights: slower)",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def _post(url: str, body: dict, timeout: float = 600) -> dict:

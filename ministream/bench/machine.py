@@ -85,7 +85,8 @@ def _model_file() -> dict | None:
     """The installed vLLM's ministream.py: which patch set it came from, and its sha256 (imports nothing)."""
     import hashlib
 
-    from ..run.doctor import installed_vllm_dir, patch_version
+    from ..run.doctor import patch_version
+    from ..run.folder import installed_vllm_dir
     from ..spec import MODEL_FILE_IN_TREE
 
     vllm_dir = installed_vllm_dir()

@@ -18,6 +18,7 @@ class Width:
     gguf: str  # llama.cpp runs `ministream gguf --dtype`
     bytes_per_parameter: int | None  # full precision: every parameter's size; quantized: read_bytes reads the files
     method: str = "rtn"  # `ministream quantize --method`: round to nearest, or calibrated (gptq)
+    head: str = "float"  # `ministream quantize --head`: the head as it is, or quantized by the scheme too
 
     @property
     def rule(self) -> str:
@@ -32,6 +33,8 @@ WIDTHS = {
     "w8a8": Width("float32", "w8a8", "q8_0", None),
     # the same int8 folder computing in bfloat16: its float head and activations at half float32's bytes (docs/bench.md)
     "w8a8-bf16": Width("bfloat16", "w8a8", "q8_0", None),
+    # and its head in int8 too, as llama.cpp's q8_0 file has it (quantize --head quantized)
+    "w8a8-bf16-head": Width("bfloat16", "w8a8", "q8_0", None, head="quantized"),
     "w4a16": Width("bfloat16", "w4a16", "q4_0", None),
     # GPUs' 8 bits; llama.cpp has no float8 type, so its 8-bit file is q8_0, as for int8
     "fp8": Width("bfloat16", "fp8", "q8_0", None),
@@ -56,7 +59,7 @@ def vllm_folder(folder: str | Path, name: str) -> Path:
     folder, w = Path(folder), width(name)
     if w.scheme is None:
         return folder
-    return quantize(folder, folder.parent / f"{folder.name}-{name}", w.scheme, force=True, method=w.method)
+    return quantize(folder, folder.parent / f"{folder.name}-{name}", w.scheme, force=True, method=w.method, head=w.head)
 
 
 def gguf_file(folder: str | Path, name: str) -> Path:
@@ -79,7 +82,23 @@ def read_bytes(parameters: int, name: str, file_bytes: int | None) -> int | None
 
 
 def folder_bytes(folder: str | Path) -> int:
-    """The size of a converted (or quantized) folder's weight files."""
-    from ..checkpoint.convert import safetensors_files
+    """The bytes of a converted (or quantized) folder's weight files that a decode step reads: all of them, but
+    where the head is quantized (--head quantized) the float embedding is read a row a token, not whole."""
+    import json
 
-    return sum(f.stat().st_size for f in safetensors_files(Path(folder)))
+    from safetensors import safe_open
+
+    from ..checkpoint.convert import safetensors_files
+    from ..checkpoint.quantize import EMBED, quantizes_head
+
+    files = safetensors_files(Path(folder))
+    size = sum(f.stat().st_size for f in files)
+    if not quantizes_head(json.loads((Path(folder) / "config.json").read_text())):
+        return size
+    for f in files:
+        with safe_open(str(f), "pt") as t:
+            if EMBED in t.keys():
+                embed = t.get_slice(EMBED)
+                shape, itemsize = embed.get_shape(), 2 if embed.get_dtype() in ("BF16", "F16") else 4
+                return size - shape[0] * shape[1] * itemsize
+    return size

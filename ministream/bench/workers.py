@@ -175,6 +175,7 @@ def _llamacpp_worker(spec: dict) -> dict:
         "gguf": str(gguf),
         "weights_file_bytes": gguf.stat().st_size,
         "build": llamacpp.info(),
+        "llamacpp_no_repack": llamacpp.NO_REPACK,  # its weights unpacked: the AMX kernels crashed here
         # llama-bench: prompt processing (n_prompt) and decode (n_gen) tokens/s, its mean and spread of 3
         "llama_bench": [
             {k: f.get(k) for k in ("n_prompt", "n_gen", "avg_ts", "stddev_ts", "n_threads", "type_k")} for f in figures

@@ -53,7 +53,7 @@ def read_folder(folder: str | Path) -> tuple[TrainConfig, dict]:
     if "quantization_config" in config:  # `ministream quantize`'s: the weights vLLM computes with
         from . import quantize
 
-        hf_state = quantize.dequantize_state(hf_state, cfg, quantize.scheme_name(config, folder / "config.json"))
+        hf_state = quantize.dequantize_state(hf_state, cfg, *quantize.read_scheme(config, folder / "config.json"))
     expected = {h for row in table(cfg) for h in row.hf}
     if set(hf_state) != expected:
         missing, extra = sorted(expected - set(hf_state)), sorted(set(hf_state) - expected)

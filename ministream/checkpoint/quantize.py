@@ -10,7 +10,12 @@ GPU (`quantization_config` in config.json, quant_method compressed-tensors): rou
 The scheme, the packing and the config are the compressed-tensors library's own (its presets W8A8 and W4A16 and
 its compressors), so what vLLM unpacks is what the library packed. Each projection keeps its own scales, under
 its own name (q_proj, k_proj, v_proj, gate_proj, up_proj): vLLM fuses them by the model's
-packed_modules_mapping. The embedding, the head and the norms stay as they are (`ignore`: lm_head).
+packed_modules_mapping. The embedding and the norms stay as they are; so does the head (`ignore`: lm_head)
+unless `--head quantized`: then the head is quantized by the same scheme as a weight of its own, `lm_head.*`
+(untied: the embedding stays float for the lookup, which reads one row a token, while the head is read whole
+every step: 24.6 MB instead of 49 in bfloat16 for the reference shape's 32000 x 768), and the config's group
+targets it. vLLM reads that from 0.18 (PR #37291: compressed-tensors gives a ParallelLMHead its linear
+scheme); an older vLLM would load the int8 values as float weights, so the folder check refuses it there.
 `dequantize_state` gives back the weights vLLM computes with, for the reference model to be held to.
 """
 
@@ -21,9 +26,9 @@ from pathlib import Path
 
 import torch
 
-from .. import MiniStreamError
+from .. import MiniStreamError, spec
 from ..atomic import check_space, disk_full, new_folder
-from ..spec import TrainConfig, hf_shapes, train_config_from_hf
+from ..spec import EMBEDDING, TrainConfig, hf_names, hf_shapes, train_config_from_hf
 from . import gptq
 from .convert import LazyFolder, llama_twin, safetensors_files
 from .format import read_json
@@ -37,6 +42,11 @@ SCHEMES = {
 # a scheme's stored weight: its safetensors code (pack-quantized stores int32 words: stored())
 WEIGHT_CODES = {"int-quantized": "I8", "float-quantized": "F8_E4M3"}
 LINEAR = re.compile(r"^model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight$")
+EMBED, HEAD = hf_names(EMBEDDING)[0], hf_names(spec.HEAD)[0]
+HEADS = ("float", "quantized")  # --head: as it is (tied to the embedding where the model ties it), or quantized
+# schemes whose quantized head was run here through vLLM (fp8's on a GPU was not: a head is no LinearBase,
+# and the fp8 kernels there read LinearBase's attributes, vLLM PR #52543)
+HEAD_SCHEMES = ("w8a8", "w4a16")
 WEIGHT_FILES = re.compile(r"^model(-\d+-of-\d+)?\.safetensors(\.index\.json)?$")
 
 
@@ -85,16 +95,29 @@ def needs_16_bits(name: str) -> bool:
     return SCHEMES[name][1] == "pack-quantized"
 
 
-def quantization_config(name: str) -> dict:
-    """config.json's quantization_config for `--scheme name`, written by the library."""
+def quantization_config(name: str, head: bool = False) -> dict:
+    """config.json's quantization_config for `--scheme name`, written by the library; with `head`, its group
+    targets lm_head too (by name: vLLM matches "Linear" against a layer's class, and the head's is
+    ParallelLMHead)."""
     from compressed_tensors.quantization import QuantizationConfig
 
     scheme, _ = scheme_of(name)
+    if head:
+        scheme = scheme.model_copy(update={"targets": [*scheme.targets, "lm_head"]})
     fmt = SCHEMES[name][1]
     config = QuantizationConfig(
-        config_groups={"group_0": scheme}, format=fmt, quantization_status="compressed", ignore=["lm_head"]
+        config_groups={"group_0": scheme},
+        format=fmt,
+        quantization_status="compressed",
+        ignore=[] if head else ["lm_head"],
     )
     return config.model_dump(mode="json", exclude_none=True)
+
+
+def is_quantized(name: str, head: bool) -> bool:
+    """Whether the folder's tensor `name` (an HF weight name) is stored quantized: every linear weight, and the
+    head where `--head quantized` wrote it."""
+    return bool(LINEAR.match(name)) or (head and name == HEAD)
 
 
 def check_shapes(cfg: TrainConfig, name: str, source: str) -> None:
@@ -103,7 +126,7 @@ def check_shapes(cfg: TrainConfig, name: str, source: str) -> None:
     group = scheme.weights.group_size
     if not group:
         return
-    for tensor, shape in hf_shapes(cfg).items():
+    for tensor, shape in hf_shapes(cfg).items():  # the head's inputs are q_proj's: d_model
         if LINEAR.match(tensor) and shape[1] % group:
             raise MiniStreamError(
                 f"{source}: {tensor} has {shape[1]} inputs, not a multiple of {name}'s group of {group}: "
@@ -134,12 +157,14 @@ def decompress(local: dict[str, torch.Tensor], name: str) -> torch.Tensor:
     return compressor.decompress(dict(local), scheme)["weight"]
 
 
-def dequantize_state(raw: dict[str, torch.Tensor], cfg: TrainConfig, name: str) -> dict[str, torch.Tensor]:
+def dequantize_state(
+    raw: dict[str, torch.Tensor], cfg: TrainConfig, name: str, head: bool = False
+) -> dict[str, torch.Tensor]:
     """The HF-named float weights vLLM computes with, from the tensors of a folder `quantize` wrote
-    (convert.read_folder: the reference model of a quantized folder)."""
-    state = {k: v for k, v in raw.items() if not LINEAR.match(k.rsplit(".", 1)[0] + ".weight")}
+    (convert.read_folder: the reference model of a quantized folder; `head`: its head is quantized too)."""
+    state = {k: v for k, v in raw.items() if not is_quantized(k.rsplit(".", 1)[0] + ".weight", head)}
     for tensor in hf_shapes(cfg):
-        if LINEAR.match(tensor):
+        if is_quantized(tensor, head):
             stem = tensor.removesuffix(".weight")
             local = {k.removeprefix(stem + "."): v for k, v in raw.items() if k.startswith(stem + ".")}
             if not local:
@@ -150,16 +175,31 @@ def dequantize_state(raw: dict[str, torch.Tensor], cfg: TrainConfig, name: str) 
 
 def scheme_name(config: dict, source: Path | str) -> str:
     """The --scheme a quantized config.json was written with, refused by name where it is not one of ours."""
+    return read_scheme(config, source)[0]
+
+
+def read_scheme(config: dict, source: Path | str) -> tuple[str, bool]:
+    """The --scheme a quantized config.json was written with and whether its head is quantized (--head), refused
+    by name where it is not one of ours."""
     q = config.get("quantization_config")
     if not isinstance(q, dict):
         raise MiniStreamError(f"{source}: no quantization_config: the folder is not quantized")
     for name in SCHEMES:
-        if q.get("quant_method") == "compressed-tensors" and _same_groups(q, quantization_config(name)):
-            return name
+        for head in (False, True):
+            if q.get("quant_method") == "compressed-tensors" and _same_groups(q, quantization_config(name, head)):
+                return name, head
     raise MiniStreamError(
         f"{source}: quantization_config ({q.get('quant_method')}, format {q.get('format')}) is none of "
         f"`ministream quantize`'s schemes ({', '.join(SCHEMES)}): quantize the converted folder again"
     )
+
+
+def quantizes_head(config: dict) -> bool:
+    """Whether config.json is one of ours with its head quantized (--head quantized): False for anything else."""
+    try:
+        return "quantization_config" in config and read_scheme(config, "config.json")[1]
+    except MiniStreamError:
+        return False
 
 
 def _same_groups(have: dict, want: dict) -> bool:
@@ -228,14 +268,25 @@ def quantize(
     method: str = "rtn",
     calibration: Path | None = None,
     samples: int | None = None,
+    head: str = "float",
 ) -> Path:
     """Write `out`: the converted folder `src` with its linear weights quantized by `scheme`, round to nearest
-    or (method "gptq") calibrated by GPTQ on `calibration` (gptq.py); every other file copied as it is. `src`
-    is never written; `out` appears whole or not at all (atomic.new_folder)."""
+    or (method "gptq") calibrated by GPTQ on `calibration` (gptq.py), and with `head` "quantized" its head too
+    (round to nearest, untied); every other file copied as it is. `src` is never written; `out` appears whole
+    or not at all (atomic.new_folder)."""
     src, out = Path(src), Path(out)
     scheme_of(scheme)  # the name first: the cheapest refusal
     if method not in METHODS:
         raise MiniStreamError(f"--method {method}: choose one of {', '.join(METHODS)}")
+    if head not in HEADS:
+        raise MiniStreamError(f"--head {head}: choose one of {', '.join(HEADS)}")
+    quantize_head = head == "quantized"
+    if quantize_head and scheme not in HEAD_SCHEMES:
+        raise MiniStreamError(
+            f"--head quantized --scheme {scheme}: a quantized head was run here for {', '.join(HEAD_SCHEMES)} "
+            f"only (vLLM's {scheme} kernels on a GPU read attributes a ParallelLMHead lacks, vLLM PR #52543); "
+            "leave the head float (--head float)"
+        )
     if method == "gptq":
         gptq.check(scheme)
         if calibration is not None and not Path(calibration).is_file():
@@ -274,26 +325,33 @@ def quantize(
                     stem = name.removesuffix(".weight")
                     parts = calibrated[1][stem] if calibrated else compress(t, scheme)
                     state.update({f"{stem}.{k}": v for k, v in parts.items()})
-                else:
+                elif not (quantize_head and name == HEAD):
                     state[name] = t.contiguous()
+            if quantize_head:  # the head's own weight, or the embedding it is tied to: rounded to nearest
+                weight = tensors[EMBED if cfg.tie_embeddings else HEAD]
+                state.update({f"lm_head.{k}": v for k, v in compress(weight, scheme).items()})
             save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
             for f in sorted(src.iterdir()):
                 # not the weights, config.json, nor the tools' own dotfiles (the made-by record, locks)
                 if f.is_file() and f.name != "config.json" and not WEIGHT_FILES.match(f.name) and f.name[0] != ".":
                     shutil.copy2(f, tmp / f.name)
-            written = {**config, "quantization_config": quantization_config(scheme)}
+            written = {**config, "quantization_config": quantization_config(scheme, quantize_head)}
+            if quantize_head:
+                written["tie_word_embeddings"] = False  # the head is a tensor of its own now
             if needs_16_bits(scheme) and config.get("dtype", config.get("torch_dtype")) == "float32":
                 # what vLLM's "auto" runs the folder in: a dtype its int4 kernels take
                 written.update({k: "bfloat16" for k in ("dtype", "torch_dtype") if k in config})
             (tmp / "config.json").write_text(json.dumps(written, indent=2) + "\n")
             record = loss_record(src, tmp, scheme, cfg.max_seq_len, text)
             record["method"] = {"method": method, **({"calibration": calibrated[0]} if calibrated else {})}
+            record["head"] = head
             (tmp / RECORD).write_text(json.dumps(record, indent=2) + "\n")
     except OSError as e:
         raise disk_full(e, out, f"while {what}") or e from None
     size = (out / "model.safetensors").stat().st_size
     log(
-        f"quantize: wrote {out} ({scheme}: {sum(1 for n in hf_shapes(cfg) if LINEAR.match(n))} linear weights, "
+        f"quantize: wrote {out} ({scheme}: {sum(1 for n in hf_shapes(cfg) if LINEAR.match(n))} linear weights"
+        f"{' and the head' if quantize_head else ''}, "
         f"{size / 2**20:.1f} MiB from {sum(f.stat().st_size for f in files) / 2**20:.1f} MiB)"
     )
     ppl = record["perplexity"]

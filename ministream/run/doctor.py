@@ -28,19 +28,13 @@ from ..paths import PATCH_SETS
 from ..spec import ARCH, MODEL_FILE_IN_TREE, MODEL_TYPE, TrainConfig
 from . import engine, tuned
 from .engine import SERVE_DEFAULTS, EngineSettings
-from .folder import Finding, Folder, examine
+from .folder import Finding, Folder, check_quantized_head, examine, installed_vllm_dir
 
 # what the checks of the installed vLLM read of a folder, when its own config.json is refused (examine says why)
 FORMAT_NAMES = {"architectures": [ARCH], "model_type": MODEL_TYPE}
 
 
 # --- what the installed vLLM knows, read from its files (importing vllm costs seconds) -------
-
-
-def installed_vllm_dir() -> Path | None:
-    """The folder of the vllm package this interpreter would import, found without importing it."""
-    spec = importlib.util.find_spec("vllm")
-    return Path(spec.origin).parent if spec and spec.origin else None
 
 
 def transformers_config_types() -> set[str]:
@@ -433,6 +427,7 @@ def installed_vllm_findings(config: dict, vllm_dir: Path | None) -> list[Finding
                 )
             )
     found.append(check_plugin(plugin, dist) if plugin is not None else check_patch(vllm_dir, dist))
+    found += [f for f in (check_quantized_head(config, vllm_dir),) if f]
     if _cpu_build():  # the CPU build's platform, and the defaults chosen on this machine
         found += [f for f in (check_platform(vllm_dir), check_tuned()) if f]
     return found + [f for f in (check_triton(vllm_dir),) if f]

@@ -354,13 +354,14 @@ def quantized_view(config: dict, tensors: dict[str, Tensor]) -> tuple[dict[str, 
 
     fix = "quantize the converted folder with `ministream quantize` (make quantize)"
     try:
-        scheme = quantize.scheme_name(config, "config.json")
+        scheme, head = quantize.read_scheme(config, "config.json")
         want = spec.hf_shapes(spec.train_config_from_hf(config))
     except MiniStreamError:
         return tensors, []  # config_findings names what is wrong with config.json
-    view, found = dict(tensors), [Finding("ok", "quantization", f"{scheme} (compressed-tensors)")]
+    what = f"{scheme} (compressed-tensors){', the head too' if head else ''}"
+    view, found = dict(tensors), [Finding("ok", "quantization", what)]
     for name, shape in want.items():
-        if not quantize.LINEAR.match(name):
+        if not quantize.is_quantized(name, head):
             continue
         stem, parts = name.removesuffix(".weight"), quantize.stored(shape, scheme)
         have = {local: view.pop(f"{stem}.{local}", None) for local in parts}
@@ -384,13 +385,69 @@ def quantized_view(config: dict, tensors: dict[str, Tensor]) -> tuple[dict[str, 
     return view, found
 
 
+def installed_vllm_dir() -> Path | None:
+    """The folder of the vllm package this interpreter would import, found without importing it."""
+    import importlib.util
+
+    found = importlib.util.find_spec("vllm")
+    return Path(found.origin).parent if found and found.origin else None
+
+
+# where vLLM gives a quantized ParallelLMHead its compressed-tensors scheme (vLLM PR #37291); before it, a
+# head that config_groups target falls to the float embedding method and the int8 values load as weights
+CT_CONFIG = "model_executor/layers/quantization/compressed_tensors/compressed_tensors.py"
+CT_HEAD = "isinstance(layer, ParallelLMHead)"
+
+
+def check_quantized_head(config: dict, vllm_dir: Path | None) -> Finding | None:
+    """A folder whose head `quantize --head quantized` wrote, against the vLLM at `vllm_dir` (read, not
+    imported): None where the head is not quantized or no vLLM is there to judge."""
+    from ..checkpoint import quantize
+
+    try:
+        scheme, head = quantize.read_scheme(config, "config.json")
+    except MiniStreamError:
+        return None
+    if not head or vllm_dir is None:
+        return None
+    source = vllm_dir / CT_CONFIG
+    if source.is_file() and CT_HEAD in source.read_text():
+        return Finding("ok", "quantized head", f"this vLLM's compressed-tensors reads a {scheme} lm_head")
+    return Finding(
+        "error",
+        "quantized head",
+        f"the folder's lm_head is quantized ({scheme}), and the vLLM at {vllm_dir} gives a head no compressed-"
+        f"tensors scheme ({CT_CONFIG} has no ParallelLMHead case, vLLM PR #37291): it would multiply by the "
+        "stored int8 values as if they were weights",
+        "quantize the converted folder again with --head float, or install a vLLM with that PR (0.32.0 has it)",
+    )
+
+
+# vLLM 0.32's CPU int8 GEMM where the CPU has AMX (check_cpu_sgl_kernel) is int8_scaled_mm_with_quant, which takes
+# bfloat16 or float16 activations only: a w8a8 folder in float32 fails at the first step ("expect A to be
+# bfloat16 or half"), seen on an Intel Xeon with AMX 2026-12-04; elsewhere the oneDNN kernel takes float32
+CPU_INT8 = "model_executor/kernels/linear/scaled_mm/cpu.py"
+CPU_INT8_AMX = "int8_scaled_mm_with_quant"
+
+
+def int8_needs_16_bits(vllm_dir: Path | None, cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
+    """Whether the vLLM at `vllm_dir` runs int8 weights on this CPU through its AMX kernel (16-bit only)."""
+    flags = cpuinfo.read_text() if cpuinfo.is_file() else ""
+    if vllm_dir is None or not re.search(r"^flags\s*:.*\bamx_tile\b", flags, re.M):
+        return False
+    source = vllm_dir / CPU_INT8
+    return source.is_file() and CPU_INT8_AMX in source.read_text()
+
+
 def check_servable(folder: Path, dtype: str | None = None) -> dict:
     """What `serve`, `generate` and `verify` need of a folder before vLLM spends a minute starting: examine's
-    check without an error, and a dtype (the engine's --dtype, else config.json's) the folder's weights run in.
-    The config; FolderError naming the file and key otherwise (the first error)."""
+    check without an error, a vLLM that reads its quantized head where it has one, and a dtype (the engine's
+    --dtype, else config.json's) the folder's weights run in. The config; FolderError naming the file and key
+    otherwise (the first error)."""
     seen = examine(folder)
-    if seen.errors:
-        first = seen.errors[0]
+    head = check_quantized_head(seen.folder.config, installed_vllm_dir()) if not seen.errors else None
+    first = seen.errors[0] if seen.errors else head if head and head.level == "error" else None
+    if first is not None:
         raise FolderError(first.topic, first.text, first.fix)
     config = seen.folder.config
     runs_in = dtype if dtype not in (None, "auto") else config.get("dtype") or config.get("torch_dtype")
@@ -404,6 +461,13 @@ def check_servable(folder: Path, dtype: str | None = None) -> dict:
                 f"{folder} is quantized {scheme}, whose int4 kernels take 16-bit activations only (vLLM 0.32: "
                 "cpu_gemm_wna16 and zentorch's WOQ linear fail on float32 at the first step, Marlin on GPUs too)",
                 "run it with --dtype bfloat16 (or float16)",
+            )
+        if scheme == "w8a8" and int8_needs_16_bits(installed_vllm_dir()):
+            raise FolderError(
+                "dtype",
+                f"{folder} is quantized {scheme}, and on this CPU (AMX) vLLM runs int8 weights through "
+                f"{CPU_INT8_AMX} ({CPU_INT8}), which takes 16-bit activations only: float32 fails at the first step",
+                "run it with --dtype bfloat16",
             )
     return config
 
@@ -614,6 +678,8 @@ def check_head_dim(cfg: spec.TrainConfig, tensors: dict[str, Tensor]) -> Finding
 
 
 def check_head(folder: Folder) -> Finding:
+    from ..checkpoint import quantize
+
     tied, has_head = folder.config.get("tie_word_embeddings"), HEAD in folder.tensors
     if tied is None:
         return Finding(
@@ -637,7 +703,7 @@ def check_head(folder: Folder) -> Finding:
             f"tie_word_embeddings is false but there is no {HEAD}: vLLM's head stays uninitialized",
             "set tie_word_embeddings true if the head shares embed_tokens, else convert again",
         )
-    if not tied and folder.all_zero(HEAD):
+    if not tied and not quantize.quantizes_head(folder.config) and folder.all_zero(HEAD):  # stored as int there
         return Finding(
             "error",
             "lm_head",
