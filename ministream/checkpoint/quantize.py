@@ -14,8 +14,9 @@ packed_modules_mapping. The embedding and the norms stay as they are; so does th
 unless `--head quantized`: then the head is quantized by the same scheme as a weight of its own, `lm_head.*`
 (untied: the embedding stays float for the lookup, which reads one row a token, while the head is read whole
 every step: 24.6 MB instead of 49 in bfloat16 for the reference shape's 32000 x 768), and the config's group
-targets it. vLLM reads that from 0.18 (PR #37291: compressed-tensors gives a ParallelLMHead its linear
-scheme); an older vLLM would load the int8 values as float weights, so the folder check refuses it there.
+targets it. vLLM reads that from the release with PR #37291 (compressed-tensors gives a ParallelLMHead its
+linear scheme; 0.32.0 has it); an older vLLM would load the int8 values as float weights, so the folder check
+refuses it there.
 `dequantize_state` gives back the weights vLLM computes with, for the reference model to be held to.
 """
 

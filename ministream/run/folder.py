@@ -432,8 +432,9 @@ CPU_INT8_AMX = "int8_scaled_mm_with_quant"
 
 def int8_needs_16_bits(vllm_dir: Path | None, cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
     """Whether the vLLM at `vllm_dir` runs int8 weights on this CPU through its AMX kernel (16-bit only)."""
-    flags = cpuinfo.read_text() if cpuinfo.is_file() else ""
-    if vllm_dir is None or not re.search(r"^flags\s*:.*\bamx_tile\b", flags, re.M):
+    from .tuned import cpu_flags
+
+    if vllm_dir is None or "amx_tile" not in cpu_flags(cpuinfo):
         return False
     source = vllm_dir / CPU_INT8
     return source.is_file() and CPU_INT8_AMX in source.read_text()

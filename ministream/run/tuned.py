@@ -46,12 +46,18 @@ def _version(dist: str) -> str | None:
         return None
 
 
+def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> list[str]:
+    """The instruction sets /proc/cpuinfo's first flags line names ([] where there is none)."""
+    text = cpuinfo.read_text() if cpuinfo.is_file() else ""
+    return next((ln.split(":", 1)[1].split() for ln in text.splitlines() if ln.startswith("flags")), [])
+
+
 def fingerprint(cpuinfo: Path = Path("/proc/cpuinfo")) -> dict:
     """What a measurement holds for: the CPU (model and the instruction sets the kernels choose by), the cores
     this process may use, and the releases that run the model."""
     text = cpuinfo.read_text() if cpuinfo.is_file() else ""
     model = next((ln.split(":", 1)[1].strip() for ln in text.splitlines() if ln.startswith("model name")), "")
-    flags = next((ln.split(":", 1)[1].split() for ln in text.splitlines() if ln.startswith("flags")), [])
+    flags = cpu_flags(cpuinfo)
     return {
         "cpu": model,
         "flags": [f for f in FLAGS if f in flags],
