@@ -15,7 +15,7 @@ from ministream.bench.benchreport import chart, table
 from ministream.bench.summary import SYSTEMS, geomean, summarize
 from ministream.bench.workers import measure, prompts
 
-from conftest import fuzz_settings
+from conftest import fuzz_settings, one_line_error
 
 SPEC = {"prompt_len": 8, "vocab": 100, "new_tokens": 5, "batches": [1, 4], "repeats": 2, "serial_requests": 2}
 
@@ -501,6 +501,76 @@ def test_every_accuracy_system_is_held_to_a_rule_verify_states():
     assert WIDTHS["w4a16-gptq"].method == "gptq" and WIDTHS["w4a16"].method == "rtn"
 
 
+def test_a_near_tie_is_where_the_reference_s_first_two_choices_all_but_tie():
+    """bench-accuracy counts a prompt that parts from the reference where its first and second choices tie within
+    float32's arithmetic (llama.cpp's f32 took the second at a gap of 5e-4): within NEAR_TIE only, and only a token
+    in the reference's top-k; the JSON form of the golden file (string keys) reads alike."""
+    from ministream.bench.accuracy import NEAR_TIE, near_tie
+
+    ref = {"ids": [7, 280], "logprobs": [{7: -0.1, 9: -3.0}, {280: -1.6971, 91: -1.6976, 348: -2.73}]}
+    assert near_tie(ref, 91, 1) and not near_tie(ref, 348, 1) and not near_tie(ref, 9, 0)
+    assert not near_tie(ref, 5, 1)  # outside the top-k: no tie to speak of
+    assert not near_tie({"ids": [1], "logprobs": [{1: 0.0, 2: -NEAR_TIE}]}, 2, 0)
+    assert near_tie(json.loads(json.dumps(ref)), 91, 1)
+
+
+def test_each_quantized_width_s_folder_is_quantized_as_the_width_says(tiny_hf, tmp_path):
+    """bench, bench-step, bench-serve and bench-accuracy run vLLM on widths.vllm_folder: each round-to-nearest
+    width's folder carries its scheme and its head as the width names them (bench-accuracy once quantized every
+    width with a float head, so its head rows measured the float head's folder); the source untouched."""
+    from ministream.bench.accuracy import SYSTEMS, system_folder
+    from ministream.bench.widths import WIDTHS, vllm_folder
+    from ministream.checkpoint.quantize import read_scheme
+    from ministream.paths import HELDOUT
+
+    before = {f.name: f.read_bytes() for f in tiny_hf.iterdir()}
+    made = []
+    for system, (engine, name) in SYSTEMS.items():
+        w = WIDTHS[name]
+        if engine != "vllm" or w.method != "rtn":  # llama.cpp: its own files; gptq: test-full's
+            continue
+        if w.scheme is None:
+            assert system_folder(tiny_hf, tmp_path, name, HELDOUT) == vllm_folder(tiny_hf, name) == tiny_hf
+            continue
+        got = system_folder(tiny_hf, tmp_path / system.replace(" ", "-"), name, HELDOUT)
+        config = json.loads((got / "config.json").read_text())
+        assert read_scheme(config, got) == (w.scheme, w.head == "quantized"), system
+        made.append(name)
+    assert {"w8a8-bf16-head", "w4a16-head", "w8a8", "w4a16"} <= set(made)
+    assert {f.name: f.read_bytes() for f in tiny_hf.iterdir()} == before
+
+
+def test_a_width_this_machine_s_vllm_cannot_run_is_refused_by_each_bench_before_anything_runs(cli, tmp_path):
+    """vLLM 0.32's int8 kernel on a CPU with AMX takes 16-bit activations only: there, the width w8a8 (float32)
+    is refused by bench, bench-serve, bench-step and bench-accuracy by name, with the width of the same weights
+    that runs (w8a8-bf16), before a model or a folder is made; bench-accuracy's every-system run gives it a row
+    that says why. Elsewhere every width runs."""
+    from ministream.bench.accuracy import table
+    from ministream.bench.widths import WIDTHS, refusal
+    from ministream.run.folder import installed_vllm_dir, int8_needs_16_bits
+
+    amx = int8_needs_16_bits(installed_vllm_dir())
+    assert {n for n in WIDTHS if refusal(n)} == ({"w8a8"} if amx else set())
+    row = {"system": "vllm w8a8", "width": "w8a8", "not_run": "why"}
+    result = {"rows": [row], "machine": {}, "folder": "f", "prompts": 1, "max_tokens": 1, "scored_tokens": 1}
+    assert "| vllm w8a8 | w8a8: not run here | why |" in table({**result, "text": "t", "n_ctx": 1, "command": "c"})
+    if not amx:
+        pytest.skip("vLLM's int8 kernel on this CPU takes float32 (no AMX): every width runs here")
+    assert "use w8a8-bf16 here" in refusal("w8a8")
+    for n, command in enumerate(
+        [
+            ("bench", "--quick", "--configs", "tiny:bfloat16,tiny:w8a8", "--systems", "ministream,llamacpp"),
+            ("bench-serve", "--quick", "--dtype", "w8a8", "--systems", "ministream"),
+            ("bench-step", "--presets", "tiny", "--dtypes", "w8a8", "--variants", "default"),
+            ("bench-accuracy", "--presets", "tiny", "--systems", "vllm float32,vllm w8a8"),
+        ]
+    ):
+        out = tmp_path / str(n)
+        line = one_line_error(cli(*command, "--out", out))
+        assert "the width w8a8" in line and "AMX" in line and "use w8a8-bf16 here" in line, line
+        assert not out.exists(), command
+
+
 def test_bench_step_variants_combine_and_an_unknown_one_is_refused_before_any_engine(tmp_path):
     from ministream import MiniStreamError
     from ministream.bench import benchstep
@@ -577,3 +647,24 @@ def test_a_llama_server_that_dies_of_sigsegv_at_start_is_started_again_without_r
         with llamacpp.server(tmp_path / "m.gguf", free_port(), 1, home=tmp_path, log_file=tmp_path / "log"):
             pass
     assert not llamacpp.NO_REPACK
+
+
+@pytest.mark.parametrize("tool, unpacked", [("llama-perplexity", "--no-repack"), ("llama-bench", "--repack 0")])
+def test_a_llama_cpp_tool_that_dies_of_sigsegv_runs_again_unpacked_in_its_own_flag(
+    monkeypatch, tmp_path, tool, unpacked
+):
+    """llama-perplexity and llama-bench die of SIGSEGV as soon as they process a prompt where llama-server does
+    (llama.cpp #20824): a stand-in (a real process that kills itself with SIGSEGV unless given the tool's own
+    no-repack flag) runs once more unpacked, and every tool after it runs unpacked from the start."""
+    from ministream.bench import llamacpp
+
+    monkeypatch.setattr(llamacpp, "NO_REPACK", False)
+    stand_in = tmp_path / tool
+    stand_in.write_text(f'#!/bin/sh\ncase " $* " in *" {unpacked} "*) echo "ran: $*" ;; *) kill -SEGV $$ ;; esac\n')
+    stand_in.chmod(0o755)
+    done = llamacpp.run_tool([stand_in, "-m", "m.gguf"], tmp_path / "m.gguf")
+    assert done.returncode == 0 and done.stdout == f"ran: -m m.gguf {unpacked}\n" and llamacpp.NO_REPACK
+    assert llamacpp.run_tool([stand_in, "-t", 2], tmp_path / "m.gguf").stdout == f"ran: -t 2 {unpacked}\n"
+    monkeypatch.setattr(llamacpp, "NO_REPACK", False)
+    stand_in.write_text("#!/bin/sh\nexit 3\n")  # any other failure is the tool's answer, not run again
+    assert llamacpp.run_tool([stand_in], tmp_path / "m.gguf").returncode == 3 and not llamacpp.NO_REPACK

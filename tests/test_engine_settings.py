@@ -259,7 +259,8 @@ OPTIONS = {
     ),
     ("bench-serve", "--dtype"): (
         None,
-        ["float32", "bfloat16", "float16", "w8a8", "w8a8-bf16", "w8a8-bf16-head", "w4a16", "fp8", "w4a16-gptq"],
+        ["float32", "bfloat16", "float16", "w8a8", "w8a8-bf16", "w8a8-bf16-head", "w4a16", "w4a16-head", "fp8"]
+        + ["w4a16-gptq"],
         None,
         "weight width; default: bfloat16",
     ),

@@ -167,28 +167,28 @@ def _llamacpp(model: dict, dtype: str, threads: int, out: Path) -> dict:
 
     home = llamacpp.build()
     gguf = widths.gguf_file(model["hf"], dtype)
-    run = subprocess.run(
-        [str(home / "bin" / "llama-bench"), "-m", str(gguf), "-t", str(threads), "-p", "0", "-n", str(NEW)]
-        + ["-r", str(REPEATS), "-o", "json"],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    graph = 1e3 / json.loads(run.stdout)[0]["avg_ts"]
     ids = prompts(1, PROMPT, model["vocab"], seed=11)[0]
     served = []
     with llamacpp.server(gguf, free_port(), threads, 1, PROMPT + NEW + 8, out / "llama-server.log") as url:
         for _ in range(REPEATS + 1):
             served.append(llamacpp.complete(url, ids, NEW)["timings"])
     per_token = statistics.median(t["predicted_per_token_ms"] for t in served[1:])
+    # after the server: where it ran unpacked (NO_REPACK), the graph is timed unpacked too
+    cmd = [home / "bin" / "llama-bench", "-m", gguf, "-t", threads, "-p", 0, "-n", NEW, "-r", REPEATS, "-o", "json"]
+    run = llamacpp.run_tool(cmd, gguf)
+    if run.returncode != 0:
+        raise MiniStreamError(f"llama-bench on {gguf} failed (exit {run.returncode}): {run.stderr[-800:]}")
+    graph = 1e3 / json.loads(run.stdout)[0]["avg_ts"]
     step = {"forward": graph, "server_other": per_token - graph, "step": per_token}
-    return {"per_step_ms": step, "weights_file_bytes": gguf.stat().st_size}
+    return {"per_step_ms": step, "weights_file_bytes": gguf.stat().st_size, "llamacpp_no_repack": llamacpp.NO_REPACK}
 
 
 def bench_step(out: Path, presets: list[str], dtypes: list[str], variants: list[str], note: str = "") -> int:
     """`ministream bench-step`: every (preset, dtype) x (MiniStream under each variant, the LLaMA twin, llama.cpp)."""
     for variant in variants:  # an unknown one refused before any engine starts
         variant_settings(variant)
+    for dtype in dtypes:  # and a width this machine's vLLM cannot run
+        widths.vllm_width(dtype)
     out.mkdir(parents=True, exist_ok=True)
     threads = engine_threads()
     result: dict[str, Any] = {
@@ -229,7 +229,13 @@ def bench_step(out: Path, presets: list[str], dtypes: list[str], variants: list[
             got = _llamacpp(model, dtype, threads, out)
             read_ms = _read_ms(model, dtype, got["weights_file_bytes"], gb_s)
             result["rows"].append(
-                {"model": preset, "dtype": dtype, "system": "llama.cpp", "weights_read_ms": read_ms, **got}
+                {
+                    "model": preset,
+                    "dtype": dtype,
+                    "system": "llama.cpp --no-repack" if got["llamacpp_no_repack"] else "llama.cpp",
+                    "weights_read_ms": read_ms,
+                    **got,
+                }
             )
             write_json(out / "step.json", result)
     print(table(result))

@@ -168,7 +168,7 @@ def server(
         while True:
             if proc.poll() is not None:
                 if proc.returncode == -signal.SIGSEGV and not NO_REPACK:
-                    _stop_repacking(gguf)
+                    _stop_repacking(gguf, "llama-server")
                     break
                 said = Path(log_file).read_text()[-1500:] if log_file else ""
                 raise MiniStreamError(f"llama-server exited ({proc.returncode}) before it served {gguf}: {said}")
@@ -197,20 +197,39 @@ def server(
             yield again
 
 
-# llama.cpp's AMX kernels die of SIGSEGV on some virtualized Xeons with AMX (llama.cpp #20824; PR #26954: its
-# worker threads never ask the kernel for AMX state): llama-server did at every start on the Intel Xeon here
-# (2026-12-04), llama-bench did not. Its weights then stay unpacked (--no-repack): slower than llama.cpp at
-# its best, and every result says so (bench: llamacpp_no_repack).
+# llama.cpp's AMX kernels die of SIGSEGV on some Xeons with AMX (llama.cpp #20824, open): on the virtualized one
+# here (2026-12-04) at `ldtilecfg` in ggml_backend_amx_mul_mat on any batch of 2+ tokens, on one thread too, and
+# with the kernel's AMX permission asked for before main (arch_prctl ARCH_REQ_XCOMP_PERM, preloaded): llama-server
+# at every start, llama-bench and llama-perplexity at their first prompt (a decode alone, batch 1, runs). Its
+# weights then stay unpacked (--no-repack): slower than llama.cpp at its best, and every result says so
+# (bench: llamacpp_no_repack).
 NO_REPACK_ARGS = ("--no-repack",)
 NO_REPACK = False
 
 
-def _stop_repacking(gguf: Path) -> None:
+def run_tool(cmd: list, gguf: Path) -> subprocess.CompletedProcess:
+    """A llama.cpp tool run to its end (output captured); where it dies of SIGSEGV with its weights repacked,
+    once more without (NO_REPACK), as llama-server is started again."""
+    unpacked = ("--repack", "0") if Path(cmd[0]).name == "llama-bench" else NO_REPACK_ARGS  # its own parser
+
+    def run() -> subprocess.CompletedProcess:
+        args = [*cmd, *(unpacked if NO_REPACK else ())]
+        return subprocess.run([str(c) for c in args], capture_output=True, text=True)
+
+    done = run()
+    if done.returncode == -signal.SIGSEGV and not NO_REPACK:
+        _stop_repacking(gguf, Path(cmd[0]).name)
+        done = run()
+    return done
+
+
+def _stop_repacking(gguf: Path, tool: str) -> None:
     global NO_REPACK
     NO_REPACK = True
     print(
-        f"llama.cpp: llama-server died of SIGSEGV before serving {gguf.name}, as its AMX kernels do on some "
-        "virtualized CPUs (llama.cpp #20824); starting it again with --no-repack (unpacked weights: slower)",
+        f"llama.cpp: {tool} died of SIGSEGV on {gguf.name}, as its AMX kernels do on some virtualized CPUs "
+        "(llama.cpp #20824); running it again with --no-repack (unpacked weights: slower), and every llama.cpp "
+        "tool after it",
         file=sys.stderr,
         flush=True,
     )
@@ -274,7 +293,7 @@ def perplexity(home: Path, gguf: Path, text: Path, n_ctx: int, threads: int = 2,
     cmd = [home / "bin" / "llama-perplexity", "-m", gguf, "-f", text, "-c", n_ctx, "-b", n_ctx, "-t", threads]
     cmd += ["-ctk", kv, "-ctv", kv]
     for _ in range(PERPLEXITY_TRIES):
-        done = subprocess.run([str(c) for c in cmd], capture_output=True, text=True)
+        done = run_tool(cmd, gguf)
         tail = " | ".join((done.stdout + done.stderr).strip().splitlines()[-4:])
         if done.returncode != 0:  # a failure, not a lost line: running it again would fail again
             raise MiniStreamError(f"llama-perplexity on {gguf} failed (exit {done.returncode}): {tail[-800:]}")

@@ -36,6 +36,8 @@ WIDTHS = {
     # and its head in int8 too, as llama.cpp's q8_0 file has it (quantize --head quantized)
     "w8a8-bf16-head": Width("bfloat16", "w8a8", "q8_0", None, head="quantized"),
     "w4a16": Width("bfloat16", "w4a16", "q4_0", None),
+    # and its head in 4 bits too, as llama.cpp's q4_0 file (`ministream gguf`) has it
+    "w4a16-head": Width("bfloat16", "w4a16", "q4_0", None, head="quantized"),
     # GPUs' 8 bits; llama.cpp has no float8 type, so its 8-bit file is q8_0, as for int8
     "fp8": Width("bfloat16", "fp8", "q8_0", None),
     # 4-bit calibrated by GPTQ (llm-compressor) in the same layout; llama.cpp's counterpart stays q4_0
@@ -51,15 +53,41 @@ def width(name: str) -> Width:
     return WIDTHS[name]
 
 
-def vllm_folder(folder: str | Path, name: str) -> Path:
-    """The folder vLLM runs for the width: the converted folder itself, or FOLDER-SCHEME beside it, quantized
-    anew (of the folder as it is now, as gguf_file exports anew)."""
+def refusal(name: str) -> str | None:
+    """Why this machine's vLLM cannot run the width (run/folder.check_dtype: its kernels and the dtype), naming
+    the widths of the same weights it can run instead; None where it can."""
+    from ..run.folder import FolderError, check_dtype
+
+    w = width(name)
+    try:
+        if w.scheme:
+            check_dtype(w.scheme, w.dtype, f"the width {name}")
+    except FolderError as e:
+        same = [n for n, o in WIDTHS.items() if (o.scheme, o.method, o.head) == (w.scheme, w.method, w.head)]
+        return f"{e.text}; use {' or '.join(n for n in same if n != name)} here"
+    return None
+
+
+def vllm_width(name: str) -> Width:
+    """The width, refused (MiniStreamError) before anything runs where this machine's vLLM cannot run it."""
+    from .. import MiniStreamError
+
+    if why := refusal(name):
+        raise MiniStreamError(why)
+    return width(name)
+
+
+def vllm_folder(folder: str | Path, name: str, out: Path | None = None, text: Path | None = None, log=print) -> Path:
+    """The folder vLLM runs for the width: the converted folder itself, or `out` (default FOLDER-WIDTH beside it)
+    quantized anew as the width says, scheme, method and head (of the folder as it is now, as gguf_file exports
+    anew); `text`: the held-out text quantize's record measures perplexity on."""
     from ..checkpoint.quantize import quantize
 
     folder, w = Path(folder), width(name)
     if w.scheme is None:
         return folder
-    return quantize(folder, folder.parent / f"{folder.name}-{name}", w.scheme, force=True, method=w.method, head=w.head)
+    out = out or folder.parent / f"{folder.name}-{name}"
+    return quantize(folder, out, w.scheme, force=True, log=log, text=text, method=w.method, head=w.head)
 
 
 def gguf_file(folder: str | Path, name: str) -> Path:

@@ -157,14 +157,12 @@ def _llamacpp_worker(spec: dict) -> dict:
                 return [{"ids": got} for got in pool.map(lambda p: llamacpp.greedy(url, p, n), ids)]
 
             rows = measure(generate, spec)
-    bench = subprocess.run(
+    bench = llamacpp.run_tool(
         [
-            str(home / "bin" / "llama-bench"),
-            *("-m", str(gguf), "-t", str(threads), "-p", str(spec["prompt_len"]), "-n", str(spec["new_tokens"])),
-            *("-r", "3", "-o", "json"),
+            home / "bin" / "llama-bench",
+            *("-m", gguf, "-t", threads, "-p", spec["prompt_len"], "-n", spec["new_tokens"], "-r", 3, "-o", "json"),
         ],
-        capture_output=True,
-        text=True,
+        gguf,
     )
     figures = json.loads(bench.stdout) if bench.returncode == 0 else []
     return {

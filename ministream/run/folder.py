@@ -440,6 +440,29 @@ def int8_needs_16_bits(vllm_dir: Path | None, cpuinfo: Path = Path("/proc/cpuinf
     return source.is_file() and CPU_INT8_AMX in source.read_text()
 
 
+def check_dtype(scheme: str, runs_in: str | None, what: str) -> None:
+    """FolderError where this machine's vLLM cannot run weights quantized `scheme` computing in `runs_in`
+    (`what`: the folder or width named in the error)."""
+    from ..checkpoint.quantize import needs_16_bits
+
+    if runs_in != "float32":
+        return
+    if needs_16_bits(scheme):
+        raise FolderError(
+            "dtype",
+            f"{what} is quantized {scheme}, whose int4 kernels take 16-bit activations only (vLLM 0.32: "
+            "cpu_gemm_wna16 and zentorch's WOQ linear fail on float32 at the first step, Marlin on GPUs too)",
+            "run it with --dtype bfloat16 (or float16)",
+        )
+    if scheme == "w8a8" and int8_needs_16_bits(installed_vllm_dir()):
+        raise FolderError(
+            "dtype",
+            f"{what} is quantized {scheme}, and on this CPU (AMX) vLLM runs int8 weights through "
+            f"{CPU_INT8_AMX} ({CPU_INT8}), which takes 16-bit activations only: float32 fails at the first step",
+            "run it with --dtype bfloat16",
+        )
+
+
 def check_servable(folder: Path, dtype: str | None = None) -> dict:
     """What `serve`, `generate` and `verify` need of a folder before vLLM spends a minute starting: examine's
     check without an error, a vLLM that reads its quantized head where it has one, and a dtype (the engine's
@@ -452,24 +475,10 @@ def check_servable(folder: Path, dtype: str | None = None) -> dict:
         raise FolderError(first.topic, first.text, first.fix)
     config = seen.folder.config
     runs_in = dtype if dtype not in (None, "auto") else config.get("dtype") or config.get("torch_dtype")
-    if runs_in == "float32" and "quantization_config" in config:
-        from ..checkpoint.quantize import needs_16_bits, scheme_name
+    if "quantization_config" in config:
+        from ..checkpoint.quantize import scheme_name
 
-        scheme = scheme_name(config, "config.json")
-        if needs_16_bits(scheme):
-            raise FolderError(
-                "dtype",
-                f"{folder} is quantized {scheme}, whose int4 kernels take 16-bit activations only (vLLM 0.32: "
-                "cpu_gemm_wna16 and zentorch's WOQ linear fail on float32 at the first step, Marlin on GPUs too)",
-                "run it with --dtype bfloat16 (or float16)",
-            )
-        if scheme == "w8a8" and int8_needs_16_bits(installed_vllm_dir()):
-            raise FolderError(
-                "dtype",
-                f"{folder} is quantized {scheme}, and on this CPU (AMX) vLLM runs int8 weights through "
-                f"{CPU_INT8_AMX} ({CPU_INT8}), which takes 16-bit activations only: float32 fails at the first step",
-                "run it with --dtype bfloat16",
-            )
+        check_dtype(scheme_name(config, "config.json"), runs_in, str(folder))
     return config
 
 
