@@ -19,9 +19,12 @@ from ministream.checkpoint.perplexity import chunks, folder_perplexity
 from ministream.checkpoint.quantize import LINEAR, RECORD, check_shapes, quantization_config, read_scheme
 from ministream.paths import HELDOUT
 from ministream.run.folder import (
+    CPU_INT4,
     CPU_INT8,
     CT_CONFIG,
     CT_HEAD,
+    W4A8_ENV,
+    check_int4_kernel,
     check_quantized_head,
     installed_vllm_dir,
     int8_needs_16_bits,
@@ -191,6 +194,27 @@ def test_int8_in_float32_is_refused_where_vllm_takes_its_amx_kernel(tmp_path):
     avx.write_text("processor\t: 0\nflags\t\t: fpu avx512f avx512_vnni\n")
     assert int8_needs_16_bits(vllm, amx) and not int8_needs_16_bits(vllm, avx)
     assert not int8_needs_16_bits(tmp_path / "no-vllm", amx) and not int8_needs_16_bits(None, amx)
+
+
+def test_doctor_says_where_vllm_computes_a_4_bit_folder_with_int8_activations(tmp_path):
+    """vLLM 0.32's CPU 4-bit GEMM on a CPU with AMX is its w4a8 kernel unless VLLM_CPU_INT4_W4A8=0: said by doctor
+    for a w4a16 folder (not an error: verify holds it to the 4-bit rule), judged from the CPU's flags, the
+    environment and the vLLM's own kernel file; nothing said for an int8 folder, another CPU or another vLLM."""
+    vllm, old = tmp_path / "vllm", tmp_path / "old"
+    for root, text in ((vllm, "x = ops.int4_scaled_mm_cpu(x=x"), (old, "x = ops.cpu_gemm_wna16(")):
+        (root / CPU_INT4).parent.mkdir(parents=True)
+        (root / CPU_INT4).write_text(text)
+    amx, avx = tmp_path / "amx", tmp_path / "avx"
+    amx.write_text("processor\t: 0\nflags\t\t: fpu avx512f amx_bf16 amx_tile amx_int8\n")
+    avx.write_text("processor\t: 0\nflags\t\t: fpu avx512f avx512_vnni\n")
+    int4, int8 = ({"quantization_config": quantization_config(s, False)} for s in ("w4a16", "w8a8"))
+    said = check_int4_kernel(int4, vllm, amx, {})
+    assert said is not None and said.level == "ok" and "int8 activations" in said.text and W4A8_ENV in said.text
+    assert check_int4_kernel(int4, vllm, amx, {W4A8_ENV: "0"}) is None
+    assert check_int4_kernel(int4, vllm, amx, {W4A8_ENV: "1"}) is not None
+    assert check_int4_kernel(int4, vllm, avx, {}) is None and check_int4_kernel(int4, old, amx, {}) is None
+    assert check_int4_kernel(int8, vllm, amx, {}) is None and check_int4_kernel({}, vllm, amx, {}) is None
+    assert check_int4_kernel(int4, None, amx, {}) is None
 
 
 def test_a_shape_the_groups_cannot_split_is_refused_naming_the_tensor(tiny_hf):

@@ -28,7 +28,7 @@ from ..paths import PATCH_SETS
 from ..spec import ARCH, MODEL_FILE_IN_TREE, MODEL_TYPE, TrainConfig
 from . import engine, tuned
 from .engine import SERVE_DEFAULTS, EngineSettings
-from .folder import Finding, Folder, check_quantized_head, examine, installed_vllm_dir
+from .folder import Finding, Folder, check_int4_kernel, check_quantized_head, examine, installed_vllm_dir
 
 # what the checks of the installed vLLM read of a folder, when its own config.json is refused (examine says why)
 FORMAT_NAMES = {"architectures": [ARCH], "model_type": MODEL_TYPE}
@@ -427,7 +427,7 @@ def installed_vllm_findings(config: dict, vllm_dir: Path | None) -> list[Finding
                 )
             )
     found.append(check_plugin(plugin, dist) if plugin is not None else check_patch(vllm_dir, dist))
-    found += [f for f in (check_quantized_head(config, vllm_dir),) if f]
+    found += [f for f in (check_quantized_head(config, vllm_dir), check_int4_kernel(config, vllm_dir)) if f]
     if _cpu_build():  # the CPU build's platform, and the defaults chosen on this machine
         found += [f for f in (check_platform(vllm_dir), check_tuned()) if f]
     return found + [f for f in (check_triton(vllm_dir),) if f]

@@ -6,6 +6,7 @@ Which tensors a folder should hold is spec's answer (its tensor table); this mod
 
 import json
 import math
+import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -438,6 +439,45 @@ def int8_needs_16_bits(vllm_dir: Path | None, cpuinfo: Path = Path("/proc/cpuinf
         return False
     source = vllm_dir / CPU_INT8
     return source.is_file() and CPU_INT8_AMX in source.read_text()
+
+
+# and its CPU 4-bit GEMM (mixed_precision/cpu.py) on a CPU with AMX, computing in bf16, is int4_scaled_mm_cpu unless
+# VLLM_CPU_INT4_W4A8=0: the activations quantized per token to int8 (w4a8), elsewhere cpu_gemm_wna16 in bf16
+CPU_INT4 = "model_executor/kernels/linear/mixed_precision/cpu.py"
+CPU_INT4_W4A8 = "int4_scaled_mm_cpu"
+W4A8_ENV = "VLLM_CPU_INT4_W4A8"
+
+
+def int4_runs_w4a8(vllm_dir: Path | None, cpuinfo: Path = Path("/proc/cpuinfo"), env=os.environ) -> bool:
+    """Whether the vLLM at `vllm_dir` runs 4-bit weights on this CPU with int8 activations (its AMX w4a8 kernel)."""
+    from .tuned import cpu_flags
+
+    if vllm_dir is None or env.get(W4A8_ENV, "1") == "0" or "amx_tile" not in cpu_flags(cpuinfo):
+        return False
+    source = vllm_dir / CPU_INT4
+    return source.is_file() and CPU_INT4_W4A8 in source.read_text()
+
+
+def check_int4_kernel(
+    config: dict, vllm_dir: Path | None, cpuinfo: Path = Path("/proc/cpuinfo"), env=os.environ
+) -> Finding | None:
+    """What a 4-bit folder is computed with where that is not what its name says (w4a8 on an AMX CPU); None
+    elsewhere. Not an error: verify holds it to the 4-bit rule all the same (docs/quantize.md)."""
+    from ..checkpoint import quantize
+
+    try:
+        scheme, _ = quantize.read_scheme(config, "config.json")
+    except MiniStreamError:
+        return None
+    if scheme != "w4a16" or not int4_runs_w4a8(vllm_dir, cpuinfo, env):
+        return None
+    return Finding(
+        "ok",
+        "4-bit kernel",
+        f"on this CPU (AMX) vLLM computes the 4-bit weights with int8 activations ({CPU_INT4_W4A8} in {CPU_INT4}: "
+        f"w4a8), which verify holds to the w4a16 rule; {W4A8_ENV}=0 gives bf16 activations (cpu_gemm_wna16: 1.7x "
+        "slower a step on an Intel Xeon here)",
+    )
 
 
 def check_dtype(scheme: str, runs_in: str | None, what: str) -> None:
