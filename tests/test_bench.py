@@ -508,10 +508,11 @@ def test_a_near_tie_is_where_the_reference_s_first_two_choices_all_but_tie():
     from ministream.bench.accuracy import NEAR_TIE, near_tie
 
     ref = {"ids": [7, 280], "logprobs": [{7: -0.1, 9: -3.0}, {280: -1.6971, 91: -1.6976, 348: -2.73}]}
-    assert near_tie(ref, 91, 1) and not near_tie(ref, 348, 1) and not near_tie(ref, 9, 0)
-    assert not near_tie(ref, 5, 1)  # outside the top-k: no tie to speak of
-    assert not near_tie({"ids": [1], "logprobs": [{1: 0.0, 2: -NEAR_TIE}]}, 2, 0)
-    assert near_tie(json.loads(json.dumps(ref)), 91, 1)
+    assert near_tie(ref, [7, 91], 1) and not near_tie(ref, [7, 348], 1) and not near_tie(ref, [9], 0)
+    assert not near_tie(ref, [7, 5], 1)  # outside the top-k: no tie to speak of
+    assert not near_tie({"ids": [1], "logprobs": [{1: 0.0, 2: -NEAR_TIE}]}, [2], 0)
+    assert near_tie(json.loads(json.dumps(ref)), [7, 91], 1)
+    assert not near_tie(ref, [7], 1) and not near_tie(ref, [7, 280, 91], 2)  # an output that ended: no tie
 
 
 def test_each_quantized_width_s_folder_is_quantized_as_the_width_says(tiny_hf, tmp_path):

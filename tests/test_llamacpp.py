@@ -18,6 +18,7 @@ from ministream.checkpoint.gguf import LLAMA3_SPLIT
 from ministream.paths import CORPUS
 from ministream.run.generate import DEFAULT_PROMPTS, reference_generate, tokenize
 from ministream.run.server import free_port
+from ministream.run.verify import compare
 
 pytestmark = pytest.mark.full
 MAX_TOKENS = 32
@@ -49,9 +50,9 @@ def test_llama_cpp_gives_the_reference_models_greedy_tokens_in_f32(folder, reque
         ids = [(llamacpp.tokenize(url, t), tok.encode(t, add_special_tokens=False).ids) for t in texts()]
     # the same ids, or parted only where the reference's first and second choices all but tie (llama.cpp's own
     # float32 reduction order; seen once, tiny-gqa trained on the Intel Xeon here: a gap of 5e-4 at token 12)
-    for g, w in zip(got, want):
-        first = next((i for i, (a, b) in enumerate(zip(g, w["ids"])) if a != b), None)
-        assert len(g) == len(w["ids"]) and (first is None or near_tie(w, g[first], first)), (first, g, w["ids"])
+    _, results = compare(want, [{"ids": g} for g in got], exact=True, names=("reference", "llama.cpp"))
+    for r, g, w in zip(results, got, want, strict=True):
+        assert r.identical or near_tie(w, g, r.first_difference), (r.detail, g, w["ids"])
     differ = [i for i, (a, b) in enumerate(ids) if a != b]
     assert not differ, f"{len(differ)} of {len(ids)} texts tokenize differently, first: {ids[differ[0]]}"
 

@@ -133,8 +133,7 @@ def _row(name: str, golden: dict, got: list[dict], ppl: float, ref_ppl: float) -
     n = len(results)
     firsts = [r.first_difference if r.first_difference is not None else MAX_TOKENS for r in results]
     ties = [
-        r.first_difference is not None
-        and near_tie(golden["outputs"][i], got[i]["ids"][r.first_difference], r.first_difference)
+        r.first_difference is not None and near_tie(golden["outputs"][i], got[i]["ids"], r.first_difference)
         for i, r in enumerate(results)
     ]
     row: dict = {
@@ -158,11 +157,14 @@ def _row(name: str, golden: dict, got: list[dict], ppl: float, ref_ppl: float) -
 NEAR_TIE = 1e-3
 
 
-def near_tie(reference: dict, token: int, step: int) -> bool:
-    """Whether `token`, another engine's choice at new token `step`, all but ties the reference's own there (its
-    top-k log-probabilities at that step: the reference's output as make_golden wrote it)."""
+def near_tie(reference: dict, ids: list[int], step: int) -> bool:
+    """Whether `ids`, another engine's new tokens, part from the reference's at new token `step` where the two
+    tokens all but tie in the reference's top-k log-probabilities (its output as make_golden wrote it); False
+    where either output ends before `step` (a difference in length is no tie)."""
+    if step >= min(len(ids), len(reference["ids"]), len(reference["logprobs"])):
+        return False
     top = {int(t): lp for t, lp in reference["logprobs"][step].items()}
-    return token in top and top[reference["ids"][step]] - top[token] < NEAR_TIE
+    return ids[step] in top and top[reference["ids"][step]] - top[ids[step]] < NEAR_TIE
 
 
 def _line(row: dict) -> str:

@@ -181,9 +181,9 @@ def run_bench(
     pairs = [tuple(c.split(":", 1)) for c in configs]
     if any(len(p) != 2 for p in pairs):
         raise MiniStreamError(f"--configs takes model:width pairs, e.g. reference:bfloat16; got {','.join(configs)}")
-    vllm = any(s not in ("llamacpp", "reference_batched", "reference_serial") for s in systems)
     for _, name in pairs:  # an unknown width, or one this machine's vLLM cannot run, refused before anything runs
-        widths.vllm_width(name) if vllm else widths.width(name)
+        # only a quantized width can be refused, and there vLLM runs as "ministream" only (jobs)
+        widths.vllm_width(name) if "ministream" in systems else widths.width(name)
     # one KV cache size for every vLLM system, chosen once (a later choice would see other free memory):
     # the one `ministream serve` would take now, unless --kv-cache-gib says
     kv_cache_gib = kv_cache_gib or engine.kv_cache_gib()

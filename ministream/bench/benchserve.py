@@ -370,7 +370,7 @@ def bench_serve(
     unknown = set(systems) - set(SYSTEMS)
     if unknown:
         raise MiniStreamError(f"unknown --systems {', '.join(sorted(unknown))}; choose from {', '.join(SYSTEMS)}")
-    if set(systems) & {"ministream", "llama"}:  # a width this machine's vLLM cannot run, before anything runs
+    if "ministream" in systems:  # a (quantized) width this machine's vLLM cannot run, before anything runs
         widths.vllm_width(chosen["dtype"])
     if not chosen["rates"] or min(chosen["rates"]) <= 0:
         raise MiniStreamError(f"--rates must be request rates above 0, e.g. 0.5,1,2; got {chosen['rates']}")

@@ -431,14 +431,20 @@ CPU_INT8 = "model_executor/kernels/linear/scaled_mm/cpu.py"
 CPU_INT8_AMX = "int8_scaled_mm_with_quant"
 
 
-def int8_needs_16_bits(vllm_dir: Path | None, cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
-    """Whether the vLLM at `vllm_dir` runs int8 weights on this CPU through its AMX kernel (16-bit only)."""
+def takes_amx_kernel(vllm_dir: Path | None, source: str, kernel: str, cpuinfo: Path) -> bool:
+    """Whether this CPU has AMX and the vLLM at `vllm_dir` calls `kernel` in its file `source` (read, not
+    imported): the vLLM takes that AMX kernel here."""
     from .tuned import cpu_flags
 
     if vllm_dir is None or "amx_tile" not in cpu_flags(cpuinfo):
         return False
-    source = vllm_dir / CPU_INT8
-    return source.is_file() and CPU_INT8_AMX in source.read_text()
+    path = vllm_dir / source
+    return path.is_file() and kernel in path.read_text()
+
+
+def int8_needs_16_bits(vllm_dir: Path | None, cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
+    """Whether the vLLM at `vllm_dir` runs int8 weights on this CPU through its AMX kernel (16-bit only)."""
+    return takes_amx_kernel(vllm_dir, CPU_INT8, CPU_INT8_AMX, cpuinfo)
 
 
 # and its CPU 4-bit GEMM (mixed_precision/cpu.py) on a CPU with AMX, computing in bf16, is int4_scaled_mm_cpu unless
@@ -450,12 +456,7 @@ W4A8_ENV = "VLLM_CPU_INT4_W4A8"
 
 def int4_runs_w4a8(vllm_dir: Path | None, cpuinfo: Path = Path("/proc/cpuinfo"), env=os.environ) -> bool:
     """Whether the vLLM at `vllm_dir` runs 4-bit weights on this CPU with int8 activations (its AMX w4a8 kernel)."""
-    from .tuned import cpu_flags
-
-    if vllm_dir is None or env.get(W4A8_ENV, "1") == "0" or "amx_tile" not in cpu_flags(cpuinfo):
-        return False
-    source = vllm_dir / CPU_INT4
-    return source.is_file() and CPU_INT4_W4A8 in source.read_text()
+    return env.get(W4A8_ENV, "1") != "0" and takes_amx_kernel(vllm_dir, CPU_INT4, CPU_INT4_W4A8, cpuinfo)
 
 
 def check_int4_kernel(
