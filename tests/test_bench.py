@@ -585,6 +585,23 @@ def test_bench_step_variants_combine_and_an_unknown_one_is_refused_before_any_en
     assert not (tmp_path / "out").exists()  # refused before the folder, the model or an engine
 
 
+def test_bench_step_s_table_keeps_its_columns_for_the_longest_width_and_system():
+    """A width's name (w4a16-head) ran into the system's column when the column was 9 characters wide."""
+    from ministream.bench.benchstep import table
+
+    step = {"forward": 2.99, "logits": 0.6, "step": 4.77}
+    rows = [
+        {"model": "reference", "dtype": d, "system": s, "per_step_ms": step, "weights_read_ms": 1.68}
+        for d, s in (("w8a8-bf16-head", "ministream in_process"), ("bf16", "llama.cpp without AMX"))
+    ]
+    result = {"settings": {"prompt": 32, "new": 128, "repeats": 3}, "read_bandwidth": {"gb_per_s": 25.8}, "rows": rows}
+    lines = table(result).splitlines()[2:]
+    want = ["reference", "w8a8-bf16-head", "ministream", "in_process", "2.99", "0.60", *"-----", "4.77", "1.68", "210"]
+    assert lines[1].split() == want
+    assert len({line.index(word) for line, word in zip(lines, ("dtype", "w8a8-bf16-head", "bf16"))}) == 1
+    assert lines[0].index("forward") + len("forward") == lines[1].index("2.99") + len("2.99")  # right-aligned
+
+
 def test_llama_perplexity_s_estimate_is_over_every_chunk_it_announced_or_none():
     from ministream.bench.llamacpp import final_estimate
 
@@ -619,53 +636,66 @@ def test_a_worker_that_aborts_after_writing_its_result_keeps_its_figures_and_say
         assert got["error"] == "exit -6" and "rows" not in got
 
 
-def test_a_llama_server_that_dies_of_sigsegv_at_start_is_started_again_without_repacking(monkeypatch, tmp_path):
-    """llama.cpp's AMX kernels die of SIGSEGV on some virtualized Xeons (llama.cpp #20824): a stand-in
-    llama-server (a real process that kills itself with SIGSEGV unless given --no-repack, else serves /health
-    over HTTP on loopback) is started once more with --no-repack, and that is recorded for the results."""
+def _two_builds(monkeypatch, tmp_path, tool: str, amx_body: str, no_amx_body: str) -> dict:
+    """build/llamacpp/ as two recorded builds leave it (build.json as build() writes it, for this CPU), `tool`
+    in each a real script: the AMX build's and the one built without AMX."""
+    from ministream.bench import llamacpp
+    from ministream.bench.machine import cpu_model
+
+    monkeypatch.setattr(llamacpp, "HOME", tmp_path / "llamacpp")
+    monkeypatch.setattr(llamacpp, "NO_AMX", False)
+    homes = {}
+    for amx, name, body in ((True, llamacpp.VERSION, amx_body), (False, f"{llamacpp.VERSION}-no-amx", no_amx_body)):
+        home = homes[amx] = llamacpp.HOME / name
+        (home / "bin").mkdir(parents=True)
+        for t in llamacpp.TARGETS:
+            (home / "bin" / t).write_text("#!/bin/sh\nexit 9\n")
+            (home / "bin" / t).chmod(0o755)
+        (home / "bin" / tool).write_text(f"#!/bin/sh\n{body}")
+        record = {"cmake flags": llamacpp.flags(amx), "amx": amx, "cpu": cpu_model()}
+        (home / "build.json").write_text(json.dumps(record))
+    return homes
+
+
+def test_a_llama_server_that_dies_of_sigsegv_at_start_is_started_again_from_the_build_without_amx(
+    monkeypatch, tmp_path
+):
+    """llama.cpp's AMX kernels die of SIGSEGV on some virtualized Xeons (llama.cpp #20824): the AMX build's
+    llama-server (a real process that kills itself with SIGSEGV) is started once more from the build without
+    AMX (a real process serving /health over HTTP on loopback), which every tool after it runs from; recorded."""
     from ministream.bench import llamacpp
     from ministream.run.server import free_port
 
-    monkeypatch.setattr(llamacpp, "NO_REPACK", False)
-    (tmp_path / "bin").mkdir()
     (tmp_path / "www").mkdir()
     (tmp_path / "www" / "health").write_text("ok")
-    server = tmp_path / "bin" / "llama-server"
-    server.write_text(
-        "#!/bin/sh\n"
-        'case " $* " in *" --no-repack "*) ;; *) kill -SEGV $$ ;; esac\n'
+    serve = (
         'port=$(echo "$@" | sed "s/.*--port \\([0-9]*\\).*/\\1/")\n'
         f'exec python3 -m http.server "$port" --bind 127.0.0.1 --directory {tmp_path / "www"}\n'
     )
-    server.chmod(0o755)
+    homes = _two_builds(monkeypatch, tmp_path, "llama-server", "kill -SEGV $$\n", serve)
     port = free_port()
-    with llamacpp.server(tmp_path / "m.gguf", port, 1, home=tmp_path, log_file=tmp_path / "log") as url:
+    with llamacpp.server(tmp_path / "m.gguf", port, 1, log_file=tmp_path / "log") as url:
         assert url == f"http://127.0.0.1:{port}"
-    assert llamacpp.NO_REPACK
-    monkeypatch.setattr(llamacpp, "NO_REPACK", False)
-    server.write_text("#!/bin/sh\nexit 3\n")  # any other death is an error, with no second start
+    assert llamacpp.NO_AMX and llamacpp.build() == homes[False] and llamacpp.info()["amx"] is False
+    monkeypatch.setattr(llamacpp, "NO_AMX", False)
+    (homes[True] / "bin" / "llama-server").write_text("#!/bin/sh\nexit 3\n")  # any other death: no second start
     with pytest.raises(Exception, match=r"llama-server exited \(3\)"):
-        with llamacpp.server(tmp_path / "m.gguf", free_port(), 1, home=tmp_path, log_file=tmp_path / "log"):
+        with llamacpp.server(tmp_path / "m.gguf", free_port(), 1, log_file=tmp_path / "log"):
             pass
-    assert not llamacpp.NO_REPACK
+    assert not llamacpp.NO_AMX and llamacpp.build() == homes[True]
 
 
-@pytest.mark.parametrize("tool, unpacked", [("llama-perplexity", "--no-repack"), ("llama-bench", "--repack 0")])
-def test_a_llama_cpp_tool_that_dies_of_sigsegv_runs_again_unpacked_in_its_own_flag(
-    monkeypatch, tmp_path, tool, unpacked
-):
+@pytest.mark.parametrize("tool", ["llama-perplexity", "llama-bench"])
+def test_a_llama_cpp_tool_that_dies_of_sigsegv_runs_again_from_the_build_without_amx(monkeypatch, tmp_path, tool):
     """llama-perplexity and llama-bench die of SIGSEGV as soon as they process a prompt where llama-server does
-    (llama.cpp #20824): a stand-in (a real process that kills itself with SIGSEGV unless given the tool's own
-    no-repack flag) runs once more unpacked, and every tool after it runs unpacked from the start."""
+    (llama.cpp #20824): the AMX build's (a real process that kills itself) runs once more from the build without
+    AMX, and every tool after it runs from that build from the start."""
     from ministream.bench import llamacpp
 
-    monkeypatch.setattr(llamacpp, "NO_REPACK", False)
-    stand_in = tmp_path / tool
-    stand_in.write_text(f'#!/bin/sh\ncase " $* " in *" {unpacked} "*) echo "ran: $*" ;; *) kill -SEGV $$ ;; esac\n')
-    stand_in.chmod(0o755)
-    done = llamacpp.run_tool([stand_in, "-m", "m.gguf"], tmp_path / "m.gguf")
-    assert done.returncode == 0 and done.stdout == f"ran: -m m.gguf {unpacked}\n" and llamacpp.NO_REPACK
-    assert llamacpp.run_tool([stand_in, "-t", 2], tmp_path / "m.gguf").stdout == f"ran: -t 2 {unpacked}\n"
-    monkeypatch.setattr(llamacpp, "NO_REPACK", False)
-    stand_in.write_text("#!/bin/sh\nexit 3\n")  # any other failure is the tool's answer, not run again
-    assert llamacpp.run_tool([stand_in], tmp_path / "m.gguf").returncode == 3 and not llamacpp.NO_REPACK
+    _two_builds(monkeypatch, tmp_path, tool, "kill -SEGV $$\n", 'echo "ran without AMX: $*"\n')
+    done = llamacpp.run_tool(tool, ["-m", "m.gguf"], tmp_path / "m.gguf")
+    assert done.returncode == 0 and done.stdout == "ran without AMX: -m m.gguf\n" and llamacpp.NO_AMX
+    assert llamacpp.run_tool(tool, ["-t", 2], tmp_path / "m.gguf").stdout == "ran without AMX: -t 2\n"
+    monkeypatch.setattr(llamacpp, "NO_AMX", False)
+    (llamacpp.build() / "bin" / tool).write_text("#!/bin/sh\nexit 3\n")  # any other failure is the tool's answer
+    assert llamacpp.run_tool(tool, [], tmp_path / "m.gguf").returncode == 3 and not llamacpp.NO_AMX

@@ -261,7 +261,7 @@ def _llamacpp(folder: Path, work: Path, name: str, golden: dict, c: Chunks):
     from ..checkpoint.gguf import export
 
     w = WIDTHS[name]
-    home, dtype = llamacpp.build(), w.dtype
+    dtype = w.dtype
     gguf = work / f"{folder.name}-{w.gguf}.gguf"
     export(folder, gguf, w.gguf, force=True)
     ctx = max(max(map(len, golden["prompt_ids"])) + golden["max_tokens"], len(c.ids[0]))
@@ -273,11 +273,10 @@ def _llamacpp(folder: Path, work: Path, name: str, golden: dict, c: Chunks):
         threads=2,
         ctx_per_slot=ctx,
         log_file=work / "server.log",
-        home=home,
         extra=("-ctk", kv, "-ctv", kv),
     )
     with server as url:
         for ids in golden["prompt_ids"]:
             outputs.append(llamacpp.greedy_with_logprobs(url, ids, golden["max_tokens"], golden["top_k"]))
-    ppl = llamacpp.perplexity(home, gguf, Path(c.text), len(c.ids[0]), kv=kv)
+    ppl = llamacpp.perplexity(gguf, Path(c.text), len(c.ids[0]), kv=kv)
     return outputs, ppl

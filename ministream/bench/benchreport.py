@@ -108,11 +108,11 @@ def table(result: dict) -> str:
     }
     if platforms:
         lines.append("vLLM's platform: " + ", ".join(f"{k} {v}" for k, v in platforms.items()))
-    unpacked = [f"{r['model']} {r['dtype']}" for r in result["runs"] if r.get("llamacpp_no_repack")]
-    if unpacked:
+    no_amx = [f"{r['model']} {r['dtype']}" for r in result["runs"] if r.get("llamacpp_no_amx")]
+    if no_amx:
         lines.append(
-            "llama-server ran with --no-repack (its AMX kernels died of SIGSEGV here, llama.cpp #20824; "
-            "unpacked weights are slower): " + ", ".join(unpacked)
+            "llama.cpp ran from its build without AMX (its AMX kernels died of SIGSEGV here, llama.cpp #20824): "
+            + ", ".join(no_amx)
         )
     for run in result["runs"]:
         for f in run.get("llama_bench") or []:

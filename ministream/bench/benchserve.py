@@ -146,10 +146,9 @@ def _llamacpp_command(model: dict, dtype: str, port: int) -> tuple[list[str], st
     name = served_name(folder)
     context = json.loads((Path(folder) / "config.json").read_text())["max_position_embeddings"]
     threads = engine_threads()
-    with llamacpp.server(gguf, free_port(), threads, 1, 256):  # a first start: where it dies, NO_REPACK says so
+    with llamacpp.server(gguf, free_port(), threads, 1, 256):  # a first start: where it dies, NO_AMX says so
         pass
-    extra = ("--alias", name, *(llamacpp.NO_REPACK_ARGS if llamacpp.NO_REPACK else ()))
-    cmd = llamacpp.server_command(llamacpp.build(), gguf, port, threads, LLAMACPP_SLOTS, context, extra)
+    cmd = llamacpp.server_command(llamacpp.build(), gguf, port, threads, LLAMACPP_SLOTS, context, ("--alias", name))
     return cmd, name, folder
 
 

@@ -165,7 +165,6 @@ def _median(samples: list[dict]) -> dict:
 def _llamacpp(model: dict, dtype: str, threads: int, out: Path) -> dict:
     from . import llamacpp
 
-    home = llamacpp.build()
     gguf = widths.gguf_file(model["hf"], dtype)
     ids = prompts(1, PROMPT, model["vocab"], seed=11)[0]
     served = []
@@ -173,14 +172,14 @@ def _llamacpp(model: dict, dtype: str, threads: int, out: Path) -> dict:
         for _ in range(REPEATS + 1):
             served.append(llamacpp.complete(url, ids, NEW)["timings"])
     per_token = statistics.median(t["predicted_per_token_ms"] for t in served[1:])
-    # after the server: where it ran unpacked (NO_REPACK), the graph is timed unpacked too
-    cmd = [home / "bin" / "llama-bench", "-m", gguf, "-t", threads, "-p", 0, "-n", NEW, "-r", REPEATS, "-o", "json"]
-    run = llamacpp.run_tool(cmd, gguf)
+    # after the server: where it ran from the build without AMX (NO_AMX), the graph is timed from it too
+    args = ["-m", gguf, "-t", threads, "-p", 0, "-n", NEW, "-r", REPEATS, "-o", "json"]
+    run = llamacpp.run_tool("llama-bench", args, gguf)
     if run.returncode != 0:
         raise MiniStreamError(f"llama-bench on {gguf} failed (exit {run.returncode}): {run.stderr[-800:]}")
     graph = 1e3 / json.loads(run.stdout)[0]["avg_ts"]
     step = {"forward": graph, "server_other": per_token - graph, "step": per_token}
-    return {"per_step_ms": step, "weights_file_bytes": gguf.stat().st_size, "llamacpp_no_repack": llamacpp.NO_REPACK}
+    return {"per_step_ms": step, "weights_file_bytes": gguf.stat().st_size, "llamacpp_no_amx": llamacpp.NO_AMX}
 
 
 def bench_step(out: Path, presets: list[str], dtypes: list[str], variants: list[str], note: str = "") -> int:
@@ -232,7 +231,7 @@ def bench_step(out: Path, presets: list[str], dtypes: list[str], variants: list[
                 {
                     "model": preset,
                     "dtype": dtype,
-                    "system": "llama.cpp --no-repack" if got["llamacpp_no_repack"] else "llama.cpp",
+                    "system": "llama.cpp without AMX" if got["llamacpp_no_amx"] else "llama.cpp",
                     "weights_read_ms": read_ms,
                     **got,
                 }
@@ -268,21 +267,32 @@ def _run(spec: dict, env: dict, stem: Path) -> dict:
 
 def table(result: dict) -> str:
     cols = ["forward", "logits", "inputs", "sample", "runner_other", "engine_other", "server_other", "step"]
+    # the first three columns as wide as their longest entry (a width's name: w8a8-bf16-head)
+    m, d, n = (
+        max(len(str(r[k])) for r in [{"model": "model", "dtype": "dtype", "system": "system"}, *result["rows"]]) + 2
+        for k in ("model", "dtype", "system")
+    )
+
+    def first(r: dict) -> str:
+        return f"{r['model']:<{m}}{r['dtype']:<{d}}{r['system']:<{n}}"
+
     lines = [
         machine_line(result.get("machine", {})),
         "ms per decode step at batch 1 ({prompt}-token prompt, {new} new tokens, median of {repeats}); ".format(
             **result["settings"]
         )
         + f"weights at {result['read_bandwidth']['gb_per_s']:.1f} GB/s read",
-        f"{'model':<10}{'dtype':<9}{'system':<28}" + "".join(f"{c:>13}" for c in cols) + f"{'weights':>9}{'tok/s':>7}",
+        first({"model": "model", "dtype": "dtype", "system": "system"})
+        + "".join(f"{c:>13}" for c in cols)
+        + f"{'weights':>9}{'tok/s':>7}",
     ]
     for r in result["rows"]:
         if "error" in r:
-            lines.append(f"{r['model']:<10}{r['dtype']:<9}{r['system']:<28} FAILED {r['error']}")
+            lines.append(f"{first(r)} FAILED {r['error']}")
             continue
         p = r["per_step_ms"]
         lines.append(
-            f"{r['model']:<10}{r['dtype']:<9}{r['system']:<28}"
+            first(r)
             + "".join(f"{p[c]:>13.2f}" if c in p else f"{'-':>13}" for c in cols)
             + f"{r['weights_read_ms']:>9.2f}{1e3 / p['step']:>7.0f}"
         )

@@ -3,7 +3,8 @@ llama.cpp's whole source) into build/llamacpp/<version>/, then run as its own `l
 slots, continuous batching) and `llama-bench`, on GGUF files from `ministream gguf`.
 
 The build is recorded beside the binaries (build.json: the version, llama.cpp's commit, the CMake flags,
-the compiler, the seconds it took, the CPU it was built for) and reused while that record matches.
+the compiler, the seconds it took, the CPU it was built for) and reused while that record matches. Where its
+AMX kernels die (llama.cpp #20824), a second build without them (build/llamacpp/<version>-no-amx/) runs instead.
 """
 
 import json
@@ -43,12 +44,29 @@ CMAKE_FLAGS = [
 ]
 
 
+# llama.cpp's AMX kernels die of SIGSEGV on some Xeons with AMX (llama.cpp #20824, open): on the virtualized one
+# here (2026-12-04) at `ldtilecfg` in ggml_backend_amx_mul_mat on any batch of 2+ tokens, on one thread too, and
+# with the kernel's AMX permission asked for before main (arch_prctl ARCH_REQ_XCOMP_PERM, preloaded): llama-server
+# at every start, llama-bench and llama-perplexity at their first prompt. What runs there at its best is the same
+# sources built without AMX (its AVX-512 repacking kept: at q4_0 1.6x the AMX build's --no-repack here), so
+# where a tool dies of SIGSEGV that build is made (once, recorded) and every llama.cpp tool after it runs from
+# it; results say so (bench: llamacpp_no_amx). Not the default: where AMX works it is llama.cpp's fastest.
+NO_AMX_FLAGS = [f"-DCMAKE_{lang}_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16" for lang in ("C", "CXX")]
+NO_AMX = False  # set by the first SIGSEGV (_amx_died), for this process
+
+
+def flags(amx: bool) -> list[str]:
+    return CMAKE_FLAGS if amx else CMAKE_FLAGS + NO_AMX_FLAGS
+
+
 def build(version: str = VERSION, log=print) -> Path:
-    """The folder whose bin/ holds llama.cpp's server and tools for `version`, built once and recorded."""
-    home = HOME / version
+    """The folder whose bin/ holds llama.cpp's server and tools for `version`, built once and recorded: without
+    its AMX kernels once they have died here (NO_AMX)."""
+    home = HOME / (f"{version}-no-amx" if NO_AMX else version)
     record = home / "build.json"
+    cmake_flags = flags(amx=not NO_AMX)
     with lock(home, f"building llama.cpp {version}"):
-        if _current(record):
+        if _current(record, cmake_flags):
             return home
         for tool in ("cmake", "c++"):
             if not shutil.which(tool):
@@ -57,12 +75,12 @@ def build(version: str = VERSION, log=print) -> Path:
         sweep(home)
         tmp = temp_folder(home, "tmp")
         try:
-            log(f"llama.cpp: building {sdist.name} (vendor/llama.cpp) with {' '.join(CMAKE_FLAGS)}")
+            log(f"llama.cpp: building {sdist.name} (vendor/llama.cpp) with {' '.join(cmake_flags)}")
             started = time.monotonic()
             with tarfile.open(sdist) as tar:
                 tar.extractall(tmp / "sdist", filter="data")
             src = next((tmp / "sdist").glob("*/vendor/llama.cpp"))
-            _run(["cmake", "-S", src, "-B", tmp / "cmake", *CMAKE_FLAGS], "configure", tmp / "configure.log")
+            _run(["cmake", "-S", src, "-B", tmp / "cmake", *cmake_flags], "configure", tmp / "configure.log")
             _run(
                 ["cmake", "--build", tmp / "cmake", "-j", str(os.cpu_count() or 1), "--target", *TARGETS],
                 "build",
@@ -78,7 +96,8 @@ def build(version: str = VERSION, log=print) -> Path:
                     "llama-cpp-python": version,
                     "sdist": sdist.name,
                     "llama.cpp commit": commit.group(1) if commit else None,
-                    "cmake flags": CMAKE_FLAGS,
+                    "cmake flags": cmake_flags,
+                    "amx": not NO_AMX,
                     "compiler": subprocess.run(["c++", "--version"], capture_output=True, text=True).stdout.split("\n")[
                         0
                     ],
@@ -99,7 +118,7 @@ def build(version: str = VERSION, log=print) -> Path:
         return home
 
 
-def _current(record: Path) -> bool:
+def _current(record: Path, cmake_flags: list[str]) -> bool:
     """A finished build of these flags for this CPU (-march=native binaries are the CPU's)."""
     try:
         got = json.loads(record.read_text())
@@ -107,7 +126,7 @@ def _current(record: Path) -> bool:
         return False
     bins = record.parent / "bin"
     return (
-        got.get("cmake flags") == CMAKE_FLAGS
+        got.get("cmake flags") == cmake_flags
         and got.get("cpu") == cpu_model()
         and all((bins / t).is_file() for t in TARGETS)
     )
@@ -122,8 +141,8 @@ def _run(cmd: list, stage: str, log: Path) -> None:
 
 
 def info(version: str = VERSION) -> dict:
-    """The build record of `version` (build() first)."""
-    return json.loads((HOME / version / "build.json").read_text())
+    """The build record of `version` that runs here (build() first)."""
+    return json.loads((build(version) / "build.json").read_text())
 
 
 def server_command(
@@ -151,15 +170,12 @@ def server(
     parallel: int = 1,
     ctx_per_slot: int = 1024,
     log_file: Path | None = None,
-    home: Path | None = None,
     extra: tuple = (),
 ) -> Iterator[str]:
     """llama-server on 127.0.0.1:`port` serving `gguf` with `parallel` slots (continuous batching across
     them) of `ctx_per_slot` tokens each; yields its base URL once /health answers, stops it after. Where it
-    dies of SIGSEGV before serving, it starts once more without its repacked (AMX) weights (NO_REPACK)."""
-    home = home or build()
-    extra = (*extra, *NO_REPACK_ARGS) if NO_REPACK else extra
-    cmd = server_command(home, gguf, port, threads, parallel, ctx_per_slot, extra)
+    dies of SIGSEGV before serving, it starts once more from the build without AMX (NO_AMX)."""
+    cmd = server_command(build(), gguf, port, threads, parallel, ctx_per_slot, extra)
     out = open(log_file, "w") if log_file else subprocess.DEVNULL
     proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
@@ -167,8 +183,8 @@ def server(
         deadline = time.monotonic() + 120
         while True:
             if proc.poll() is not None:
-                if proc.returncode == -signal.SIGSEGV and not NO_REPACK:
-                    _stop_repacking(gguf, "llama-server")
+                if proc.returncode == -signal.SIGSEGV and not NO_AMX:
+                    _amx_died(gguf, "llama-server")
                     break
                 said = Path(log_file).read_text()[-1500:] if log_file else ""
                 raise MiniStreamError(f"llama-server exited ({proc.returncode}) before it served {gguf}: {said}")
@@ -192,44 +208,32 @@ def server(
             proc.wait()
         if log_file:
             out.close()  # type: ignore[union-attr]
-    if NO_REPACK and proc.returncode == -signal.SIGSEGV:  # the first start died: the second, as NO_REPACK says
-        with server(gguf, port, threads, parallel, ctx_per_slot, log_file, home, extra) as again:
+    if NO_AMX and proc.returncode == -signal.SIGSEGV:  # the first start died: the second, from the build NO_AMX says
+        with server(gguf, port, threads, parallel, ctx_per_slot, log_file, extra) as again:
             yield again
 
 
-# llama.cpp's AMX kernels die of SIGSEGV on some Xeons with AMX (llama.cpp #20824, open): on the virtualized one
-# here (2026-12-04) at `ldtilecfg` in ggml_backend_amx_mul_mat on any batch of 2+ tokens, on one thread too, and
-# with the kernel's AMX permission asked for before main (arch_prctl ARCH_REQ_XCOMP_PERM, preloaded): llama-server
-# at every start, llama-bench and llama-perplexity at their first prompt (a decode alone, batch 1, runs). Its
-# weights then stay unpacked (--no-repack): slower than llama.cpp at its best, and every result says so
-# (bench: llamacpp_no_repack).
-NO_REPACK_ARGS = ("--no-repack",)
-NO_REPACK = False
-
-
-def run_tool(cmd: list, gguf: Path) -> subprocess.CompletedProcess:
-    """A llama.cpp tool run to its end (output captured); where it dies of SIGSEGV with its weights repacked,
-    once more without (NO_REPACK), as llama-server is started again."""
-    unpacked = ("--repack", "0") if Path(cmd[0]).name == "llama-bench" else NO_REPACK_ARGS  # its own parser
+def run_tool(tool: str, args: list, gguf: Path) -> subprocess.CompletedProcess:
+    """A llama.cpp tool (bin/`tool`) run to its end on `args` (output captured); where it dies of SIGSEGV, once
+    more from the build without AMX (NO_AMX), as llama-server is started again."""
 
     def run() -> subprocess.CompletedProcess:
-        args = [*cmd, *(unpacked if NO_REPACK else ())]
-        return subprocess.run([str(c) for c in args], capture_output=True, text=True)
+        return subprocess.run([str(c) for c in [build() / "bin" / tool, *args]], capture_output=True, text=True)
 
     done = run()
-    if done.returncode == -signal.SIGSEGV and not NO_REPACK:
-        _stop_repacking(gguf, Path(cmd[0]).name)
+    if done.returncode == -signal.SIGSEGV and not NO_AMX:
+        _amx_died(gguf, tool)
         done = run()
     return done
 
 
-def _stop_repacking(gguf: Path, tool: str) -> None:
-    global NO_REPACK
-    NO_REPACK = True
+def _amx_died(gguf: Path, tool: str) -> None:
+    global NO_AMX
+    NO_AMX = True
     print(
         f"llama.cpp: {tool} died of SIGSEGV on {gguf.name}, as its AMX kernels do on some virtualized CPUs "
-        "(llama.cpp #20824); running it again with --no-repack (unpacked weights: slower), and every llama.cpp "
-        "tool after it",
+        f"(llama.cpp #20824); running it again from llama.cpp built without AMX ({HOME / (VERSION + '-no-amx')}, "
+        "built once: minutes), and every llama.cpp tool after it",
         file=sys.stderr,
         flush=True,
     )
@@ -286,14 +290,13 @@ def greedy_with_logprobs(url: str, ids: list[int], max_tokens: int, top_k: int) 
 PERPLEXITY_TRIES = 3
 
 
-def perplexity(home: Path, gguf: Path, text: Path, n_ctx: int, threads: int = 2, kv: str = "f16") -> float:
+def perplexity(gguf: Path, text: Path, n_ctx: int, threads: int = 2, kv: str = "f16") -> float:
     """llama-perplexity on `text` with chunks of n_ctx tokens (checkpoint/perplexity.py's method), its KV cache in
     `kv`: its estimate over every chunk it announced (final_estimate), run again where its output lost it (exit 0);
     a run that failed is not run again."""
-    cmd = [home / "bin" / "llama-perplexity", "-m", gguf, "-f", text, "-c", n_ctx, "-b", n_ctx, "-t", threads]
-    cmd += ["-ctk", kv, "-ctv", kv]
+    args = ["-m", gguf, "-f", text, "-c", n_ctx, "-b", n_ctx, "-t", threads, "-ctk", kv, "-ctv", kv]
     for _ in range(PERPLEXITY_TRIES):
-        done = run_tool(cmd, gguf)
+        done = run_tool("llama-perplexity", args, gguf)
         tail = " | ".join((done.stdout + done.stderr).strip().splitlines()[-4:])
         if done.returncode != 0:  # a failure, not a lost line: running it again would fail again
             raise MiniStreamError(f"llama-perplexity on {gguf} failed (exit {done.returncode}): {tail[-800:]}")

@@ -144,7 +144,6 @@ def _llamacpp_worker(spec: dict) -> dict:
 
     from . import llamacpp
 
-    home = llamacpp.build()
     gguf = widths.gguf_file(spec["model_dir"], spec.get("width", spec["dtype"]))
     threads = engine_threads()
     slots = max(spec["batches"])
@@ -158,10 +157,8 @@ def _llamacpp_worker(spec: dict) -> dict:
 
             rows = measure(generate, spec)
     bench = llamacpp.run_tool(
-        [
-            home / "bin" / "llama-bench",
-            *("-m", gguf, "-t", threads, "-p", spec["prompt_len"], "-n", spec["new_tokens"], "-r", 3, "-o", "json"),
-        ],
+        "llama-bench",
+        ["-m", gguf, "-t", threads, "-p", spec["prompt_len"], "-n", spec["new_tokens"], "-r", 3, "-o", "json"],
         gguf,
     )
     figures = json.loads(bench.stdout) if bench.returncode == 0 else []
@@ -173,7 +170,7 @@ def _llamacpp_worker(spec: dict) -> dict:
         "gguf": str(gguf),
         "weights_file_bytes": gguf.stat().st_size,
         "build": llamacpp.info(),
-        "llamacpp_no_repack": llamacpp.NO_REPACK,  # its weights unpacked: the AMX kernels crashed here
+        "llamacpp_no_amx": llamacpp.NO_AMX,  # built without AMX: its AMX kernels crashed here
         # llama-bench: prompt processing (n_prompt) and decode (n_gen) tokens/s, its mean and spread of 3
         "llama_bench": [
             {k: f.get(k) for k in ("n_prompt", "n_gen", "avg_ts", "stddev_ts", "n_threads", "type_k")} for f in figures
