@@ -128,6 +128,12 @@ class HeldEngine:
             with suppress(psutil.NoSuchProcess):  # one that has exited (a drained server's) holds nothing
                 p.resume()
 
+    def signal_pending(self, sig: int) -> bool:
+        """Whether `sig` waits for the held core (/proc's ShdPnd: signals sent to the process, not yet taken)."""
+        status = Path(f"/proc/{self.processes[0].pid}/status").read_text()
+        pending = int(next(line.split()[1] for line in status.splitlines() if line.startswith("ShdPnd:")), 16)
+        return bool(pending >> (sig - 1) & 1)
+
     @contextmanager
     def running_in_slices(self):
         """The engine runs SLICE, then is held HELD, over and over, while the block waits for what it needs
