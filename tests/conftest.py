@@ -128,11 +128,19 @@ class HeldEngine:
             with suppress(psutil.NoSuchProcess):  # one that has exited (a drained server's) holds nothing
                 p.resume()
 
+    def signals(self) -> dict[str, str]:
+        """The held core's signal masks from /proc (ShdPnd: sent to the process, not yet taken; SigBlk, SigIgn,
+        SigCgt), and its state; empty once it has exited."""
+        try:
+            status = Path(f"/proc/{self.processes[0].pid}/status").read_text()
+        except FileNotFoundError:
+            return {}
+        keys = ("State", "ShdPnd", "SigPnd", "SigBlk", "SigIgn", "SigCgt")
+        return {k: v.strip() for k, _, v in (line.partition(":") for line in status.splitlines()) if k in keys}
+
     def signal_pending(self, sig: int) -> bool:
-        """Whether `sig` waits for the held core (/proc's ShdPnd: signals sent to the process, not yet taken)."""
-        status = Path(f"/proc/{self.processes[0].pid}/status").read_text()
-        pending = int(next(line.split()[1] for line in status.splitlines() if line.startswith("ShdPnd:")), 16)
-        return bool(pending >> (sig - 1) & 1)
+        """Whether `sig` waits for the held core, sent to it and not yet taken."""
+        return bool(int(self.signals().get("ShdPnd", "0"), 16) >> (sig - 1) & 1)
 
     @contextmanager
     def running_in_slices(self):
