@@ -423,15 +423,17 @@ def test_sigterm_drains_the_stream_in_flight_refuses_new_requests_and_stops_ever
             # So held until the signal waits for it (/proc), or 2 s after that line: in one CI run /proc never
             # showed it pending in the 25 s before vLLM killed the held core (a thread not yet stopped may have
             # taken it, leaving Python's handler to the stopped main thread)
-            deadline, logged = time.monotonic() + 90, None
-            while time.monotonic() < deadline and engine.signals() and not engine.signal_pending(signal.SIGTERM):
+            deadline, logged, pending = time.monotonic() + 90, None, False
+            while time.monotonic() < deadline and engine.signals() and not pending:
+                pending = engine.signal_pending(signal.SIGTERM)
                 if logged is None and "send sigterm to process EngineCore" in log.read_text():
                     logged = time.monotonic()
                 if logged is not None and time.monotonic() - logged > 2:
                     break
                 time.sleep(0.05)
             held = engine.signals()
-            sent = held.get("State") and (logged is not None or engine.signal_pending(signal.SIGTERM))
+            # the signal reached the core while it was held after its first token: mid-stream
+            sent = bool(held.get("State")) and (pending or logged is not None)
             engine.resume()
             refused = _status(server, "x")
             probe = subprocess.run(
@@ -448,10 +450,10 @@ def test_sigterm_drains_the_stream_in_flight_refuses_new_requests_and_stops_ever
     assert rest[-1]["usage"]["completion_tokens"] == long * MAX_NUM_SEQS  # every token of the stream in flight
     assert refused in (500, 503, None), refused  # vLLM 0.32 answers 500 while it drains; None: already gone
     assert probe.returncode == 1 and probe.stderr.startswith("not ready"), probe.stderr  # endpoints drop the pod
-    # the signal came mid-stream; where not, the failure shows vLLM's shutdown lines
+    # vLLM's own line for it ("draining in-flight requests count=48") is not asserted: with both cores busy, 2 runs
+    # of 3 that delivered every token and stopped cleanly had neither it nor its API server's later shutdown lines
     said = "\n".join(line for line in log.read_text().splitlines() if "[shutdown]" in line or "Error" in line)
     assert sent, f"the held engine core was gone, or got no SIGTERM from vLLM within 90 s ({held}):\n{said}"
-    assert f"draining in-flight requests count={MAX_NUM_SEQS} " in log.read_text(), f"held: {held}\n{said}"
     assert proc.wait(120) == 0, log.read_text()[-3000:]
     deadline = time.monotonic() + 30
     left = family
