@@ -645,8 +645,8 @@ def _two_builds(monkeypatch, tmp_path, tool: str, amx_body: str, no_amx_body: st
     monkeypatch.setattr(llamacpp, "HOME", tmp_path / "llamacpp")
     monkeypatch.setattr(llamacpp, "NO_AMX", False)
     homes = {}
-    for amx, name, body in ((True, llamacpp.VERSION, amx_body), (False, f"{llamacpp.VERSION}-no-amx", no_amx_body)):
-        home = homes[amx] = llamacpp.HOME / name
+    for amx, body in ((True, amx_body), (False, no_amx_body)):
+        home = homes[amx] = llamacpp.build_home(amx=amx)
         (home / "bin").mkdir(parents=True)
         for t in llamacpp.TARGETS:
             (home / "bin" / t).write_text("#!/bin/sh\nexit 9\n")

@@ -267,11 +267,9 @@ def _run(spec: dict, env: dict, stem: Path) -> dict:
 
 def table(result: dict) -> str:
     cols = ["forward", "logits", "inputs", "sample", "runner_other", "engine_other", "server_other", "step"]
+    header = {"model": "model", "dtype": "dtype", "system": "system"}
     # the first three columns as wide as their longest entry (a width's name: w8a8-bf16-head)
-    m, d, n = (
-        max(len(str(r[k])) for r in [{"model": "model", "dtype": "dtype", "system": "system"}, *result["rows"]]) + 2
-        for k in ("model", "dtype", "system")
-    )
+    m, d, n = (max(len(str(r[k])) for r in [header, *result["rows"]]) + 2 for k in header)
 
     def first(r: dict) -> str:
         return f"{r['model']:<{m}}{r['dtype']:<{d}}{r['system']:<{n}}"
@@ -282,9 +280,7 @@ def table(result: dict) -> str:
             **result["settings"]
         )
         + f"weights at {result['read_bandwidth']['gb_per_s']:.1f} GB/s read",
-        first({"model": "model", "dtype": "dtype", "system": "system"})
-        + "".join(f"{c:>13}" for c in cols)
-        + f"{'weights':>9}{'tok/s':>7}",
+        first(header) + "".join(f"{c:>13}" for c in cols) + f"{'weights':>9}{'tok/s':>7}",
     ]
     for r in result["rows"]:
         if "error" in r:

@@ -59,10 +59,15 @@ def flags(amx: bool) -> list[str]:
     return CMAKE_FLAGS if amx else CMAKE_FLAGS + NO_AMX_FLAGS
 
 
+def build_home(version: str = VERSION, amx: bool = True) -> Path:
+    """Where the build of `version` lives, with its AMX kernels or without."""
+    return HOME / (version if amx else f"{version}-no-amx")
+
+
 def build(version: str = VERSION, log=print) -> Path:
     """The folder whose bin/ holds llama.cpp's server and tools for `version`, built once and recorded: without
     its AMX kernels once they have died here (NO_AMX)."""
-    home = HOME / (f"{version}-no-amx" if NO_AMX else version)
+    home = build_home(version, amx=not NO_AMX)
     record = home / "build.json"
     cmake_flags = flags(amx=not NO_AMX)
     with lock(home, f"building llama.cpp {version}"):
@@ -232,7 +237,7 @@ def _amx_died(gguf: Path, tool: str) -> None:
     NO_AMX = True
     print(
         f"llama.cpp: {tool} died of SIGSEGV on {gguf.name}, as its AMX kernels do on some virtualized CPUs "
-        f"(llama.cpp #20824); running it again from llama.cpp built without AMX ({HOME / (VERSION + '-no-amx')}, "
+        f"(llama.cpp #20824); running it again from llama.cpp built without AMX ({build_home(amx=False)}, "
         "built once: minutes), and every llama.cpp tool after it",
         file=sys.stderr,
         flush=True,
