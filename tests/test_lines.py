@@ -220,6 +220,10 @@ def test_the_held_kv_cache_halves_are_vllm_s_views_of_the_cache_the_layer_holds_
     encoder = Impl()
     encoder.attn_type = AttentionType.ENCODER_ONLY  # a fresh cache each batch: made, never held
     assert kv_halves(encoder, cache)[1].data_ptr() == value.data_ptr() and not hasattr(encoder, "_ministream_kv_halves")
+    scope["_HOLD_KV_HALVES"] = False  # what MINISTREAM_CPU_KV_HALVES=0 sets as vLLM imports it: none held
+    again = Impl()
+    assert kv_halves(again, cache)[0].data_ptr() == key.data_ptr() and not hasattr(again, "_ministream_kv_halves")
+    assert f'environ.get("{cpu.ATTN_ENV}", "1") != "0"' in cpu.ATTN_HELPER.decode()
 
 
 def test_the_kv_cache_fix_leaves_a_function_that_reads_the_viewed_cache_again_as_vllm_wrote_it():

@@ -29,6 +29,7 @@ from typing import Any
 
 from .. import MiniStreamError
 from ..atomic import write_json
+from ..fork import cpu
 from ..run import engine
 from ..run.server import free_port
 from . import bench, widths
@@ -44,6 +45,11 @@ VARIANTS: dict[str, tuple[str, dict, dict]] = {
     "in_process": (
         "engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)",
         {engine.IN_PROCESS: "0"},
+        {},
+    ),
+    "kv_per_call": (
+        f"vLLM's own KV-cache view and chunk at every attention call, the CPU part's fix undone ({cpu.ATTN_ENV}=0)",
+        {cpu.ATTN_ENV: "0"},
         {},
     ),
     # vLLM 0.32's CPU platform turns async scheduling off whatever is asked (platforms/cpu.py), so it is no variant
