@@ -65,18 +65,22 @@ ATTN_FIX = rb"\1key_cache, value_cache = _kv_halves(self, kv_cache)  # MiniStrea
 ATTN_ENV = "MINISTREAM_CPU_KV_HALVES"  # "0": vLLM's own view and chunk at every call, to measure or rule out the fix
 ATTN_HELPER = b'''
 
+# MiniStream's CPU part (ministream/fork/cpu.py); %s=0 undoes it
 _HOLD_KV_HALVES = __import__("os").environ.get("%s", "1") != "0"
 
 
 def _kv_halves(impl, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """MiniStream's CPU part: the key and value halves of `kv_cache` ([num_blocks, num_kv_heads, block_size,
-    2 * head_size]) as views, made once while it is the same tensor, not a view and a chunk per call. An
-    encoder's cache is made afresh for each batch: its halves are not held; nor any with %s=0."""
+    """The key and value halves of `kv_cache` ([num_blocks, num_kv_heads,
+    block_size, 2 * head_size]) as views, made once while it is the same tensor,
+    not a view and a chunk at every call. An encoder's cache is made afresh for
+    each batch: its halves are not held."""
     held = getattr(impl, "_ministream_kv_halves", None)
     if held is None or held[0] is not kv_cache:
         num_blocks, num_kv_heads, block_size, _ = kv_cache.size()
-        key, value = kv_cache.view((num_blocks, num_kv_heads, block_size * 2, -1)).chunk(2, dim=2)
-        if not _HOLD_KV_HALVES or impl.attn_type in (AttentionType.ENCODER_ONLY, AttentionType.ENCODER):
+        kv_cache_2 = kv_cache.view((num_blocks, num_kv_heads, block_size * 2, -1))
+        key, value = kv_cache_2.chunk(2, dim=2)
+        encoder = (AttentionType.ENCODER_ONLY, AttentionType.ENCODER)
+        if not _HOLD_KV_HALVES or impl.attn_type in encoder:
             return key, value
         held = impl._ministream_kv_halves = (kv_cache, key, value)
     return held[1], held[2]
