@@ -178,11 +178,11 @@ def attn_fix(source: bytes) -> bytes | None:
 
 def apply_part(tree: Path, version: str) -> list[str]:
     """Write the CPU part of vLLM `version` into `tree` (the patch set applied); the paths it changes."""
-    cli = file_fixes(tree)
-    for rel, data in cli.items():
+    fixed = file_fixes(tree)
+    for rel, data in fixed.items():
         (tree / rel).write_bytes(data)
     if not needs_platform_fix(version):
-        return sorted(cli)
+        return sorted(fixed)
     path = tree / PLATFORM_FILE
     if not path.is_file():
         raise MiniStreamError(
@@ -190,7 +190,7 @@ def apply_part(tree: Path, version: str) -> list[str]:
             f"fix (lines.json platform_fix): pass a vLLM {version} tree, or patch it for cuda"
         )
     path.write_bytes(platform_fix(path.read_bytes(), f"{PLATFORM_FILE} of {tree} (vLLM {version})"))
-    return sorted([PLATFORM_FILE, *cli])
+    return sorted([PLATFORM_FILE, *fixed])
 
 
 def describe(version: str, changed: list[str]) -> str:
