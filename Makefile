@@ -76,7 +76,7 @@ BENCH_ARGS ?=
 # the rest beside them; 0 runs everything in one process
 TEST_WORKERS ?= 2
 
-.PHONY: help setup lint format demo test test-full checkpoint convert gguf quantize generate patch wheel install tune vllm-tests cuda-smoke gpu-proof plugin bench bench-serve clean port matrix serve image image-prereqs test-image verify doctor
+.PHONY: help setup lint format demo test test-full checkpoint convert gguf quantize generate patch wheel install tune vllm-tests cuda-smoke gpu-proof plugin bench bench-serve clean port matrix serve image image-prereqs test-image verify doctor fingerprint
 
 help:
 	@echo "make setup                         create $(VENV)/ (torch $(TORCH_VERSION), CPU build without a GPU)"
@@ -112,6 +112,8 @@ help:
 	@echo "make verify MODEL=dir [RAW=dir]    reference model's golden outputs vs the installed vLLM: exit 0 if they pass"
 	@echo "                                   the rule for DTYPE (float32|bfloat16), else layer by layer [PROMPTS=file]"
 	@echo "make doctor MODEL=dir              check a converted folder and the installed vLLM, one line per finding"
+	@echo "make fingerprint MODEL=dir         record what the folder's model computes (serve's ready holds vLLM to it);"
+	@echo "                                   convert and quantize record it, this for a folder written before"
 	@echo "make serve MODEL=dir [PORT=8000]   OpenAI-compatible server on the patched vLLM [DTYPE=] [TP=] [PP=] [EAGER=1] [HOST=127.0.0.1]"
 	@echo "                                   [NNODES=n NODE_RANK=r MASTER_ADDR=a MASTER_PORT=p]: one node of n (0 serves the API)"
 	@echo "                                   [LORAS='name=dir ...']: PEFT adapters (make convert-lora) served beside it"
@@ -213,6 +215,11 @@ gpu-proof: setup
 vllm-tests: install
 	$(MS) vllm-tests $(VLLM_VERSION) $(if $(VLLM_SRC),--tree '$(VLLM_SRC)') $(if $(COMPARE),--compare) $(if $(filter 1,$(QUICK)),--quick)
 
+# what the folder's model computes for one short prompt, for serve and ready to hold a server to (convert and
+# quantize record it; this for a folder written before they did)
+fingerprint: setup
+	$(MS) fingerprint '$(MODEL)'
+
 # RAW goes to the reference model when given, or when MODEL is the default (the demo's folders)
 verify: setup
 	$(MS) verify '$(MODEL)' $(if $(or $(filter command line environment,$(origin RAW)),$(filter file,$(origin MODEL))),--raw '$(RAW)') $(if $(DTYPE),--dtype $(DTYPE)) $(if $(PROMPTS),--prompts '$(PROMPTS)')
@@ -267,7 +274,7 @@ test-full: setup image-prereqs
 
 serve: setup
 	$(MS) serve '$(MODEL)' --host $(HOST) --port $(PORT) $(foreach l,$(LORAS),--lora '$(l)') $(if $(DTYPE),--dtype $(DTYPE)) $(if $(TP),--tp $(TP)) $(if $(filter 1,$(EAGER)),--enforce-eager) \
-		$(if $(NNODES),--nnodes $(NNODES) --node-rank $(NODE_RANK) --master-addr $(MASTER_ADDR) --master-port $(MASTER_PORT) $(if $(PP),--pp $(PP)),$(if $(PP),--vllm-args='--pipeline-parallel-size $(PP) --distributed-executor-backend ray'))
+		$(if $(NNODES),--nnodes $(NNODES) --node-rank $(NODE_RANK) --master-addr $(MASTER_ADDR) --master-port $(MASTER_PORT) $(if $(PP),--pp $(PP)),$(if $(PP),--pp $(PP) --vllm-args='--distributed-executor-backend ray'))
 
 # podman, runc and debootstrap from apt, unless a Docker engine answers
 image-prereqs:

@@ -2,6 +2,7 @@
 
 import argparse
 import dataclasses
+import math
 import signal
 import sys
 from pathlib import Path
@@ -14,6 +15,17 @@ from . import MiniStreamError
 def command(sub, name: str, doc: str | None, help: str):
     """A subcommand whose --help shows its module's docstring as written."""
     return sub.add_parser(name, help=help, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def seconds(text: str) -> float:
+    """A deadline option's value: seconds, positive and finite (0 or nan would end every request at once, inf never)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seconds")
+    return value
 
 
 def add_checkpoint(sub) -> None:
@@ -346,7 +358,7 @@ def add_patch(sub) -> None:
 
 
 def add_port(sub) -> None:
-    from .fork import port
+    from .fork import port, pypi
 
     p = command(
         sub,
@@ -367,12 +379,16 @@ def add_port(sub) -> None:
         help="port every release `ministream releases` finds without a patch set and pin its files (make port-missing)",
     )
     p.add_argument("--index-url", help="with --missing: the package index to read (default: PIP_INDEX_URL, else PyPI)")
+    p.add_argument(
+        "--timeout",
+        type=seconds,
+        default=pypi.TIMEOUT,
+        help="with --missing: seconds for each page of the index, in all (default: %(default)g)",
+    )
 
     def run(a) -> int:
         if a.missing:
-            from .fork import pypi
-
-            return pypi.port_missing(a.index_url)
+            return pypi.port_missing(a.index_url, timeout=a.timeout)
         return port.port_command(a.source, a.target, a.all)
 
     p.set_defaults(func=run)
@@ -388,7 +404,10 @@ def add_releases(sub) -> None:
         "the vLLM releases on PyPI, which have a patch set, and the make port for each that has none",
     )
     p.add_argument("--index-url", help="the package index to read (default: PIP_INDEX_URL, else PyPI's)")
-    p.set_defaults(func=lambda a: pypi.releases_command(a.index_url))
+    p.add_argument(
+        "--timeout", type=seconds, default=pypi.TIMEOUT, help="seconds for the index's page (default: %(default)g)"
+    )
+    p.set_defaults(func=lambda a: pypi.releases_command(a.index_url, a.timeout))
 
 
 def add_matrix(sub) -> None:
@@ -799,7 +818,19 @@ def add_ready(sub) -> None:
     p = command(sub, "ready", ready.__doc__, "exit 0 once a server answers with its model (a readiness probe)")
     p.add_argument("--url", default=None, help="the server (default: http://127.0.0.1:$PORT, PORT default 8000)")
     p.add_argument("--model", help="the served name to ask for (default: the first /v1/models lists)")
-    p.add_argument("--timeout", type=float, default=5, help="seconds per request (default: %(default)g)")
+    p.add_argument("--timeout", type=seconds, default=5, help="seconds per request, in all (default: %(default)g)")
+    p.add_argument(
+        "--folder",
+        type=Path,
+        help="the served folder whose fingerprint the server is held to (default: the model card's root, where "
+        "that is a folder here); given, a missing fingerprint is not ready",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "float16"],
+        help="the dtype the server was given: float32 holds it to identical token ids (default: the top-k rule, "
+        "which every width passes)",
+    )
     p.set_defaults(func=_ready)
 
 
@@ -808,11 +839,26 @@ def _ready(a: argparse.Namespace) -> int:
 
     url = a.url or ready.default_url()
     try:
-        print(f"ready: {url} serves {ready.ready(url, a.model, a.timeout)!r}")
+        name, how = ready.ready(url, a.model, a.timeout, a.folder, a.dtype)
+        print(f"ready: {url} serves {name!r}: {how}")
         return 0
     except MiniStreamError as e:  # a state, not an input error: 1, as a probe expects
         print(f"not ready: {e}", file=sys.stderr)
         return 1
+
+
+def add_fingerprint(sub) -> None:
+    from .checkpoint import fingerprint as recorded
+    from .run import fingerprint
+
+    p = command(
+        sub,
+        "fingerprint",
+        recorded.__doc__,
+        "record what a folder's model computes (for a folder written before convert and quantize did)",
+    )
+    p.add_argument("model", type=Path, help="converted (or quantized) folder; the file is written whole, or not at all")
+    p.set_defaults(func=lambda a: fingerprint.refresh(a.model))
 
 
 def add_doctor(sub) -> None:
@@ -889,7 +935,8 @@ def _serve(a: argparse.Namespace) -> int:
     from .run import serve
     from .run.engine import EngineSettings
 
-    extra = [*serve.passed_on(a.vllm_options, a), *serve.vllm_args(a.vllm_args)]  # vLLM's names set a's first
+    # vLLM's names set a's first; by where they came from, which a refusal names
+    extra = {"the command line": serve.passed_on(a.vllm_options, a), "--vllm-args": serve.vllm_args(a.vllm_args)}
     return serve.serve(
         a.model,
         EngineSettings.from_args(a),
@@ -1095,6 +1142,7 @@ ADDERS = (
     add_generate,
     add_verify,
     add_doctor,
+    add_fingerprint,
     add_serve,
     add_ready,
     add_serve_bench,

@@ -161,7 +161,7 @@ def test_both_images_serve_as_an_unprivileged_user_with_no_usage_reporting():
 def test_entrypoint_is_ministream_serve_on_the_mounted_folder():
     """Its dispatch runs in tests/test_deploy.py (a command, options, a folder); here what it serves by default."""
     script = (DOCKER / "entrypoint.sh").read_text()
-    assert 'serve "${MODEL:-/model}" $listen "$@"' in script and 'exec ministream serve "$@"' in script
+    assert 'exec ministream serve "${MODEL:-/model}" --host "$host" --port "$port" "$@"' in script
     assert MODEL_MOUNT == "/model"
     assert subprocess.run(["sh", "-n", DOCKER / "entrypoint.sh"]).returncode == 0
 

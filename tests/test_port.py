@@ -505,3 +505,26 @@ def test_a_cached_sdist_member_that_is_not_the_releases_is_refused(tmp_path):
 def test_a_release_without_an_sdist_says_so(tmp_path):
     with pytest.raises(NoSdist, match=r"^no sdist on PyPI for 0\.15\.1$"):
         sdist_files("0.15.1", ["tests/models/registry.py"], cache=tmp_path)
+
+
+# --- FROM and TO as a user writes them -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "source, target, named",
+    [("abc", "0.99.0", "FROM 'abc'"), ("0.32.0", "latest", "TO 'latest'"), ("v0.32.0", "0.33.0", "FROM 'v0.32.0'")],
+    ids=["from_a_word", "to_a_word", "from_with_a_v"],
+)
+def test_a_version_that_is_not_a_release_version_is_refused_in_one_line(cli, source, target, named):
+    r = cli("port", source, target, timeout=120)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    assert lines[0].startswith(f"error: {named} is not a vLLM release version"), lines[0]
+    assert f"TO={source}" not in lines[0] and "make port FROM=0.32.0 TO=0.33.0" in lines[0]  # advice that works
+
+
+def test_a_from_release_without_a_patch_set_is_refused_naming_those_that_have_one(cli):
+    r = cli("port", "0.3.3", "0.99.0", timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "error: FROM 0.3.3 has no patch set to port from" in r.stderr and "0.32.0" in r.stderr, r.stderr
+    assert "TO=0.3.3" not in r.stderr

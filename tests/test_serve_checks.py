@@ -1,7 +1,8 @@
 """`ministream serve` checks before it starts vLLM, says "ready" only for its own server, and stops in a bound.
 
 Without an engine: every argument serve can judge in a second (the port, the host, the context, --vllm-args)
-is refused in one line, exit 2, before vLLM starts; a port held by another HTTP server is refused naming it
+is refused in one line, exit 2, before vLLM starts, vLLM's options by what the installed vLLM resolves them to
+(issue 52: a prefix, a --config YAML file); a port held by another HTTP server is refused naming it
 (issue 32, case 5: that server's /health made serve say "ready", then vLLM failed to bind). With engines
 (issue 32, the hang): three real servers, started together, are each stopped by SIGTERM while a real stream is
 in flight; each must exit 0 within --stop-timeout and leave no process behind. In the last round the engine
@@ -15,10 +16,14 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import psutil
 import pytest
+import torch
+from safetensors.torch import save_file
 
+from ministream.checkpoint.lora import PEFT_CONFIG, PEFT_WEIGHTS
 from ministream.run.serve import own_server_answers, vllm_args
 from ministream.run.server import free_port, greedy, stop, stream, wait_ready
 
@@ -121,6 +126,61 @@ def test_vllm_args_are_split_as_the_shell_would_and_options_serve_sets_are_refus
     for given in ("--served-model-name x", "--served_model_name=x", "-tp 2", "--max_model_len 9", "--uds /s"):
         with pytest.raises(Exception, match="which serve sets itself"):
             vllm_args(given)
+
+
+@pytest.fixture(scope="module")
+def dummy_yaml(tmp_path_factory) -> Path:
+    """vLLM's --config file that asks for random weights."""
+    path = tmp_path_factory.mktemp("yaml") / "d.yaml"
+    path.write_text("load-format: dummy\n")
+    return path
+
+
+# issue 52's ways to random weights or other math with exit 0 (vLLM resolves prefixes and merges the --config
+# file): (serve's arguments, the one line's words); DUMMY: a YAML file with load-format: dummy
+RESOLVED = {
+    "load_format_prefix": (
+        ["--load-form", "dummy"],
+        "the command line sets --load-format dummy (given as --load-form)",
+    ),
+    "hf_overrides_prefix": (
+        ["--hf-overr", '{"rms_norm_eps": 0.5}'],
+        "the command line sets --hf-overrides (given as --hf-overr), which would serve other math",
+    ),
+    "yaml_on_the_command_line": (["--config", "DUMMY"], "DUMMY (load-format, --config in the command line) sets"),
+    "yaml_in_vllm_args": (["--vllm-args=--config DUMMY"], "DUMMY (load-format, --config in --vllm-args) sets"),
+    "yaml_missing": (["--config", "/nonexistent/d.yaml"], "--config /nonexistent/d.yaml: no such file"),
+}
+
+
+@pytest.mark.parametrize(
+    "case",
+    # each run builds vLLM's parser (10-40 s on 2 cores): the other spellings are proven in-process in make test
+    # (test_vllm_options.py), through the command in make test-full
+    [
+        pytest.param(c, marks=pytest.mark.full) if c in ("hf_overrides_prefix", "yaml_on_the_command_line") else c
+        for c in RESOLVED
+    ],
+)
+def test_vllm_options_are_refused_by_what_vllm_resolves_them_to_in_one_line_before_it_starts(
+    case, cli, tiny_hf, dummy_yaml, tree
+):
+    args, words = RESOLVED[case]
+    before = tree(tiny_hf)
+    line = refused(cli, tiny_hf, "--port", free_port(), *[a.replace("DUMMY", str(dummy_yaml)) for a in args])
+    assert words.replace("DUMMY", str(dummy_yaml)) in line, line
+    assert tree(tiny_hf) == before
+
+
+def test_an_adapter_whose_config_is_a_json_list_is_refused_in_one_line_naming_it(cli, tiny_hf, tmp_path):
+    planted = tmp_path / "adapter"
+    planted.mkdir()
+    save_file(
+        {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.zeros(8, 64)}, planted / PEFT_WEIGHTS
+    )
+    (planted / PEFT_CONFIG).write_text('["r", 8]')
+    line = refused(cli, tiny_hf, "--port", free_port(), "--lora", f"a={planted}")
+    assert f"{planted / PEFT_CONFIG}: holds a JSON list, not PEFT's LoraConfig" in line, line
 
 
 def test_a_server_on_the_port_that_is_not_serves_own_is_not_taken_for_it(foreign, tiny_hf):

@@ -15,6 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from ministream import MiniStreamError
 from ministream.run.generate import DEFAULT_PROMPTS, tokenize
 from ministream.run.verify import (
     THRESHOLDS,
@@ -194,3 +195,49 @@ def test_verify_never_empties_a_dump_folder_holding_files_it_did_not_write(tiny_
     with pytest.raises(MiniStreamError, match=r"holds files verify did not write \(thesis.tex\)"):
         vllm_outputs(tiny_hf, {}, dump, EngineSettings())
     assert (dump / "thesis.tex").read_text() == "weeks of work"
+
+
+# --- the rule is applied to every token it names (issue 54): a comparison over nothing never passes ---------
+
+REF = {"ids": [7, 8, 9], "logprobs": [{7: -0.1, 3: -2.0}, {8: -0.2, 4: -2.5}, {9: -0.3, 5: -3.0}]}
+
+
+@pytest.mark.parametrize(
+    "plant",
+    [
+        pytest.param({"ids": [7, 8, 9], "logprobs": []}, id="vllm-gave-no-logprobs"),
+        pytest.param({"ids": [7, 8, 9]}, id="vllm-answer-without-a-logprobs-key"),
+        pytest.param({"ids": [7, 8, 9], "logprobs": [{7: -0.1}, {1: -0.2}, {9: -0.3}]}, id="chosen-token-missing"),
+        pytest.param({"ids": [7, 8, 9], "logprobs": [{7: -0.1}]}, id="logprobs-shorter-than-the-ids"),
+    ],
+)
+def test_the_top_k_rule_fails_where_a_token_it_names_has_no_logprob(plant):
+    passed, rows = compare([REF], [plant], exact=False)
+    assert not passed and not rows[0].within_top_k, rows
+    assert "not compared" in rows[0].detail
+    assert rows[0].max_logprob_diff == math.inf  # never a small number that vouches for what was not compared
+
+
+def test_a_first_difference_past_the_other_side_s_logprobs_fails_in_one_verdict_not_a_traceback():
+    passed, rows = compare([REF], [{"ids": [7, 8, 1], "logprobs": [{7: -0.1}, {8: -0.2}]}], exact=False)
+    assert not passed and rows[0].first_difference == 2
+
+
+@pytest.mark.parametrize("exact", [True, False], ids=["float32", "top-k"])
+def test_no_prompts_or_a_reference_without_new_tokens_never_passes(exact):
+    assert compare([], [], exact=exact) == (False, [])
+    passed, rows = compare([{"ids": [], "logprobs": []}], [{"ids": [], "logprobs": []}], exact=exact)
+    assert not passed and rows[0].compared == 0 and "nothing was compared" in rows[0].detail
+
+
+def test_a_pass_counts_the_tokens_it_compared_and_their_logprob_differences():
+    got = {"ids": [7, 8, 9], "logprobs": [{7: -0.1}, {8: -0.25}, {9: -0.3}]}
+    passed, rows = compare([REF], [got], exact=True)
+    assert passed and rows[0].compared == 3 and rows[0].max_logprob_diff == pytest.approx(0.05)
+    passed, rows = compare([REF], [{"ids": [7, 8, 9]}], exact=True)  # ids alone: identical, no logprob vouched for
+    assert passed and rows[0].max_logprob_diff == math.inf
+
+
+def test_a_different_number_of_prompts_is_one_line_not_a_pairing():
+    with pytest.raises(MiniStreamError, match="1 prompts' outputs, vllm 2"):
+        compare([REF], [REF, REF], exact=True)

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from .. import MiniStreamError
 from ..atomic import check_output, write_json
+from ..checkpoint.folder import checked
 from ..checkpoint.perplexity import Chunks, chunks, folder_perplexity
 from ..run.server import free_port
 from ..run.verify import builtin_prompts, compare, make_golden, rule_passes
@@ -73,6 +74,8 @@ def bench_accuracy(
             vllm_width(SYSTEMS[name][1])
     systems = systems or list(SYSTEMS)  # every system: one this machine cannot run is a row that says why
     out = Path(out)
+    for folder in folders:  # the one folder check, before anything is made or run
+        checked(folder)
     check_output(out, force=True, inputs=folders)  # a results folder, written again each run
     models = [(Path(f).resolve().name, Path(f)) for f in folders]
     models += [(p, Path(prepare_model(p, out / "models")["hf"])) for p in presets]

@@ -36,9 +36,9 @@ from typing import Any
 from .. import MiniStreamError
 from ..atomic import write_json
 from ..checkpoint.convert import llama_twin
+from ..checkpoint.folder import checked
 from ..paths import BUILD
 from ..run import engine, tuned
-from ..run.folder import open_folder
 from ..run.server import free_port
 from . import widths
 from .benchreport import report
@@ -104,7 +104,7 @@ def prepare_model(preset: str, models: Path) -> dict:
     if "error" in convert:
         raise MiniStreamError(f"converting {raw} failed: {convert['error']}")
     config = json.loads((llama_twin(hf, llama) / "config.json").read_text())
-    converted = open_folder(hf)
+    converted = checked(hf).folder  # the one folder check
     return {
         "preset": preset,
         "raw": str(raw),

@@ -136,8 +136,11 @@ def first_served_model(url: str) -> dict:
     """The first model a server lists: its id, root (the folder it was started on) and length."""
     try:
         with get(f"{url}/v1/models", 30) as r:
-            return json.loads(r.read())["data"][0]
-    except (OSError, ValueError, KeyError, IndexError) as e:
+            card = json.loads(r.read())["data"][0]
+        if not isinstance(card, dict):
+            raise TypeError(f"its first model is {card!r}, not an object")
+        return card
+    except (OSError, ValueError, KeyError, IndexError, TypeError) as e:  # TypeError: JSON of another shape
         raise MiniStreamError(
             f"{url}/v1/models did not list a model ({e}): is the server running "
             "(make serve), is --url right, and does it want a key (OPENAI_API_KEY)?"

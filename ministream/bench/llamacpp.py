@@ -25,6 +25,7 @@ from pathlib import Path
 from .. import MiniStreamError
 from ..atomic import lock, sweep, temp_folder, write_json
 from ..fork.release import release_sdist
+from ..net import open_url, parse_json, read_url
 from ..paths import BUILD
 from .machine import cpu_model
 
@@ -194,7 +195,7 @@ def server(
                 said = Path(log_file).read_text()[-1500:] if log_file else ""
                 raise MiniStreamError(f"llama-server exited ({proc.returncode}) before it served {gguf}: {said}")
             try:
-                with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+                with open_url(f"{url}/health", deadline=2) as r:
                     if r.status == 200:
                         break
             except OSError:
@@ -245,9 +246,9 @@ def _amx_died(gguf: Path, tool: str) -> None:
 
 
 def _post(url: str, body: dict, timeout: float = 600) -> dict:
+    """llama-server's JSON answer, whole within `timeout` s (net.py)."""
     req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        return json.load(r)
+    return parse_json(read_url(req, timeout)[1], f"llama-server's answer from {url}")
 
 
 def complete(url: str, ids: list[int], max_tokens: int, **extra) -> dict:

@@ -149,9 +149,9 @@ def _measure(name: str, spec: dict, env: dict, out: Path) -> dict:
 
 
 def _vocab(folder: Path) -> int:
-    from ..run.folder import open_folder
+    from ..checkpoint.folder import checked
 
-    found = open_folder(folder)  # the prompts' random ids stay inside the tokenizer, else the embedding
+    found = checked(folder).folder  # the prompts' random ids stay inside the tokenizer, else the embedding
     return found.tokenizer_size or int(found.config["vocab_size"])
 
 

@@ -60,8 +60,7 @@ def refusal(name: str) -> str | None:
 
     w = width(name)
     try:
-        if w.scheme:
-            check_dtype(w.scheme, w.dtype, f"the width {name}")
+        check_dtype(w.scheme, w.dtype, f"the width {name}")
     except FolderError as e:
         same = [n for n, o in WIDTHS.items() if (o.scheme, o.method, o.head) == (w.scheme, w.method, w.head)]
         return f"{e.text}; use {' or '.join(n for n in same if n != name)} here"

@@ -33,6 +33,9 @@ from ..spec import (
     table,
     train_config_from_hf,
 )
+from . import fingerprint
+from .cast import check_cast
+from .folder import checked
 from .format import CONFIG_KEYS, Checkpoint, load_checkpoint, read_json, resolve_config
 from .tokenizer import tokenizer_config
 
@@ -45,6 +48,7 @@ def read_folder(folder: str | Path) -> tuple[TrainConfig, dict]:
     from safetensors.torch import load_file
 
     folder = Path(folder)
+    checked(folder)  # the one folder check: the reference model and the perplexities read what the server runs
     config = read_json(folder / "config.json")
     cfg = train_config_from_hf(config, f"{folder / 'config.json'}")
     hf_state = {}
@@ -97,24 +101,6 @@ class LazyFolder:
         return t
 
 
-def _finite(name: str, t: torch.Tensor, out: torch.Tensor, allow_nonfinite: bool) -> None:
-    """Refuse NaN/Inf weights (unless allowed), and a cast that overflows into inf: silent garbage otherwise."""
-    if bool(torch.isfinite(out).all()):
-        return
-    if not bool(torch.isfinite(t).all()):
-        if allow_nonfinite:
-            return
-        raise MiniStreamError(
-            f"{name} (from the training checkpoint) holds NaN or Inf values: the run diverged, or the "
-            "file is damaged; convert an earlier checkpoint (or pass --allow-nonfinite to keep them)"
-        )
-    big = float(t.abs().max())
-    raise MiniStreamError(
-        f"{name}: casting to {out.dtype} overflows (|value| up to {big:.4g}, beyond what "
-        f"{out.dtype} holds): convert with --dtype bfloat16 or float32"
-    )
-
-
 def write_safetensors(
     path: Path, tensors: list[tuple[str, torch.Tensor]], dtype: torch.dtype, progress, allow_nonfinite: bool = False
 ) -> None:
@@ -137,7 +123,14 @@ def write_safetensors(
         f.write(struct.pack("<Q", len(blob)) + blob)
         for name, t in tensors:
             out = t.to(dtype).contiguous()
-            _finite(name, t, out, allow_nonfinite)
+            check_cast(
+                name,
+                t,
+                out,
+                str(dtype).removeprefix("torch."),
+                "convert with --dtype bfloat16 or float32",
+                None if allow_nonfinite else "convert an earlier checkpoint (or pass --allow-nonfinite to keep them)",
+            )
             if out.numel():
                 f.write(out.reshape(-1).view(torch.uint8).numpy().data)  # the buffer itself, no bytes copy
             progress.update(out.numel() * dtype.itemsize)
@@ -279,6 +272,7 @@ def convert(
     try:
         with new_folder(out, force, inputs) as tmp:
             write_folder(tmp, ckpt.path.parent, cfg, ckpt.state, dtype, chat_template, max_shard_size, allow_nonfinite)
+            fingerprint.record(tmp, log)  # what a server of the folder must compute (run/fingerprint.py)
     except OSError as e:
         raise disk_full(e, out, f"while {what}") or e from None
     log(

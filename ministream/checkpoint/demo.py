@@ -27,6 +27,7 @@ from ..paths import CORPUS
 from ..spec import LORA_TABLE, TrainConfig, lora_table, renumber_block
 from . import reference
 from .format import ADAPTER_FILE, load, save_checkpoint
+from .lora import check_r_alpha
 from .reference import Block, MiniStream
 
 SPECIAL_TOKENS = ["<|bos|>", "<|eos|>", "<|pad|>"]  # ids 0, 1, 2
@@ -215,8 +216,9 @@ def make_adapter(
     ({"lora": ..., "config": {"r", "alpha"}}), for `targets` (LORA_TABLE's keys) in every block. Not trained:
     A and B are seeded Gaussians, B scaled so that each update (alpha / r) * B @ A has `strength` times the
     Frobenius norm of the weight it updates: a model whose greedy outputs differ visibly from the base's."""
+    check_r_alpha(rank, alpha, "--rank/--alpha: the adapter's config")  # what convert-lora will read back
     unknown = [t for t in targets if t not in LORA_TABLE]
-    if unknown or not targets or rank < 1:
+    if unknown or not targets:
         raise MiniStreamError(
             f"adapter targets {list(targets)}, rank {rank}: give a rank of 1 or more and targets among "
             f"{', '.join(LORA_TABLE)}"

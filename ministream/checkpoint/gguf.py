@@ -21,7 +21,9 @@ import torch
 from .. import MiniStreamError, __version__
 from ..atomic import check_apart, check_space, disk_full, new_file
 from ..spec import TrainConfig, gguf_tensors, hf_shapes, raw_to_hf, train_config_from_hf
+from .cast import check_cast
 from .convert import LazyFolder, safetensors_files
+from .folder import checked
 from .format import load_checkpoint, read_json, resolve_config
 
 # --dtype -> (torch dtype of the matrices, gguf file type); 1-D tensors (the norms) stay f32, as llama.cpp's
@@ -31,6 +33,16 @@ DTYPES = {"f32": (torch.float32, 0), "f16": (torch.float16, 1), "bf16": (torch.b
 # llama.cpp's convert_hf_to_gguf.py --outtype q8_0 runs): every matrix, embedding and head included; the
 # norms f32. --dtype -> (GGMLQuantizationType name, gguf file type)
 QUANTS = {"q8_0": ("Q8_0", 7), "q4_0": ("Q4_0", 2)}
+
+# what to do where a width cannot hold a tensor's values (cast.check_cast): a wider width of the export
+OVERFLOW_FIX = {
+    "f32": "export with --dtype f32",  # only a source that holds NaN or Inf: refused as such first
+    "f16": "export with --dtype bf16 or f32 (float16 holds |values| up to 65504)",
+    "bf16": "export with --dtype f32",
+    "q8_0": "its blocks' float16 scales cannot hold them: export with --dtype bf16 or f32",
+    "q4_0": "its blocks' float16 scales cannot hold them: export with --dtype bf16 or f32",
+}
+NONFINITE_FIX = "export an earlier checkpoint (or its converted folder)"
 
 # GPT-2's split (tokenizers' ByteLevel with use_regex) and LLaMA 3's (a Split with this regex, then
 # ByteLevel without): llama.cpp's pre-tokenizers of the same rules, llama-vocab.cpp. Other tokenizers are
@@ -104,12 +116,21 @@ def export(
             w.write_header_to_file()
             w.write_kv_data_to_file()
             w.write_ti_data_to_file()
-            for _, t in gguf_tensors(cfg, tensors):
+            for name, t in gguf_tensors(cfg, tensors):
                 if quant is not None and t.dim() == 2:
-                    w.write_tensor_data(gguf.quants.quantize(t.float().contiguous().numpy(), quant))
+                    # the blocks' float16 scales are what overflows first: held as llama.cpp will read them
+                    # (numpy's own overflow warnings silenced: check_cast says what overflowed, in one line)
+                    with np.errstate(over="ignore", invalid="ignore"):
+                        blocks = gguf.quants.quantize(t.float().contiguous().numpy(), quant)
+                        held = torch.from_numpy(gguf.quants.dequantize(blocks, quant))
+                    check_cast(name, t, held, dtype, OVERFLOW_FIX[dtype], NONFINITE_FIX)
+                    w.write_tensor_data(blocks)
                     continue
-                t = t.to(_file_dtype(t, matrices)).contiguous()
-                w.write_tensor_data(t.view(torch.uint16).numpy() if t.dtype == torch.bfloat16 else t.numpy())
+                narrow = t.to(_file_dtype(t, matrices)).contiguous()
+                width = str(narrow.dtype).removeprefix("torch.")
+                check_cast(name, t, narrow, width, OVERFLOW_FIX[dtype], NONFINITE_FIX)
+                bf16 = narrow.dtype == torch.bfloat16
+                w.write_tensor_data(narrow.view(torch.uint16).numpy() if bf16 else narrow.numpy())
             w.close()
     except OSError as e:
         raise disk_full(e, out, f"while {what}") or e from None
@@ -134,13 +155,25 @@ def _read(src: Path, ignore_config_keys: Iterable[str] = (), log=print):
                 f"{src}/config.json: the folder is quantized (`ministream quantize`); export the converted folder it "
                 "came from (--dtype q8_0 or q4_0 make llama.cpp's own quantized types)"
             )
+        checked(src)  # the one folder check: what the server would run is what is exported, or nothing
         cfg = train_config_from_hf(config, str(src / "config.json"))
         tensors: Any = LazyFolder(safetensors_files(src), hf_shapes(cfg))
         settings = src / "tokenizer_config.json"
         template = read_json(settings).get("chat_template") if settings.is_file() else None
         tok = src / "tokenizer.json"
+    elif src.is_file() and src.suffix == ".safetensors":
+        raise MiniStreamError(
+            f"{src}: one safetensors file holds no config; gguf exports a converted folder (config.json beside the "
+            f"weights) or a training checkpoint (model.pt): give the folder, {src.parent}"
+            + ("" if (src.parent / "config.json").is_file() else ", once `ministream convert` has written it")
+        )
     elif (src / "model.pt").is_file() or src.is_file():
         ckpt = load_checkpoint(src)
+        if ckpt.config is None:  # resolve_config would ask for convert's flags, which gguf has not
+            raise MiniStreamError(
+                f"{ckpt.path} is a bare state dict, with no train config for the GGUF's settings; convert it with "
+                f"the settings as flags (`ministream convert {src} DIR --d-model N ...`), then export DIR"
+            )
         cfg = resolve_config(ckpt, ignore_keys=ignore_config_keys)
         for note in ckpt.notes:  # what loading and resolving changed
             log(f"note: {note}")

@@ -29,6 +29,7 @@ from ..spec import (
     train_config_from_hf,
 )
 from .convert import write_safetensors
+from .folder import checked
 from .format import ADAPTER_FILE, load_checkpoint, named_tensors, read_json, read_pt, resolve_config
 
 PEFT_CONFIG, PEFT_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"  # a PEFT adapter folder's files
@@ -103,11 +104,17 @@ def _config(path: Path, config, ignore: set[str], notes: list[str]) -> tuple[int
     if unknown:
         notes.append(f"ignored adapter config keys (--ignore-config-key): {', '.join(unknown)}")
     r, alpha = config["r"], config["alpha"]
-    if isinstance(r, bool) or not isinstance(r, int) or r < 1:
-        raise MiniStreamError(f"{path}: the adapter's config r={r!r}: must be a positive integer (the rank)")
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
-        raise MiniStreamError(f"{path}: the adapter's config alpha={alpha!r}: must be a finite number")
+    check_r_alpha(r, alpha, f"{path}: the adapter's config")
     return r, float(alpha)
+
+
+def check_r_alpha(r, alpha, where: str) -> None:
+    """The format's rule for an adapter's config, one for its writer (`ministream checkpoint --adapter`) and its
+    reader (convert-lora): r a positive integer, alpha a finite number. MiniStreamError naming `where`."""
+    if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+        raise MiniStreamError(f"{where} r={r!r}: must be a positive integer (the rank)")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
+        raise MiniStreamError(f"{where} alpha={alpha!r}: must be a finite number")
 
 
 def check_adapter(adapter: Adapter, cfg: TrainConfig) -> list[LoraRow]:
@@ -124,6 +131,7 @@ def base_config(base: str | Path, ignore_keys: Iterable[str] = ()) -> TrainConfi
             "checkpoint"
         )
     if (base / "config.json").is_file() and not (base / "model.pt").is_file():
+        checked(base)  # the one folder check: an adapter is served on the base the server would run
         return train_config_from_hf(read_json(base / "config.json"), str(base / "config.json"))
     ckpt = load_checkpoint(base)
     if ckpt.config is None:
@@ -169,9 +177,11 @@ def peft_config(adapter: Adapter, rows: list[LoraRow], base: Path) -> dict:
 
 
 def out_dtype(adapter: Adapter) -> torch.dtype:
-    """The adapter's own dtype; float32, which holds both exactly, when its tensors mix them."""
+    """The adapter's own dtype where it is one of the format's (float32, bfloat16); float32 otherwise: when its
+    tensors mix them, and for float16 (a trainer's mixed precision), whose every value float32 holds exactly
+    (docs/format.md, "LoRA adapters")."""
     dtypes = {t.dtype for t in adapter.state.values()}
-    return dtypes.pop() if len(dtypes) == 1 else torch.float32
+    return dtypes.pop() if len(dtypes) == 1 and dtypes <= {torch.float32, torch.bfloat16} else torch.float32
 
 
 def convert_lora(
@@ -219,10 +229,26 @@ def check_peft(folder: str | Path, cfg: TrainConfig, shapes: dict[str, tuple[int
     """A PEFT adapter folder (its config and its tensors' `shapes`, read from the safetensors header) against
     the base model it is served with: every tensor one the base's weights take, of the shape r implies. Its r."""
     folder = Path(folder)
-    config = read_json(folder / PEFT_CONFIG)
+    try:
+        config: object = read_json(folder / PEFT_CONFIG)
+    except UnicodeDecodeError:
+        raise MiniStreamError(f"{folder / PEFT_CONFIG}: not text (not UTF-8): convert the adapter again") from None
+    if not isinstance(config, dict):
+        raise MiniStreamError(
+            f"{folder / PEFT_CONFIG}: holds a JSON {type(config).__name__}, not PEFT's LoraConfig (an object with "
+            f"r, lora_alpha, target_modules): convert the adapter again, ministream convert-lora ADAPTER {folder}"
+        )
     r = config.get("r")
     if isinstance(r, bool) or not isinstance(r, int) or r < 1:
         raise MiniStreamError(f"{folder / PEFT_CONFIG}: r={r!r}; a LoRA adapter's rank is a positive integer")
+    # what vLLM's PEFTHelper reads for the update's scale (lora_alpha / r) and its layers: else a traceback there
+    alpha, targets = config.get("lora_alpha"), config.get("target_modules")
+    if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not math.isfinite(alpha):
+        raise MiniStreamError(f"{folder / PEFT_CONFIG}: lora_alpha={alpha!r}; the update's scale is a finite number")
+    if not isinstance(targets, str) and not (isinstance(targets, list) and all(isinstance(t, str) for t in targets)):
+        raise MiniStreamError(
+            f"{folder / PEFT_CONFIG}: target_modules={targets!r}; PEFT names the layers as a list of names"
+        )
     want = peft_shapes(cfg, r)
     for name, got in shapes.items():
         if name not in want:

@@ -30,8 +30,10 @@ import torch
 from .. import MiniStreamError, spec
 from ..atomic import check_space, disk_full, new_folder
 from ..spec import EMBEDDING, TrainConfig, hf_names, hf_shapes, train_config_from_hf
-from . import gptq
+from . import fingerprint, gptq
+from .cast import check_cast
 from .convert import LazyFolder, llama_twin, safetensors_files
+from .folder import checked
 from .format import read_json
 
 # --scheme -> (the compressed-tensors preset, its compression format)
@@ -150,6 +152,21 @@ def compress(weight: torch.Tensor, name: str) -> dict[str, torch.Tensor]:
     scale, zero = calculate_qparams(low, high, args)
     out = compressor.compress({"weight": w, "weight_scale": scale, "weight_zero_point": zero}, scheme)
     return {k: v.contiguous() for k, v in out.items() if v is not None}
+
+
+NONFINITE_FIX = "convert an earlier checkpoint, then quantize its folder"  # a NaN or Inf weight: the source's
+
+
+def held(stem: str, weight: torch.Tensor, parts: dict[str, torch.Tensor], scheme: str) -> dict[str, torch.Tensor]:
+    """The folder's tensors that stand for the weight `stem`.weight (local name -> tensor; "": `stem` itself, kept as
+    it is), by their full names, each float one's values checked finite (cast.check_cast): a NaN or Inf weight
+    makes NaN scales."""
+    named = {f"{stem}.{k}" if k else stem: v for k, v in parts.items()}
+    source = stem if "" in parts else f"{stem}.weight"
+    for name, v in named.items():
+        if v.is_floating_point():
+            check_cast(name, weight, v.float(), scheme, "keep the folder unquantized", NONFINITE_FIX, source)
+    return named
 
 
 def decompress(local: dict[str, torch.Tensor], name: str) -> torch.Tensor:
@@ -307,6 +324,7 @@ def quantize(
             f"{src}/config.json: the folder is quantized already ({method}); quantize the converted folder it came "
             "from (rounding twice loses more)"
         )
+    checked(src)  # the one folder check: a folder the server would refuse is not quantized either
     cfg = train_config_from_hf(config, str(src / "config.json"))
     check_shapes(cfg, scheme, str(src / "config.json"))
     files = safetensors_files(src)
@@ -325,12 +343,12 @@ def quantize(
                 if LINEAR.match(name):
                     stem = name.removesuffix(".weight")
                     parts = calibrated[1][stem] if calibrated else compress(t, scheme)
-                    state.update({f"{stem}.{k}": v for k, v in parts.items()})
+                    state.update(held(stem, t, parts, scheme))
                 elif not (quantize_head and name == HEAD):
-                    state[name] = t.contiguous()
+                    state.update(held(name, t, {"": t.contiguous()}, scheme))
             if quantize_head:  # the head's own weight, or the embedding it is tied to: rounded to nearest
                 weight = tensors[EMBED if cfg.tie_embeddings else HEAD]
-                state.update({f"lm_head.{k}": v for k, v in compress(weight, scheme).items()})
+                state.update(held("lm_head", weight, compress(weight, scheme), scheme))
             save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
             for f in sorted(src.iterdir()):
                 # not the weights, config.json, nor the tools' own dotfiles (the made-by record, locks)
@@ -347,6 +365,7 @@ def quantize(
             record["method"] = {"method": method, **({"calibration": calibrated[0]} if calibrated else {})}
             record["head"] = head
             (tmp / RECORD).write_text(json.dumps(record, indent=2) + "\n")
+            fingerprint.record(tmp, log)  # on the dequantized weights; replaces the source's, copied above
     except OSError as e:
         raise disk_full(e, out, f"while {what}") or e from None
     size = (out / "model.safetensors").stat().st_size

@@ -11,7 +11,6 @@ version published in its own series (the next above it, else the last below it),
 beside the environment (ministream-pins.json), never in silence.
 """
 
-import json
 import os
 import re
 import subprocess
@@ -40,6 +39,8 @@ from packaging.version import Version
 
 from .. import MiniStreamError
 from ..atomic import write_json
+from ..net import read_url
+from .release import index_files
 
 PYPI = "https://pypi.org/simple/"
 # "name==version" -> the upstream issue about that pin. flashinfer-python==0.7.3 (vLLM 0.34.0): searched on
@@ -143,9 +144,9 @@ class _Links(HTMLParser):
             self._href = None
 
 
-def _page_names(text: str, kind: str) -> list[str]:
-    if "json" in kind:
-        return [f["filename"] for f in json.loads(text).get("files", [])]
+def _page_names(text: str, kind: str, url: str) -> list[str]:
+    if "json" in kind:  # a malformed page: net.NotJSON, and the source counts as unread (`check`)
+        return [f["filename"] for f in index_files(text.encode(), url, "check the index in pip's settings")]
     parser = _Links()
     parser.feed(text)
     return parser.names
@@ -164,8 +165,8 @@ def _read_url(url: str) -> tuple[str, str] | None:
         return (path.read_text(errors="replace"), "text/html") if path.is_file() else None
     request = urllib.request.Request(url, headers={"Accept": ACCEPT})
     try:
-        with urllib.request.urlopen(request, timeout=TIMEOUT) as r:
-            return r.read().decode("utf-8", "replace"), r.headers.get("Content-Type", "")
+        _, body, kind = read_url(request, TIMEOUT)  # within TIMEOUT s in all (net.py)
+        return body.decode("utf-8", "replace"), kind
     except urllib.error.HTTPError as e:
         if e.code == 404:
             return None
@@ -176,15 +177,16 @@ def _file_names(name: str, sources: Sources) -> list[str]:
     """Every file name the sources offer that may be `name`'s (an installer reads the same)."""
     names: list[str] = []
     for index in sources.indexes:
-        got = _read_url(index.rstrip("/") + "/" + canonicalize_name(name) + "/")
+        url = index.rstrip("/") + "/" + canonicalize_name(name) + "/"
+        got = _read_url(url)
         if got is not None:
-            names += _page_names(got[0], got[1])
+            names += _page_names(got[0], got[1], url)
     for link in sources.find_links:
         if "://" not in link:
             link = Path(link).resolve().as_uri()
         got = _read_url(link)
         if got is not None:
-            names += _page_names(got[0], got[1])
+            names += _page_names(got[0], got[1], link)
     return names
 
 
@@ -244,7 +246,7 @@ def check(wheel: Path, sources: Sources, environment: dict | None = None) -> tup
     def one(req: Requirement) -> tuple[Requirement, list[Version] | None, str | None]:
         try:
             return req, published(req.name, sources, tags), None
-        except OSError as e:
+        except (OSError, ValueError) as e:  # ValueError: a page that is not an index's (net.NotJSON)
             return req, None, f"{req.name}: {getattr(e, 'reason', None) or e}"
 
     found, unread = [], []

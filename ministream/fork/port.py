@@ -36,7 +36,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from packaging.version import Version
+from packaging.version import InvalidVersion, Version
 
 from .. import MiniStreamError
 from ..paths import PATCH_SETS
@@ -49,6 +49,7 @@ from .patchset import (
     manifest,
     patch_set_dir,
     pinned,
+    release_line,
     supported_versions,
     unified_diff,
 )
@@ -554,6 +555,19 @@ def report(a: str, b: str, result: PortResult) -> int:
     return 0
 
 
+def _release_version(option: str, text: str) -> None:
+    """Refuse FROM or TO that is not a release version as PyPI writes vLLM's (0.32.0, 0.6.6.post1)."""
+    try:
+        canonical = str(Version(text)) == text
+    except InvalidVersion:
+        canonical = False
+    if not canonical:
+        raise MiniStreamError(
+            f"{option} {text!r} is not a vLLM release version: write it as PyPI does, e.g. "
+            "make port FROM=0.32.0 TO=0.33.0 (`ministream releases` lists vLLM's releases)"
+        )
+
+
 def port_command(source: str | None, target: str | None, every: bool, patch_sets: Path = PATCH_SETS) -> int:
     """`ministream port FROM TO`, or `--all` (every derived set); the exit status."""
     if every:
@@ -563,6 +577,14 @@ def port_command(source: str | None, target: str | None, every: bool, patch_sets
         return status
     if not (source and target):
         raise MiniStreamError("name FROM and TO (make port FROM=0.32.0 TO=0.33.0), or --all")
+    for option, version in (("FROM", source), ("TO", target)):
+        _release_version(option, version)
+    supported = supported_versions(patch_sets)
+    if not any(release_line(v) == release_line(source) for v in supported):
+        raise MiniStreamError(
+            f"FROM {source} has no patch set to port from: name a supported release as FROM "
+            f"({', '.join(sorted(supported, key=Version))}), the nearest below TO={target}"
+        )
     status = report(source, target, port(source, target, patch_sets))
     if status == 0:
         print(f"no conflicts; check it with `make matrix VERSIONS={target}`")

@@ -27,9 +27,10 @@ from packaging.version import InvalidVersion, Version
 
 from .. import MiniStreamError
 from ..atomic import write_bytes
+from ..net import parse_json, read_url
 from ..paths import CACHE, PATCH_SETS, RELEASE_PINS
 from .patchset import check_pristine, manifest, patch_set_dir, release_line, supported_versions
-from .release import DISTRIBUTIONS, INDEX_TYPE, TIMEOUT, release_files
+from .release import DISTRIBUTIONS, INDEX_TYPE, TIMEOUT, index_files, release_files
 
 PYPI = "https://pypi.org/simple"
 INDEX_ENV = "PIP_INDEX_URL"  # pip's own: a mirror, or a test's server
@@ -42,14 +43,15 @@ def index_url(given: str | None = None) -> str:
 # --- what the index publishes ----------------------------------------------------------------------
 
 
-def published(dist: str, index: str) -> dict[str, dict[str, str]]:
+def published(dist: str, index: str, timeout: float = TIMEOUT) -> dict[str, dict[str, str]]:
     """Final release -> {file name: sha256} of `dist` on the index (yanked files, pre- and dev releases left
-    out); {} when the index has no such project."""
+    out); {} when the index has no such project. The page is read within `timeout` s in all (net.py)."""
     url = f"{index}/{dist}/"
     request = urllib.request.Request(url, headers={"Accept": f"{INDEX_TYPE}, text/html;q=0.1"})
     try:
-        with urllib.request.urlopen(request, timeout=TIMEOUT) as r:
-            body, kind = r.read(), r.headers.get_content_type()
+        _, body, kind = read_url(request, timeout, f"check the index, or give it longer (--timeout, now {timeout:g})")
+    except MiniStreamError:  # a stalled or dribbling index, an answer that is not HTTP: said by net.py
+        raise
     except urllib.error.HTTPError as e:
         if e.code == 404:
             return {}
@@ -59,7 +61,8 @@ def published(dist: str, index: str) -> dict[str, dict[str, str]]:
             f"could not reach {url} to list vLLM's releases ({getattr(e, 'reason', None) or e}): check the network "
             f"(or the proxy settings), or name a reachable index with --index-url or {INDEX_ENV}"
         ) from None
-    files = _json_files(body) if kind == INDEX_TYPE else _html_files(body.decode(errors="replace"))
+    advice = f"is {index} a package index? check --index-url ({INDEX_ENV})"
+    files = _json_files(body, url, advice) if kind == INDEX_TYPE else _html_files(body.decode(errors="replace"))
     releases: dict[str, dict[str, str]] = {}
     for name, sha, yanked in files:
         version = _version_of(name, dist)
@@ -69,9 +72,9 @@ def published(dist: str, index: str) -> dict[str, dict[str, str]]:
     return releases
 
 
-def _json_files(body: bytes) -> list[tuple[str, str, bool]]:
+def _json_files(body: bytes, url: str, advice: str) -> list[tuple[str, str, bool]]:
     return [
-        (f["filename"], f.get("hashes", {}).get("sha256", ""), bool(f.get("yanked"))) for f in json.loads(body)["files"]
+        (f["filename"], f["hashes"].get("sha256", ""), bool(f.get("yanked"))) for f in index_files(body, url, advice)
     ]
 
 
@@ -175,10 +178,10 @@ def report(found: list[Release], index: str) -> int:
     return 0
 
 
-def releases_command(index: str | None = None) -> int:
+def releases_command(index: str | None = None, timeout: float = TIMEOUT) -> int:
     """`ministream releases`: the exit status."""
     url = index_url(index)
-    found = survey(list(published(DISTRIBUTIONS["cuda"], url)))
+    found = survey(list(published(DISTRIBUTIONS["cuda"], url, timeout)))
     if not found:
         raise MiniStreamError(f"{url}/vllm/ lists no release of a supported line: is it vLLM's index?")
     return report(found, url)
@@ -188,15 +191,19 @@ def releases_command(index: str | None = None) -> int:
 
 
 def port_missing(
-    index: str | None = None, patch_sets: Path = PATCH_SETS, pins: Path = RELEASE_PINS, cache: Path = CACHE
+    index: str | None = None,
+    patch_sets: Path = PATCH_SETS,
+    pins: Path = RELEASE_PINS,
+    cache: Path = CACHE,
+    timeout: float = TIMEOUT,
 ) -> int:
     """`ministream port --missing` (make port-missing): port each release the survey finds without a patch set,
     oldest first (a new line's nearest older set may be one just made), and pin its files' sha256 from the
-    index; the exit status (1 when a port left conflicts to resolve)."""
+    index (each page read within `timeout` s); the exit status (1 when a port left conflicts to resolve)."""
     from .port import port, report as port_report
 
     url = index_url(index)
-    files = published(DISTRIBUTIONS["cuda"], url)
+    files = published(DISTRIBUTIONS["cuda"], url, timeout)
     todo = [r for r in survey(list(files), patch_sets, cache) if r.port_from]
     if not todo:
         print("every release line has its patch set: nothing to port")
@@ -208,20 +215,20 @@ def port_missing(
         print(f"make port FROM={source} TO={r.version}")
         if port_report(source, r.version, port(source, r.version, patch_sets)):
             return 1
-        _pin(pins, r.version, {DISTRIBUTIONS["cuda"]: files[r.version]} | _cpu_files(url, r.version))
+        _pin(pins, r.version, {DISTRIBUTIONS["cuda"]: files[r.version]} | _cpu_files(url, r.version, timeout))
     ported = ",".join(r.version for r in todo)
     print(f"ported {len(todo)}; pinned in {pins.name}; check them with `make matrix VERSIONS={ported}`")
     return 0
 
 
-def _cpu_files(index: str, version: str) -> dict[str, dict[str, str]]:
-    cpu = published(DISTRIBUTIONS["cpu"], index).get(version)
+def _cpu_files(index: str, version: str, timeout: float) -> dict[str, dict[str, str]]:
+    cpu = published(DISTRIBUTIONS["cpu"], index, timeout).get(version)
     return {DISTRIBUTIONS["cpu"]: cpu} if cpu else {}
 
 
 def _pin(pins: Path, version: str, files: dict[str, dict[str, str]]) -> None:
     """releases.json with the sha256 the index publishes for each file of `version` (release.pin_releases' form)."""
-    data = json.loads(pins.read_text())
+    data = parse_json(pins.read_text(), str(pins), "restore it (git checkout), then run again")
     for dist, named in files.items():
         data.setdefault(dist, {})[version] = dict(sorted(named.items()))
     write_bytes(pins, (json.dumps(data, indent=1) + "\n").encode())

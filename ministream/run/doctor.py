@@ -26,9 +26,18 @@ from ..fork.registry import CONFIGS_INIT_PY, Registries, read_package
 from ..fork.release import DISTRIBUTIONS
 from ..paths import PATCH_SETS
 from ..spec import ARCH, MODEL_FILE_IN_TREE, MODEL_TYPE, TrainConfig
-from . import engine, tuned
+from . import engine, fingerprint, tuned
 from .engine import SERVE_DEFAULTS, EngineSettings
-from .folder import Finding, Folder, check_int4_kernel, check_quantized_head, examine, installed_vllm_dir
+from .folder import (
+    Finding,
+    Folder,
+    FolderError,
+    check_int4_kernel,
+    check_quantized_head,
+    check_runs,
+    examine,
+    installed_vllm_dir,
+)
 
 # what the checks of the installed vLLM read of a folder, when its own config.json is refused (examine says why)
 FORMAT_NAMES = {"architectures": [ARCH], "model_type": MODEL_TYPE}
@@ -392,8 +401,15 @@ def doctor(
     vllm_dir = vllm_dir or installed_vllm_dir()
     found = installed_vllm_findings(seen.folder.config if seen.train else FORMAT_NAMES, vllm_dir)
     found += seen.found
+    if not seen.errors:  # what serve holds the engine to before it says ready, once the folder passes
+        found.append(fingerprint.finding(folder))
     if seen.train:  # the memory a folder needs is known only from settings config.json holds
         found += check_memory(seen.folder, seen.train, settings, memory_gib)
+    if not seen.errors:  # and whether this machine's vLLM runs it in that dtype: check_servable's rule
+        try:
+            check_runs(seen.folder.config, settings.dtype, str(folder))
+        except FolderError as e:
+            found.append(Finding("error", e.topic, e.text, e.fix))
     return found
 
 

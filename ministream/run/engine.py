@@ -318,9 +318,13 @@ def lora_settings(ranks: list[int]) -> dict:
 
 
 def lora_server_args(adapters: list[tuple[str, Path, int]]) -> list[str]:
-    """`vllm serve`'s options for adapters (name, PEFT folder, rank): lora_settings, and each as --lora-modules."""
+    """`vllm serve`'s options for adapters (name, PEFT folder, rank): lora_settings, and each as --lora-modules:
+    NAME=PATH, or vLLM's JSON form where either holds a comma (vLLM reads NAME=PATH only without one)."""
     settings = lora_settings([r for _, _, r in adapters])
-    modules = [f"{name}={Path(folder).resolve()}" for name, folder, _ in adapters]
+    modules = [
+        json.dumps({"name": name, "path": path}) if "," in name + path else f"{name}={path}"
+        for name, path in ((name, str(Path(folder).resolve())) for name, folder, _ in adapters)
+    ]
     return [
         "--enable-lora",
         *("--max-lora-rank", str(settings["max_lora_rank"]), "--max-loras", str(settings["max_loras"])),

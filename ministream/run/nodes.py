@@ -127,9 +127,10 @@ def _receive(sock: socket.socket, deadline: float) -> dict | None:
             return None
         data += chunk
     try:
-        return json.loads(data)
+        said = json.loads(data)
     except ValueError:
         return None
+    return said if isinstance(said, dict) else None  # JSON of another shape: as malformed as none
 
 
 def say(text: str) -> None:

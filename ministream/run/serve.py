@@ -9,10 +9,16 @@ vLLM's own defaults.
 Before vLLM starts (a minute or more), serve checks what it can in a second and refuses in one line: the
 folder (the folder check doctor runs too), --host (an address of this machine, or a name that resolves to
 one), --port (1-65535, free: not held by another server, which is named), --max-model-len (1 to the folder's
-max_position_embeddings), --vllm-args (a string the shell's quoting rules split, not setting an option serve
-sets itself), --lora NAME=DIR (a PEFT adapter folder, each tensor of the shape the folder's weights imply). It
+max_position_embeddings), --vllm-args and vLLM's options beside serve's own (resolved as the installed vLLM
+resolves them, prefixes and --config YAML included: setting nothing serve sets itself and nothing that would
+serve other math than the folder's, vllm_options.py), --lora NAME=DIR (a PEFT adapter folder, each tensor of
+the shape the folder's weights imply). It
 says "ready" once its own server answers: /v1/models, asked with the API key, lists the served name with this
-folder as its root, while the process it started runs. Each --lora adapter is served under its NAME beside the
+folder as its root, while the process it started runs, and the engine computes the folder's model: the prompt of
+the folder's fingerprint comes back with its tokens by the rule for the width served (run/fingerprint.py); if
+not (random weights, an override, another RoPE, a kernel that fails), one line says what differed, the server is
+stopped and serve exits 2. A folder without a fingerprint is served with a warning; another folder's (its
+weight files differ) is refused before vLLM starts. Each --lora adapter is served under its NAME beside the
 model, with a spare LoRA slot (engine.lora_settings: vLLM's CPU LoRA ops would otherwise give base requests the
 last adapter's update).
 
@@ -37,7 +43,8 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+import urllib.error
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from .. import MiniStreamError
@@ -45,7 +52,7 @@ from ..checkpoint.format import ADAPTER_FILE
 from ..checkpoint.lora import PEFT_CONFIG, PEFT_WEIGHTS, check_peft
 from ..fork.install import installed_vllm
 from ..spec import train_config_from_hf
-from . import engine, nodes, tuned
+from . import engine, fingerprint, nodes, tuned, vllm_options
 from .folder import check_servable, read_header
 from .server import API_KEY, START_TIMEOUT, die_with_parent, get, kill_group, local_url, pgroup_alive
 
@@ -73,10 +80,32 @@ def own_server_answers(url: str, name: str, model: Path, key: str | None) -> boo
         return False
 
 
-def _announce_when_ready(url: str, name: str, model: Path, key: str | None, proc: subprocess.Popen) -> None:
+# s for the fingerprint's few tokens: only tells a hung engine from an answer, at any model size on a CPU
+CHECK_TIMEOUT = 300
+
+
+def _announce_when_ready(
+    url: str,
+    name: str,
+    model: Path,
+    key: str | None,
+    proc: subprocess.Popen,
+    held: dict | None = None,
+    width: str | None = None,
+    refused: list[str] | None = None,
+) -> None:
+    """Say "ready" once the server lists the folder and, where it has a fingerprint (`held`), computes its model by
+    the rule for `width` (run/fingerprint.py); else one line saying what differed, into `refused`, and the
+    server is stopped (SIGTERM, SIGKILL at STOP_TIMEOUT)."""
     deadline = time.monotonic() + START_TIMEOUT
     while proc.poll() is None and time.monotonic() < deadline:
         if own_server_answers(url, name, model, key) and proc.poll() is None:
+            why = fingerprint.check_server(url, name, model, held, width, key, CHECK_TIMEOUT) if held else None
+            if why is not None and proc.poll() is None and not _engine_died(url, key):
+                _refuse(proc, why, model, refused if refused is not None else [])
+                return
+            if why is not None:  # its engine died meanwhile: the server ends by itself, and the main thread says so
+                return
             body = json.dumps({"model": name, "prompt": "The river runs through", "max_tokens": 16, "temperature": 0})
             print(
                 f"\nministream serve: ready at {url}/v1 (model {name!r}); try:\n"
@@ -88,24 +117,34 @@ def _announce_when_ready(url: str, name: str, model: Path, key: str | None, proc
     # it exited, or never answered: the server's own log says why, and the main thread reports it
 
 
-# vLLM options serve sets itself, and serve's own flag for each: given in --vllm-args they would override
-# what serve checked (the port, the context) or announces (the name, the key).
-OWN_OPTIONS = {
-    "--model": "the folder argument",
-    "--host": "--host",
-    "--port": "--port",
-    "--uds": "--host and --port",
-    "--served-model-name": "--name",
-    "--max-model-len": "--max-model-len",
-    "--tensor-parallel-size": "--tp",
-    "-tp": "--tp",
-    "--pipeline-parallel-size": "--pp",
-    "-pp": "--pp",
-    "--api-key": "--api-key (or VLLM_API_KEY)",
-    # every adapter checked before the start, and a spare LoRA slot (engine.lora_settings)
-    "--lora-modules": "--lora NAME=DIR",
-    "--max-loras": "--lora NAME=DIR (one slot per adapter, and a spare)",
-}
+def _engine_died(url: str, key: str | None) -> bool:
+    """Whether the server's engine is gone (vLLM's /health answers 503, or nothing answers): a request that failed
+    then is the engine's death, which the server ends on, not a model that computes wrongly."""
+    try:
+        with get(f"{url}/health", 5, key):
+            return False
+    except urllib.error.HTTPError as e:
+        return e.code == 503
+    except OSError:
+        return True
+
+
+def _refuse(proc: subprocess.Popen, why: str, model: Path, refused: list[str]) -> None:
+    """Say in one line that the server does not compute the folder's model, and stop it."""
+    refused.append(why)
+    print(
+        f"ministream serve: not ready: {why}; stopping the server (if the folder was changed on purpose, record "
+        f"its fingerprint anew: ministream fingerprint {model})",
+        file=sys.stderr,
+        flush=True,
+    )
+    try:
+        os.kill(proc.pid, signal.SIGTERM)
+        proc.wait(STOP_TIMEOUT)
+    except ProcessLookupError:
+        pass
+    except subprocess.TimeoutExpired:
+        kill_group(proc.pid)
 
 
 def vllm_args(text: str) -> list[str]:
@@ -118,7 +157,7 @@ def vllm_args(text: str) -> list[str]:
             f"--vllm-args {text!r} cannot be split into options ({e}): close the quote, e.g. "
             "--vllm-args='--max-num-seqs 64 --chat-template \"{{ ... }}\"'"
         ) from None
-    return check_vllm_options(args)
+    return vllm_options.check_spelled(args)
 
 
 # vllm serve's name for an option serve has under its own: (serve's attribute, its type)
@@ -189,37 +228,32 @@ def passed_on(rest: Sequence[str], a) -> list[str]:
             extra.append(arg)
     if a.model is None:
         raise MiniStreamError("give the converted folder to serve: ministream serve DIR (or --model DIR)")
-    return check_vllm_options(extra, "the command line")
+    return vllm_options.check_spelled(extra, "the command line")
 
 
-# vLLM options that would serve other math than the folder's, which the folder check vouched for: its config
-# overridden or read from elsewhere, another tokenizer, weights not read from it (--load-format dummy: random)
-FOLDER_OPTIONS = {"--hf-overrides", "--hf-config-path", "--tokenizer", "--rope-scaling", "--rope-theta"}
-LOAD_FORMATS = ("auto", "safetensors")  # --load-format values that read the folder's safetensors
+def vllm_command(
+    model: Path,
+    settings: engine.EngineSettings,
+    host: str,
+    port: int,
+    name: str,
+    given: Mapping[str, Sequence[str]],
+    before: Sequence[str] = (),
+    after: Sequence[str] = (),
+    config: dict | None = None,
+) -> list[str]:
+    """The server's command line: the user's vLLM options (`given`: where they were given -> the options) as
+    they are, between serve's own (`before`: the LoRA settings; `after`: the drain). Refused in one line, before
+    a minute of engine start, where the installed vLLM resolves them (prefixes, underscores, dotted keys, the
+    --config file) to a setting serve makes itself or to other math than the folder's (`config`, its
+    config.json): vllm_options.check_resolved."""
 
+    def command(options: Sequence[str]) -> list[str]:
+        return engine.server_command(model, host, port, name, settings, [*before, *options, *after])
 
-def check_vllm_options(args: list[str], where: str = "--vllm-args") -> list[str]:
-    """vLLM options, refused in one line if one sets an option serve sets itself or would serve a model other
-    than the folder's (FOLDER_OPTIONS, a --load-format that does not read its safetensors)."""
-    for i, arg in enumerate(args):
-        option, eq, value = arg.partition("=")
-        option = "--" + option[2:].replace("_", "-") if option.startswith("--") else option  # vLLM takes both
-        option = option.split(".", 1)[0]  # vLLM's --hf-overrides.rope_theta VALUE sets one key of a dict option
-        if option in OWN_OPTIONS:
-            raise MiniStreamError(f"{where} sets {option}, which serve sets itself: give {OWN_OPTIONS[option]} instead")
-        if option in FOLDER_OPTIONS:
-            raise MiniStreamError(
-                f"{where} sets {option}, which would serve other math than the folder's config.json, tokenizer "
-                "and weights: change the folder instead (ministream convert again), so that every command reads it"
-            )
-        if option == "--load-format":
-            value = value if eq else (args[i + 1] if i + 1 < len(args) else "")
-            if value not in LOAD_FORMATS:
-                raise MiniStreamError(
-                    f"{where} sets --load-format {value or '(none)'}: serve runs the folder's own safetensors "
-                    f"(give {' or '.join(LOAD_FORMATS)}, or leave it out)"
-                )
-    return args
+    quant = (config or {}).get("quantization_config")
+    vllm_options.check_resolved(command, given, quant.get("quant_method") if isinstance(quant, dict) else None)
+    return command([a for args in given.values() for a in args])
 
 
 def drain_args(release: str | None, stop_timeout: float, extra: Sequence[str]) -> list[str]:
@@ -362,7 +396,7 @@ def serve(
     host: str = "127.0.0.1",
     port: int = 8000,
     name: str | None = None,
-    extra: Sequence[str] = (),
+    extra: Sequence[str] | Mapping[str, Sequence[str]] = (),
     stop_timeout: float = STOP_TIMEOUT,
     api_key: str | None = None,
     cluster: nodes.Plan | None = None,
@@ -373,11 +407,13 @@ def serve(
     settings: how its engine runs (--dtype, --tp, --pp, --max-model-len, --enforce-eager). cluster: this process
     is one node of a server over cluster.nnodes machines (nodes.py); rank 0 serves the API, the others run
     headless. api_key goes to vLLM through its environment (VLLM_API_KEY), never on a command line `ps` shows.
-    loras: NAME=DIR, PEFT adapters served beside the model under their names."""
+    loras: NAME=DIR, PEFT adapters served beside the model under their names. extra: vLLM's own options, or
+    by where they were given ("the command line", "--vllm-args"), which a refusal names."""
     # a folder vLLM can read in this dtype, and what this machine has, before minutes of start
     config = check_servable(model, settings.dtype)
     check_max_model_len(settings.max_model_len, config, model)
     adapters = check_loras(loras, config, model, name or served_name(model))
+    held = fingerprint.for_serving(model)  # another folder's fingerprint is refused here, before vLLM starts
     if not stop_timeout > 0:  # NaN too
         raise MiniStreamError(f"--stop-timeout {stop_timeout}: give a number of seconds above 0 (default 30)")
     nnodes, tp, pp = cluster.nnodes if cluster else 1, settings.tp, settings.pp
@@ -400,16 +436,16 @@ def serve(
         env = engine.engine_env(local)
     if api_key:
         env[API_KEY] = api_key
+    vllm_options.check_environment(env, bool(adapters))
     headless = cluster is not None and cluster.rank > 0
+    given = {"--vllm-args": list(extra)} if not isinstance(extra, Mapping) else {k: list(v) for k, v in extra.items()}
+    before = engine.lora_server_args(adapters) if adapters else []  # serve's own, which the user's follow
+    after = [] if headless else drain_args(release, stop_timeout, [a for args in given.values() for a in args])
     if not headless:
         check_listen(host, port)
+    cmd = vllm_command(model, settings, host, port, name, given, before, after, config)
     if not headless and (warning := exposure_warning(host, env)):
         print(warning, file=sys.stderr, flush=True)
-    if adapters:
-        extra = [*engine.lora_server_args(adapters), *extra]
-    if not headless:
-        extra = [*extra, *drain_args(release, stop_timeout, extra)]
-    cmd = engine.server_command(model, host, port, name, settings, extra)
     if cluster:
         cmd = engine.node_command(cmd, pp, nnodes, cluster.rank, cluster.master_addr, cluster.master_port)
     elif pp > 1:
@@ -437,9 +473,16 @@ def serve(
     lost: list[int] = []
     if peers:
         nodes.watch(peers, lambda rank: _node_lost(rank, proc, lost))
+    refused: list[str] = []  # why the server does not compute the folder's model (its fingerprint)
     if not headless:
+        if unchecked := fingerprint.unchecked(model, held, settings.max_model_len):  # served, and said so
+            print(f"ministream serve: warning: {unchecked}", file=sys.stderr, flush=True)
+            held = None
         key = env.get(API_KEY)
-        threading.Thread(target=_announce_when_ready, args=(url, name, model, key, proc), daemon=True).start()
+        width = fingerprint.served_width(config, settings.dtype)
+        threading.Thread(
+            target=_announce_when_ready, args=(url, name, model, key, proc, held, width, refused), daemon=True
+        ).start()
     stopping: list[float] = []  # when the first stop signal came
     rc = _wait_forwarding_signals(proc, stopping, stop_timeout)
     if lost and not stopping:
@@ -450,6 +493,8 @@ def serve(
             flush=True,
         )
         return 3
+    if refused and not stopping:  # said in one line by _refuse
+        return 2
     if stopping:  # asked: stopped, however it ended (by itself, or killed at the bound)
         print("ministream serve: stopped", flush=True)
         return 0

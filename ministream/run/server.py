@@ -8,7 +8,9 @@ SIGKILL, its output in a log file; `wait_ready` waits until it answers /health a
 SIGTERM to its group, SIGKILL after a bound, and leaves nothing of the group behind; `running` is start..stop.
 
 The HTTP helpers talk to 127.0.0.1 (or any base URL) with the API key a server asks for: JSON GET/POST
-(`call`, `complete`) and a streamed completion's server-sent events (`stream`).
+(`call`, `complete`) and a streamed completion's server-sent events (`stream`). Each reads through net.py: a
+`timeout` is the request's whole deadline (a server dribbling bytes cannot stretch it), a stream's is the most
+time between two of its lines.
 """
 
 import contextlib
@@ -27,6 +29,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from .. import MiniStreamError
+from ..net import open_url, parse_json
 
 HOST = "127.0.0.1"
 API_KEY = "VLLM_API_KEY"  # vLLM's own: every /v1 request must then carry "Authorization: Bearer <key>"
@@ -114,7 +117,7 @@ def answers(url: str, timeout: float = 5, key: str | None = None, models: bool =
             return True
         with get(f"{url}/v1/models", timeout, key) as m:
             return bool(json.loads(m.read())["data"])
-    except (OSError, ValueError, KeyError):
+    except (OSError, ValueError, KeyError, TypeError):  # TypeError: JSON of another shape
         return False
 
 
@@ -191,22 +194,24 @@ def json_headers(key: str | None = None) -> dict:
 
 
 def get(url: str, timeout: float, key: str | None = None):
-    """The open response of a GET with the key (urllib's: HTTPError on a status >= 400)."""
-    return urllib.request.urlopen(urllib.request.Request(url, headers=auth(key)), timeout=timeout)
+    """The open response of a GET with the key, read within `timeout` s in all (net.open_url; HTTPError on a
+    status >= 400, as urllib's)."""
+    return open_url(urllib.request.Request(url, headers=auth(key)), deadline=timeout)
 
 
 def call(
     url: str, body=None, raw: bytes | None = None, timeout: float = 120, headers: dict | None = None
 ) -> tuple[int, dict]:
-    """(HTTP status, JSON body) of a GET (no body) or POST, whatever the status; headers: JSON and the key
-    (`auth`) unless given."""
+    """(HTTP status, JSON body) of a GET (no body) or POST, whatever the status, within `timeout` s in all;
+    headers: JSON and the key (`auth`) unless given. A body that is not JSON: net.NotJSON (a ValueError)."""
     data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
     req = urllib.request.Request(url, data, json_headers() if headers is None else headers)
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, json.loads(r.read() or b"{}")  # /health answers with no body
+        with open_url(req, deadline=timeout) as r:
+            status, answer = r.status, r.read()
     except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read() or b"{}")
+        status, answer = e.code, e.read()
+    return status, parse_json(answer or b"{}", f"{url}'s answer (HTTP {status})")  # /health answers with no body
 
 
 def greedy(model: str | None, prompt, max_tokens: int, **extra) -> dict:
@@ -231,12 +236,15 @@ def event(body: dict) -> bytes:
 
 class Stream:
     """A streaming POST, read as it arrives: `headers`, then iterate for each event's JSON (`data: {...}`
-    lines); `done` once `data: [DONE]` came. A context manager that closes the connection."""
+    lines); `done` once `data: [DONE]` came. A context manager that closes the connection.
+
+    `timeout` bounds the wait for the headers and between two lines, not the whole stream: a generation of
+    any length streams on; a server that stops, or takes longer than that over a line, ends in net.Deadline."""
 
     def __init__(self, url: str, body: dict, timeout: float = 120, headers: dict | None = None):
         data = json.dumps({**body, "stream": True}).encode()
         req = urllib.request.Request(url, data, json_headers() if headers is None else headers)
-        self.response = urllib.request.urlopen(req, timeout=timeout)
+        self.response = open_url(req, quiet=timeout)
         self.headers = self.response.headers
         self.done = False
 
@@ -246,7 +254,7 @@ class Stream:
             if text == DONE.decode().strip():
                 self.done = True
             elif text.startswith("data: "):
-                yield json.loads(text[len("data: ") :])
+                yield parse_json(text[len("data: ") :], f"an event of {self.response.url}")
 
     def text(self) -> str:
         """The text of every choice of every event still to come, joined."""

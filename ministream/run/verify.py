@@ -86,36 +86,41 @@ class PromptComparison:
     identical: bool
     first_difference: int | None  # index of the first differing new token
     within_top_k: bool  # the first difference passes the top-k rule (True when identical)
-    max_logprob_diff: float  # over the common prefix, the chosen tokens' logprob differences
+    # over the common prefix, the chosen tokens' logprob differences; inf where a step of it lacks the chosen
+    # token's logprob on a side (not compared, so nothing is vouched for), nan where there was nothing to compare
+    # (no common prefix, or neither side gave logprobs)
+    max_logprob_diff: float
+    compared: int = 0  # new tokens held to the rule: the common prefix, and the first difference if any
     detail: str = ""
 
 
 def compare(
     a: list[dict], b: list[dict], exact: bool, names=("reference", "vllm")
 ) -> tuple[bool, list[PromptComparison]]:
-    """a, b: per prompt {"ids": [...], "logprobs": [{token: logprob}, ...]}. exact: fp32's rule."""
+    """a, b: per prompt {"ids": [...], "logprobs": [{token: logprob}, ...]}. exact: fp32's rule.
+
+    A pass means the rule was applied to every token named: no prompts, a prompt whose reference side has no
+    new token, or (the top-k rule) a compared step without its logprobs on either side fails, saying which."""
+    if len(a) != len(b):
+        raise MiniStreamError(f"{names[0]} has {len(a)} prompts' outputs, {names[1]} {len(b)}: nothing to pair")
     results = []
-    for i, (x, y) in enumerate(zip(a, b, strict=True)):
+    for i, (x, y) in enumerate(zip(a, b)):
         x, y = _int_keys(x), _int_keys(y)
         n = min(len(x["ids"]), len(y["ids"]))
         first = next((t for t in range(n) if x["ids"][t] != y["ids"][t]), None)
         if first is None and len(x["ids"]) != len(y["ids"]):
             first = n
-        diffs = [
-            abs(x["logprobs"][t][x["ids"][t]] - y["logprobs"][t][y["ids"][t]])
-            for t in range(first if first is not None else n)
-            if x.get("logprobs")
-            and y.get("logprobs")
-            and t < len(x["logprobs"])
-            and t < len(y["logprobs"])
-            and x["ids"][t] in x["logprobs"][t]
-            and y["ids"][t] in y["logprobs"][t]
-        ]
+        common = first if first is not None else n
+        pairs = [(_logprob(x, t), _logprob(y, t)) for t in range(common)]
+        missing = [t for t, (p, q) in enumerate(pairs) if p is None or q is None]
+        diffs = [abs(p - q) for p, q in pairs if p is not None and q is not None]
+        unseen = common == 0 or not (x["logprobs"] or y["logprobs"])
+        worst = math.nan if unseen else math.inf if missing else max(diffs)
         ok, detail = first is None, ""
         if first is not None and first < n:
             tx, ty = x["ids"][first], y["ids"][first]
-            in_y = bool(y.get("logprobs")) and tx in y["logprobs"][first]
-            in_x = bool(x.get("logprobs")) and ty in x["logprobs"][first]
+            in_y = first < len(y["logprobs"]) and tx in y["logprobs"][first]
+            in_x = first < len(x["logprobs"]) and ty in x["logprobs"][first]
             ok = in_x and in_y
             detail = (
                 f"token {first}: {names[0]} {tx}, {names[1]} {ty}; "
@@ -123,9 +128,21 @@ def compare(
             )
         elif first is not None:
             detail = f"lengths differ: {len(x['ids'])} vs {len(y['ids'])}"
-        results.append(PromptComparison(i, first is None, first, ok, max(diffs, default=0.0), detail))
-    passed = all(r.identical for r in results) if exact else all(r.within_top_k for r in results)
+        if not x["ids"]:
+            ok, detail = False, f"{names[0]} has no new token for prompt {i}: nothing was compared"
+        elif not exact and missing:  # the top-k rule vouches for every step, so each must carry its logprobs
+            side = names[0] if _logprob(x, missing[0]) is None else names[1]
+            ok, detail = False, f"token {missing[0]}: {side} has no logprob for its chosen token: not compared"
+        compared = common + (first is not None and first < n)
+        results.append(PromptComparison(i, first is None and bool(x["ids"]), first, ok, worst, compared, detail))
+    passed = bool(results) and all(r.identical if exact else r.within_top_k for r in results)
     return passed, results
+
+
+def _logprob(r: dict, t: int) -> float | None:
+    """The logprob side r gave its own chosen token at step t; None where it gave none."""
+    steps = r["logprobs"]
+    return steps[t].get(r["ids"][t]) if t < len(steps) else None
 
 
 def _int_keys(r: dict) -> dict:
@@ -641,19 +658,23 @@ def report_comparison(model: Path, golden: dict, got: list[dict], log) -> bool:
     for r, prompt, want, have in zip(rows, prompt_names(golden), golden["outputs"], got):
         if r.identical:
             log(f"  prompt {r.prompt}: identical ({len(want['ids'])} tokens)  {prompt}")
+        elif (t := r.first_difference) is None:  # no new token on the reference's side
+            log(f"  prompt {r.prompt}: {r.detail}  {prompt}")
         else:
-            t = r.first_difference
-            assert t is not None  # not identical
             words = [repr(detokenize(model, s["ids"][t : t + 1])) if t < len(s["ids"]) else "end" for s in (want, have)]
             log(
                 f"  prompt {r.prompt}: first divergence at new token {t}: reference {words[0]}, vllm {words[1]}; "
                 f"{'within' if r.within_top_k else 'NOT within'} each other's top-{golden['top_k']}  {prompt}"
             )
     same = sum(r.identical for r in rows)
+    worst = [r.max_logprob_diff for r in rows if not math.isnan(r.max_logprob_diff)]
     log(
-        f"exact match: {same}/{len(rows)} prompts; max |logprob diff| over the common prefixes: "
-        f"{max((r.max_logprob_diff for r in rows), default=0.0):.3g}"
+        f"exact match: {same}/{len(rows)} prompts, {sum(r.compared for r in rows)} new tokens compared; "
+        f"max |logprob diff| over the common prefixes: {f'{max(worst):.3g}' if worst else 'none given'}"
     )
+    for r in rows:
+        if r.detail and not r.within_top_k and r.identical:  # the ids agree, the rule could not be applied
+            log(f"  prompt {r.prompt}: {r.detail}")
     rule = "identical token ids" if exact else f"first difference within each other's top-{golden['top_k']}"
     what = " ".join(filter(None, [golden["dtype"], golden.get("quantization")]))
     log(f"rule for {what} ({rule}): {'PASS' if passed else 'FAIL'}")

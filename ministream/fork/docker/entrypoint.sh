@@ -9,18 +9,19 @@
 #                                     (--max-num-seqs 64) go to vLLM as they are
 #   a folder first                 -> the same, serving that folder (vLLM's image: `docker run IMAGE MODEL ...`)
 #   a command (vllm serve ..., ministream ..., sh)  -> that command, as it is
+# Every value is forwarded quoted, as one argument: HOST='0.0.0.0 --api-key x' is a host serve refuses, not an
+# option, and PORT='*' is not globbed (tests/test_entrypoint.py runs this script with such values).
 set -eu
-serve() { exec ministream serve "$@"; }
-listen="--host ${HOST:-0.0.0.0} --port ${PORT:-8000}"
+host=${HOST:-0.0.0.0} port=${PORT:-8000}
 case "${1:-}" in
 "" | -*)
 	for arg in "$@"; do
-		case "$arg" in --model | --model=*) serve $listen "$@" ;; esac
+		case "$arg" in --model | --model=*) exec ministream serve --host "$host" --port "$port" "$@" ;; esac
 	done
-	serve "${MODEL:-/model}" $listen "$@"
+	exec ministream serve "${MODEL:-/model}" --host "$host" --port "$port" "$@"
 	;;
 *)
-	if [ -d "$1" ]; then serve $listen "$@"; fi
+	if [ -d "$1" ]; then exec ministream serve --host "$host" --port "$port" "$@"; fi
 	exec "$@"
 	;;
 esac
