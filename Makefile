@@ -76,7 +76,7 @@ BENCH_ARGS ?=
 # the rest beside them; 0 runs everything in one process
 TEST_WORKERS ?= 2
 
-.PHONY: help setup lint format demo test test-full checkpoint convert gguf quantize generate patch wheel install tune vllm-tests cuda-smoke gpu-proof plugin bench bench-serve clean port matrix serve image image-prereqs test-image verify doctor fingerprint
+.PHONY: help setup lint format demo test test-full checkpoint convert gguf quantize generate patch wheel install tune vllm-tests cuda-smoke gpu-proof plugin bench bench-serve clean port matrix serve image image-prereqs test-image verify doctor fingerprint hf-files
 
 help:
 	@echo "make setup                         create $(VENV)/ (torch $(TORCH_VERSION), CPU build without a GPU)"
@@ -114,6 +114,8 @@ help:
 	@echo "make doctor MODEL=dir              check a converted folder and the installed vLLM, one line per finding"
 	@echo "make fingerprint MODEL=dir         record what the folder's model computes (serve's ready holds vLLM to it);"
 	@echo "                                   convert and quantize record it, this for a folder written before"
+	@echo "make hf-files MODEL=dir            write this version's transformers files and auto_map into the folder, in"
+	@echo "                                   place (doctor warns when they are missing or another version's)"
 	@echo "make serve MODEL=dir [PORT=8000]   OpenAI-compatible server on the patched vLLM [DTYPE=] [TP=] [PP=] [EAGER=1] [HOST=127.0.0.1]"
 	@echo "                                   [NNODES=n NODE_RANK=r MASTER_ADDR=a MASTER_PORT=p]: one node of n (0 serves the API)"
 	@echo "                                   [LORAS='name=dir ...']: PEFT adapters (make convert-lora) served beside it"
@@ -219,6 +221,9 @@ vllm-tests: install
 # quantize record it; this for a folder written before they did)
 fingerprint: setup
 	$(MS) fingerprint '$(MODEL)'
+
+hf-files: setup
+	$(MS) hf-files '$(MODEL)'
 
 # RAW goes to the reference model when given, or when MODEL is the default (the demo's folders)
 verify: setup

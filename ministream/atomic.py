@@ -503,6 +503,20 @@ def mark_made(folder: Path) -> None:
     write_json(folder / MADE, {"made_by": f"ministream {' '.join(sys.argv[1:2])}".strip(), "files": _files(folder)})
 
 
+def mark_remade(folder: Path, names: list[str]) -> None:
+    """After the tool rewrote `names` in a folder it made (`ministream hf-files`): record those files as they are
+    now, and only those (a user's own change elsewhere stays one). Nothing where the tool made no record."""
+    path = Path(folder) / MADE
+    try:
+        made = json.loads(path.read_text())
+        files = made["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return
+    now = _files(Path(folder))
+    files.update({name: now[name] for name in names if name in now})
+    write_json(path, made)
+
+
 def changed_since_made(folder: Path) -> list[str] | None:
     """The files of `folder` the tool did not write, or that changed since (relative paths); None when the
     tool made no record there (a folder it did not make)."""

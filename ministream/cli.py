@@ -861,6 +861,19 @@ def add_fingerprint(sub) -> None:
     p.set_defaults(func=lambda a: fingerprint.refresh(a.model))
 
 
+def add_hf_files(sub) -> None:
+    from .checkpoint import hf_files
+
+    p = command(
+        sub,
+        "hf-files",
+        hf_files.__doc__,
+        "write this version's transformers files (and config.json's auto_map) into a converted folder, in place",
+    )
+    p.add_argument("model", type=Path, help="converted (or quantized) folder; written whole, or not at all")
+    p.set_defaults(func=lambda a: hf_files.refresh(a.model))
+
+
 def add_doctor(sub) -> None:
     from .run import doctor
     from .run.engine import EngineSettings, add_engine_options
@@ -1143,6 +1156,7 @@ ADDERS = (
     add_verify,
     add_doctor,
     add_fingerprint,
+    add_hf_files,
     add_serve,
     add_ready,
     add_serve_bench,

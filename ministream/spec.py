@@ -23,6 +23,16 @@ if TYPE_CHECKING:  # torch is imported where a tensor is touched: doctor, patch 
 ARCH = "MiniStreamForCausalLM"  # config.json architectures[0]; vLLM's and transformers' class
 MODEL_TYPE = "ministream"  # config.json model_type; also the model's module name in vLLM
 CONFIG_CLASS = "MiniStreamConfig"  # the config class registered for MODEL_TYPE
+MODEL_CLASS = "MiniStreamModel"  # transformers' model without the head: what its AutoModel loads
+# The two files every converted folder carries for transformers (checkpoint/hf_files.py), named as transformers
+# names a model's own, and config.json's auto_map, which points transformers' Auto classes at them
+HF_CONFIG_MODULE = f"configuration_{MODEL_TYPE}"
+HF_MODEL_MODULE = f"modeling_{MODEL_TYPE}"
+HF_AUTO_MAP = {
+    "AutoConfig": f"{HF_CONFIG_MODULE}.{CONFIG_CLASS}",
+    "AutoModel": f"{HF_MODEL_MODULE}.{MODEL_CLASS}",
+    "AutoModelForCausalLM": f"{HF_MODEL_MODULE}.{ARCH}",
+}
 MODEL_FILE_IN_TREE = f"vllm/model_executor/models/{MODEL_TYPE}.py"  # where the model file goes in a vLLM tree
 FORMAT_VERSION = 1  # the training checkpoint format this package reads
 
@@ -200,7 +210,9 @@ def hf_rope_parameters(rope_theta: float) -> dict:
 
 def hf_config(cfg: TrainConfig, dtype: str, converter: str = "") -> dict:
     """config.json for a converted folder: every value explicit, under LLaMA's keys."""
-    config: dict[str, Any] = {"architectures": [ARCH], "model_type": MODEL_TYPE}
+    # auto_map: the folder's own files, for transformers where ministream is not installed (trust_remote_code);
+    # vLLM, patched or with the plugin, registers MODEL_TYPE's config class itself and never reads it
+    config: dict[str, Any] = {"architectures": [ARCH], "model_type": MODEL_TYPE, "auto_map": dict(HF_AUTO_MAP)}
     config.update({hf: getattr(cfg, f) for f, hf in CONFIG_MAP.items()})
     config.update(
         {

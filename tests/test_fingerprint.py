@@ -91,7 +91,12 @@ def test_the_fingerprint_command_records_a_folder_written_before_fingerprints(cl
     r = cli("fingerprint", old)
     assert r.returncode == 0, r.stderr
     got, want = (json.loads((f / fingerprint.FILE).read_text()) for f in (old, tiny_hf))
-    assert got == want  # nothing in it depends on when or how fast it was made: a folder converted twice is the same
+    # nothing in it depends on when or how fast it was made; float32 logprobs of two processes agree to ~1e-6
+    # (their threads sum in another order), so they are held to a bound and everything else to equality
+    logprobs = got.pop("logprobs"), want.pop("logprobs")
+    assert got == want
+    for a, b in zip(*logprobs, strict=True):
+        assert a.keys() == b.keys() and all(abs(a[t] - b[t]) < 1e-4 for t in a), (a, b)
     assert not [p.name for p in tmp_path.iterdir() if p.name != "old"]  # no temporary left beside it
 
 

@@ -22,8 +22,18 @@ PACKAGE = CHECKOUT / "ministream"
 MODULES = sorted(
     ".".join(p.relative_to(CHECKOUT).with_suffix("").parts).removesuffix(".__init__")
     for p in PACKAGE.rglob("*.py")
-    if not any(data in p.as_posix() for data in ("fork/patches", "fork/models", "fork/plugin_files", "run/no_zentorch"))
-)  # shipped data, not the package's modules (no_zentorch: a zentorch that fails to import, run/tuned.py)
+    if not any(
+        data in p.as_posix()
+        for data in (
+            "fork/patches",
+            "fork/models",
+            "fork/plugin_files",
+            "run/no_zentorch",
+            "checkpoint/transformers_files",
+        )
+    )
+)  # shipped data, not the package's modules (no_zentorch: a zentorch that fails to import, run/tuned.py;
+# transformers_files: the templates of the files a converted folder carries, checkpoint/hf_files.py)
 SHIPPED = [
     "ministream/fork/apply_patch.sh",
     "ministream/fork/models/ministream.py",
@@ -36,6 +46,8 @@ SHIPPED = [
     "ministream/run/no_zentorch/zentorch/__init__.py",
     "ministream/fork/patches/v0.32.0/upstream/upstream.diff",
     "ministream/fork/plugin_files/ministream_vllm/__init__.py",
+    "ministream/checkpoint/transformers_files/configuration.py",
+    "ministream/checkpoint/transformers_files/modeling.py",
 ]
 
 
@@ -256,7 +268,9 @@ def test_the_floors_contract_refuses_an_upward_import_at_any_depth(planted, tmp_
     shutil.copytree(
         PACKAGE,
         package / "ministream",
-        ignore=shutil.ignore_patterns("patches", "models", "plugin_files", "docker", "__pycache__"),
+        ignore=shutil.ignore_patterns(
+            "patches", "models", "plugin_files", "docker", "transformers_files", "__pycache__"
+        ),
     )
     if planted != "none":
         module, imported, arrow = PLANTED[planted]

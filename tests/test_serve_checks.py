@@ -62,15 +62,14 @@ def foreign():
 
 
 def refused(cli, model, *args) -> str:
-    """serve's one-line refusal (exit 2, no traceback, vLLM never started, in well under the engine's start)."""
-    start = time.monotonic()
-    r = cli("serve", model, *args, timeout=120)
-    took = time.monotonic() - start
+    """serve's one-line refusal (exit 2, no traceback), vLLM never started: serve prints the server's command
+    (`-m vllm.entrypoints…`) just before it starts it, and nothing of vLLM's is in its output. Not timed: how
+    long the refusal takes (vLLM's parser is built for it, 8-40 s on a loaded 2-core box) proves nothing."""
+    r = cli("serve", model, *args, timeout=300)  # only tells a hang from an answer
     assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
     assert "Traceback" not in r.stderr and "vllm" not in r.stdout.lower() and "ready" not in r.stdout
-    assert took < 60, took
     return lines[0]
 
 

@@ -33,7 +33,7 @@ from ..spec import (
     table,
     train_config_from_hf,
 )
-from . import fingerprint
+from . import fingerprint, hf_files
 from .cast import check_cast
 from .folder import checked
 from .format import CONFIG_KEYS, Checkpoint, load_checkpoint, read_json, resolve_config
@@ -186,6 +186,7 @@ def write_folder(
     _write_json(tmp / "generation_config.json", {"bos_token_id": cfg.bos_id, "eos_token_id": cfg.eos_id})
     _write_json(tmp / "tokenizer_config.json", tok_config)
     shutil.copyfile(raw_dir / "tokenizer.json", tmp / "tokenizer.json")
+    hf_files.write(tmp)  # MiniStream in transformers, which config.json's auto_map names
 
 
 def _write_json(path: Path, obj: dict) -> None:
@@ -232,10 +233,10 @@ def dry_run(ckpt: Checkpoint, overrides: dict, log=print, ignore_config_keys: It
 
 def _model_param_names(cfg: TrainConfig) -> set[str]:
     """The transformers-side model's own parameter names (tied lm_head excluded), built on the meta device."""
-    from .hf import MiniStreamConfig, MiniStreamForCausalLM
+    from .hf import MiniStreamForCausalLM, config_from_train
 
     with torch.device("meta"):
-        model = MiniStreamForCausalLM(MiniStreamConfig.from_train_config(cfg))
+        model = MiniStreamForCausalLM(config_from_train(cfg))
     names = set(model.state_dict())
     if cfg.tie_embeddings:
         names -= set(hf_names(HEAD))
@@ -291,5 +292,6 @@ def llama_twin(hf: Path, out: Path) -> Path:
                 (tmp / f.name).symlink_to(f.resolve())
         config = json.loads((hf / "config.json").read_text())
         config.update(architectures=["LlamaForCausalLM"], model_type="llama")
+        config.pop("auto_map", None)  # transformers' own LLaMA: no code of the folder's
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return out

@@ -229,6 +229,9 @@ CONFIG_KEYS: dict[str, Rule] = {
     "dtype": exactly(*spec.DTYPES, None),  # what vLLM serves in by default: the precision, not the math
     "torch_dtype": exactly(*spec.DTYPES, None),  # transformers 4's name for dtype
     "ministream_converter": text(),
+    # the folder's own files, for transformers with trust_remote_code (hf_files.py); vLLM never reads it. An old
+    # folder lacks it (doctor warns: hf_files.finding); any other value would run another program's code
+    "auto_map": exactly(spec.HF_AUTO_MAP, why=f"the files `ministream hf-files` writes; {spec.MODEL_TYPE}'s classes"),
     # the metadata transformers' PretrainedConfig writes into every config.json (PretrainedConfig().to_dict()):
     # who wrote it and what transformers' own classes return, never what a causal LM computes
     "transformers_version": text(),

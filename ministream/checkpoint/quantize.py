@@ -30,7 +30,7 @@ import torch
 from .. import MiniStreamError, spec
 from ..atomic import check_space, disk_full, new_folder
 from ..spec import EMBEDDING, TrainConfig, hf_names, hf_shapes, train_config_from_hf
-from . import fingerprint, gptq
+from . import fingerprint, gptq, hf_files
 from .cast import check_cast
 from .convert import LazyFolder, llama_twin, safetensors_files
 from .folder import checked
@@ -354,7 +354,9 @@ def quantize(
                 # not the weights, config.json, nor the tools' own dotfiles (the made-by record, locks)
                 if f.is_file() and f.name != "config.json" and not WEIGHT_FILES.match(f.name) and f.name[0] != ".":
                     shutil.copy2(f, tmp / f.name)
-            written = {**config, "quantization_config": quantization_config(scheme, quantize_head)}
+            hf_files.write(tmp)  # this version's transformers files, whatever version wrote the source's
+            written = {**config, "auto_map": dict(spec.HF_AUTO_MAP)}  # in place when the source has one
+            written["quantization_config"] = quantization_config(scheme, quantize_head)
             if quantize_head:
                 written["tie_word_embeddings"] = False  # the head is a tensor of its own now
             if needs_16_bits(scheme) and config.get("dtype", config.get("torch_dtype")) == "float32":

@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 from .. import MiniStreamError
+from ..checkpoint import hf_files
 from ..fork import plugin as vllm_plugin, zentorch
 from ..fork.internals import cpu_needs_triton
 from ..fork.registry import CONFIGS_INIT_PY, Registries, read_package
@@ -403,6 +404,7 @@ def doctor(
     found += seen.found
     if not seen.errors:  # what serve holds the engine to before it says ready, once the folder passes
         found.append(fingerprint.finding(folder))
+        found.append(hf_files.finding(folder))  # whether transformers opens it without ministream
     if seen.train:  # the memory a folder needs is known only from settings config.json holds
         found += check_memory(seen.folder, seen.train, settings, memory_gib)
     if not seen.errors:  # and whether this machine's vLLM runs it in that dtype: check_servable's rule

@@ -27,6 +27,7 @@ same tables (check_spelled, which also runs first, without vLLM): serve refuses 
 
 import argparse
 import contextlib
+import importlib
 import json
 import os
 import sys
@@ -174,6 +175,12 @@ def _quiet() -> Iterator[None]:
 _PARSER: list = []  # the parser, once built: a parse takes milliseconds, building it seconds (vLLM's import)
 
 
+# where the server's make_arg_parser lives: 0.32 moved it to the launchers; the releases before kept it beside
+# the OpenAI server. Named here, not imported by name, so that the check of what the tools reach in each release
+# (checks/internals.py) is not asked for both in every release.
+PARSER_MODULES = ("vllm.entrypoints.launchers.cli_args", "vllm.entrypoints.openai.cli_args")
+
+
 def vllm_parser():
     """The installed vLLM's OpenAI server parser (what `python -m vllm.entrypoints.openai.api_server`, serve's
     server, parses its command line with), or None where vLLM cannot be imported here (asked again next time)."""
@@ -183,16 +190,19 @@ def vllm_parser():
         with _quiet():
             from vllm.utils.argparse_utils import FlexibleArgumentParser  # type: ignore[import-not-found]
 
-            try:  # 0.32: the launchers; older releases kept it beside the OpenAI server
-                from vllm.entrypoints.launchers.cli_args import make_arg_parser  # type: ignore[import-not-found]
-            except ImportError:
-                from vllm.entrypoints.openai.cli_args import make_arg_parser  # type: ignore[import-not-found]
-
+            for name in PARSER_MODULES:
+                try:
+                    make_arg_parser = importlib.import_module(name).make_arg_parser
+                    break
+                except (ImportError, AttributeError):
+                    continue
+            else:
+                return None
             _PARSER.append(
                 make_arg_parser(FlexibleArgumentParser(description="vLLM OpenAI-Compatible RESTful API server."))
             )
             return _PARSER[0]
-    except ImportError:
+    except ImportError:  # below 0.11 (no argparse_utils): the whole-name check alone (check_spelled)
         return None
 
 
