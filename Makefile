@@ -76,7 +76,7 @@ BENCH_ARGS ?=
 # the rest beside them; 0 runs everything in one process
 TEST_WORKERS ?= 2
 
-.PHONY: help setup lint format demo test test-full checkpoint convert gguf quantize generate patch wheel install tune vllm-tests cuda-smoke gpu-proof plugin bench bench-serve clean port matrix serve image image-prereqs test-image verify doctor fingerprint hf-files
+.PHONY: help setup lint format demo test test-full test-slice checkpoint convert gguf quantize generate patch wheel install tune vllm-tests cuda-smoke gpu-proof plugin bench bench-serve clean port matrix serve image image-prereqs test-image verify doctor fingerprint hf-files
 
 help:
 	@echo "make setup                         create $(VENV)/ (torch $(TORCH_VERSION), CPU build without a GPU)"
@@ -86,6 +86,8 @@ help:
 	@echo "make test                          lint + the quick test tier (what .ci/run runs; target <= 25 min on 2 cores)"
 	@echo "make test-full                     the slow tier: older vLLM lines, plugin TP/server, Ray, the image, --compare,"
 	@echo "                                   cuda-smoke (0.32.0, the newest), gpu-proof PREPARE=1"
+	@echo "make test-slice [SLICE=k/N]        one slice (~15 min) of test-full's pytest tests, the commit's unless SLICE"
+	@echo "                                   is given (what .ci/run runs after make test; docs/testing.md)"
 	@echo "make checkpoint PRESET=p RAW=dir   write a format-1 training checkpoint (presets: ministream checkpoint --help)"
 	@echo "make convert RAW=dir OUT=dir       training checkpoint -> HF-style folder [DTYPE=bfloat16] [CONVERT_ARGS=--force]"
 	@echo "make convert-lora ADAPTER=dir BASE=dir OUT=dir  the trainer's LoRA adapter.pt -> a PEFT adapter folder vLLM"
@@ -116,6 +118,10 @@ help:
 	@echo "                                   convert and quantize record it, this for a folder written before"
 	@echo "make hf-files MODEL=dir            write this version's transformers files and auto_map into the folder, in"
 	@echo "                                   place (doctor warns when they are missing or another version's)"
+	@echo "make eval MODEL=dir [ROUTE=wheel|server|transformers]  lm-evaluation-harness on the folder through lm-eval's"
+	@echo "                                   vllm backend (the patched wheel), local-completions against make serve, or its"
+	@echo "                                   hf backend (transformers) -> $(EVAL_OUT)/results.json [TASKS=a,b INCLUDE=dir: your"
+	@echo "                                   own lm-eval tasks; default ours, from the held-out text] [EVAL_ARGS=--limit 8]"
 	@echo "make serve MODEL=dir [PORT=8000]   OpenAI-compatible server on the patched vLLM [DTYPE=] [TP=] [PP=] [EAGER=1] [HOST=127.0.0.1]"
 	@echo "                                   [NNODES=n NODE_RANK=r MASTER_ADDR=a MASTER_PORT=p]: one node of n (0 serves the API)"
 	@echo "                                   [LORAS='name=dir ...']: PEFT adapters (make convert-lora) served beside it"
@@ -225,6 +231,17 @@ fingerprint: setup
 hf-files: setup
 	$(MS) hf-files '$(MODEL)'
 
+# lm-evaluation-harness: ROUTE as for image (wheel: the patched vLLM, here through lm-eval's vllm backend), or server
+# (local-completions against ministream serve) or transformers (lm-eval's hf backend); TASKS and INCLUDE (a folder of
+# your task YAMLs) as lm-eval's --tasks and --include_path, ours by default (docs/eval.md)
+EVAL_OUT ?= build/eval
+TASKS ?=
+INCLUDE ?=
+EVAL_ARGS ?=
+.PHONY: eval
+eval: setup
+	$(MS) eval '$(MODEL)' --route $(ROUTE) --out '$(EVAL_OUT)' $(if $(TASKS),--tasks $(TASKS)) $(if $(INCLUDE),--include-path '$(INCLUDE)') $(if $(DTYPE),--dtype $(DTYPE)) $(EVAL_ARGS)
+
 # RAW goes to the reference model when given, or when MODEL is the default (the demo's folders)
 verify: setup
 	$(MS) verify '$(MODEL)' $(if $(or $(filter command line environment,$(origin RAW)),$(filter file,$(origin MODEL))),--raw '$(RAW)') $(if $(DTYPE),--dtype $(DTYPE)) $(if $(PROMPTS),--prompts '$(PROMPTS)')
@@ -276,6 +293,14 @@ test-full: setup image-prereqs
 	$(MAKE) --no-print-directory install DEVICE=cpu TUNE=0
 	MINISTREAM_TEST_RAY=1 MINISTREAM_TEST_IMAGE=1 $(PY) -m pytest -ra -m full $(PYTEST_ARGS)
 	$(MAKE) --no-print-directory vllm-tests DEVICE=cpu COMPARE=1 TUNE=0
+
+# a slice of test-full's pytest tests, what CI runs after make test (.ci/run): tests/slices.py packs them into slices
+# of at most ~15 min by tests/full_durations.json's estimates and the commit picks one (SLICE=k/N: that one); the
+# engine tests need make install (make test's) first. Its times: build/test-slice/junit.xml
+SLICE ?=
+test-slice: setup
+	$(PY) tests/slices.py pick $(if $(SLICE),--slice $(SLICE)) --out build/test-slice/tests.txt
+	$(PY) -m pytest -ra -n0 -m full --junitxml=build/test-slice/junit.xml $(PYTEST_ARGS) @build/test-slice/tests.txt
 
 serve: setup
 	$(MS) serve '$(MODEL)' --host $(HOST) --port $(PORT) $(foreach l,$(LORAS),--lora '$(l)') $(if $(DTYPE),--dtype $(DTYPE)) $(if $(TP),--tp $(TP)) $(if $(filter 1,$(EAGER)),--enforce-eager) \

@@ -874,6 +874,30 @@ def add_hf_files(sub) -> None:
     p.set_defaults(func=lambda a: hf_files.refresh(a.model))
 
 
+def add_eval(sub) -> None:
+    from .run import eval as lm_eval_run
+    from .run.engine import add_engine_options
+
+    p = command(sub, "eval", lm_eval_run.__doc__, "lm-evaluation-harness on a converted folder, through a route")
+    p.add_argument("model", type=Path, help="converted HF-style folder")
+    p.add_argument("--route", choices=list(lm_eval_run.ROUTES), default="wheel", help="(default: %(default)s)")
+    p.add_argument(
+        "--tasks",
+        type=lambda s: [t for t in s.split(",") if t],
+        help=f"lm-eval task names, comma-separated (default: ours, {','.join(lm_eval_run.OURS)})",
+    )
+    p.add_argument("--include-path", type=Path, help="folder of your own lm-eval task YAMLs (lm-eval's --include_path)")
+    p.add_argument("--out", type=Path, default=Path("build/eval"), help="results.json goes here (default: %(default)s)")
+    p.add_argument("--limit", type=int, help="the first N items of each task only")
+    p.add_argument("--url", help="route server: a server already running (e.g. http://127.0.0.1:8000), not one started")
+    add_engine_options(p, "offline", ["dtype", "enforce_eager"])
+    p.set_defaults(
+        func=lambda a: lm_eval_run.run_eval(
+            a.model, a.route, a.out, a.tasks, a.include_path, a.dtype, a.limit, a.url, a.enforce_eager
+        )
+    )
+
+
 def add_doctor(sub) -> None:
     from .run import doctor
     from .run.engine import EngineSettings, add_engine_options
@@ -1157,6 +1181,7 @@ ADDERS = (
     add_doctor,
     add_fingerprint,
     add_hf_files,
+    add_eval,
     add_serve,
     add_ready,
     add_serve_bench,

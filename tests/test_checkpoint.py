@@ -81,7 +81,7 @@ def test_same_seed_writes_the_same_weights(tmp_path):
         make_checkpoint(tmp_path / name, "tiny", steps=3, log=quiet)
     a = torch.load(tmp_path / "a" / "model.pt", weights_only=True)["model"]
     b = torch.load(tmp_path / "b" / "model.pt", weights_only=True)["model"]
-    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_a_cached_training_is_taken_again_and_a_change_trains_anew(tmp_path):
@@ -93,6 +93,7 @@ def test_a_cached_training_is_taken_again_and_a_change_trains_anew(tmp_path):
     kept = list((cache / "trained").iterdir())
     assert len(kept) == 1 and sum("the trained weights from" in s for s in said) == 1 and "step 3/3" in " ".join(said)
     a, b = (torch.load(tmp_path / n / "model.pt", weights_only=True) for n in "ab")
+    assert a["model"].keys() == b["model"].keys()
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
     assert a["optimizer"]["state"].keys() == b["optimizer"]["state"].keys()  # the trainer's state comes back too
     make_checkpoint(tmp_path / "c", "tiny", steps=3, seed=1, log=quiet, cache=cache)  # another run: its own file

@@ -59,6 +59,7 @@ def test_bfloat16_checkpoint_round_trips_bit_exactly_in_bfloat16(tmp_path):
     convert(raw, tmp_path / "hf", dtype="bfloat16", log=quiet)
     _, ckpt = load(raw)
     _, state = read_folder(tmp_path / "hf")
+    assert state.keys() == ckpt.state.keys()  # every tensor: the loop below holds each one
     assert all(torch.equal(state[k], ckpt.state[k]) and state[k].dtype == torch.bfloat16 for k in state)
 
 
@@ -139,6 +140,7 @@ def test_large_models_are_sharded_with_an_index(tiny_gqa, tmp_path):
     assert all((tmp_path / "hf" / s).stat().st_size <= 400_000 + 200_000 for s in shards)
     _, state = read_folder(tmp_path / "hf")
     _, ckpt = load(tiny_gqa)
+    assert state.keys() == ckpt.state.keys()  # across the shards, every tensor and no other
     assert all(torch.equal(state[k], ckpt.state[k]) for k in state)
     ref = MiniStream.from_checkpoint(tiny_gqa)
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
@@ -219,6 +221,7 @@ def test_a_shape_never_seen_converts_without_code_changes(tmp_path, cli):
     c = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert (c["num_hidden_layers"], c["num_key_value_heads"], c["head_dim"], c["vocab_size"]) == (30, 3, 64, 49152)
     _, back = read_folder(tmp_path / "hf")
+    assert back.keys() == load(raw)[1].state.keys()  # every tensor the checkpoint holds (the tied head once)
     assert all(torch.equal(back[k], state["module." + k]) for k in back)
 
 

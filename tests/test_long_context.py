@@ -7,8 +7,14 @@ two sharing their first two thirds; the golden file records them. Without an eng
 lengths for any context, the golden file. With one (make test-full): `ministream verify` on both test
 models and the format's reference shape, fp32 (identical) and bf16 (vLLM's rule), on the patched wheel
 and on the plugin route; test_verify.py runs the MHA model on the patched wheel in make test.
+
+Beyond 512 positions on trained weights: the reference shape is untrained (near-uniform attention, where a
+RoPE or late-block bug barely moves the logits), so the trained GQA test model is also given the reference
+shape's 2048 positions (the same weights), and verify holds vLLM to it there, fp32 and bf16; a wrong
+rope_theta in the served config fails it.
 """
 
+import dataclasses
 import json
 import shutil
 import subprocess
@@ -19,6 +25,7 @@ import pytest
 from ministream import MiniStreamError
 from ministream.checkpoint.convert import convert
 from ministream.checkpoint.demo import make_checkpoint
+from ministream.checkpoint.format import load, save_checkpoint
 from ministream.paths import CORPUS
 from ministream.run.generate import DEFAULT_PROMPTS, folder_tokenizer
 from ministream.run.prompts import SHARING, THE_END, context_prompts
@@ -119,30 +126,86 @@ def reference_shape(tmp_path_factory) -> tuple[Path, Path]:
     return raw, made_once(tmp_path_factory, "hf", "reference", lambda out: convert(raw, out, log=quiet))
 
 
-MODELS = {"tiny": ("tiny", "tiny_hf"), "tiny-gqa": ("tiny_gqa", "tiny_gqa_hf"), "reference shape": None}
-# test_verify.py runs the MHA model on the patched wheel (fp32 in make test, bf16 in make test-full)
+LONG = 2048  # the reference shape's context
+
+
+@pytest.fixture(scope="session")
+def trained_long(tiny_gqa, tmp_path_factory) -> tuple[Path, Path]:
+    """The trained GQA test model with the reference shape's 2048 positions in its config: the same weights (RoPE
+    holds no tensor, and training reads 64-token windows whatever the context), far from position 0.
+    (checkpoint, folder)."""
+
+    def longer(out: Path) -> None:
+        cfg, ckpt = load(tiny_gqa)
+        out.mkdir(parents=True)
+        save_checkpoint(out / "model.pt", ckpt.state, dataclasses.replace(cfg, max_seq_len=LONG))
+        shutil.copy(tiny_gqa / "tokenizer.json", out / "tokenizer.json")
+
+    raw = made_once(tmp_path_factory, "ckpt", f"tiny-gqa-{LONG}", longer)
+    return raw, made_once(tmp_path_factory, "hf", f"tiny-gqa-{LONG}", lambda out: convert(raw, out, log=quiet))
+
+
+# model: its fixtures, (checkpoint, folder) or one giving both
+MODELS = {
+    "tiny": ("tiny", "tiny_hf"),
+    "tiny-gqa": ("tiny_gqa", "tiny_gqa_hf"),
+    "reference shape": ("reference_shape",),
+    "trained, 2048 positions": ("trained_long",),
+}
+# test_verify.py runs the MHA model on the patched wheel (fp32 in make test, bf16 in make test-full); the
+# trained 2048-position model runs on the patched wheel (the plugin route computes the same model file)
 CASES = [
     (route, model, dtype)
     for route in ("patched wheel", "plugin")
     for model in MODELS
     for dtype in ("float32", "bfloat16")
-    if (route, model) != ("patched wheel", "tiny")
+    if (route, model) not in {("patched wheel", "tiny"), ("plugin", "trained, 2048 positions")}
 ]
+
+
+def model_of(request, model: str) -> tuple[Path, Path]:
+    names = MODELS[model]
+    return request.getfixturevalue(names[0]) if len(names) == 1 else tuple(map(request.getfixturevalue, names))
+
+
+def verify_run(python, env, hf: Path, raw: Path, dtype: str, out: Path) -> subprocess.CompletedProcess:
+    command = [python, "-m", "ministream.cli", "verify", hf, "--raw", raw, "--dtype", dtype, "--out", out]
+    return subprocess.run([str(c) for c in command], capture_output=True, text=True, env=env, timeout=3600)
 
 
 @pytest.mark.vllm
 @pytest.mark.full
 @pytest.mark.parametrize("route, model, dtype", CASES)
 def test_verify_passes_far_from_position_0(route, model, dtype, route_python, request, tmp_path):
-    if MODELS[model] is None:
-        raw, hf = request.getfixturevalue("reference_shape")
-    else:
-        raw, hf = (request.getfixturevalue(name) for name in MODELS[model])
+    raw, hf = model_of(request, model)
     python, env = route_python(route)
-    command = [python, "-m", "ministream.cli", "verify", hf, "--raw", raw, "--dtype", dtype, "--out", tmp_path]
-    r = subprocess.run([str(c) for c in command], capture_output=True, text=True, env=env, timeout=3600)
+    r = verify_run(python, env, hf, raw, dtype, tmp_path)
     assert r.returncode == 0, r.stdout[-5000:] + r.stderr[-3000:]
     assert f"rule for {dtype}" in r.stdout and "PASS" in r.stdout
     golden = json.loads((tmp_path / f"golden-{dtype}.json").read_text())
     got = json.loads((tmp_path / f"vllm-{dtype}.json").read_text())["outputs"]
     assert_far_from_position_0(golden, hf, got)
+
+
+@pytest.mark.vllm
+@pytest.mark.full
+def test_a_wrong_rope_theta_in_the_served_config_fails_verify_on_trained_weights_far_from_position_0(
+    trained_long, route_python, tmp_path
+):
+    """The proof above can fail: the folder vLLM serves says rope_theta 10% above the checkpoint's, and verify
+    (fp32) fails with the long prompts among those that part from the reference."""
+    raw, hf = trained_long
+    folder = tmp_path / "theta"
+    shutil.copytree(hf, folder)
+    config = json.loads((folder / "config.json").read_text())
+    theta = config["rope_theta"] * 1.1  # both keys: transformers >= 5 reads rope_parameters, older rope_theta
+    config.update(rope_theta=theta, rope_parameters={**config["rope_parameters"], "rope_theta": theta})
+    (folder / "config.json").write_text(json.dumps(config))
+    python, env = route_python("patched wheel")
+    r = verify_run(python, env, folder, raw, "float32", tmp_path / "verify")
+    assert r.returncode != 0 and "FAIL" in r.stdout, r.stdout[-3000:] + r.stderr[-2000:]
+    golden = json.loads((tmp_path / "verify" / "golden-float32.json").read_text())
+    got = json.loads((tmp_path / "verify" / "vllm-float32.json").read_text())["outputs"]
+    rows = golden["context"]["prompts"]
+    _, results = compare([golden["outputs"][c["index"]] for c in rows], [got[c["index"]] for c in rows], exact=True)
+    assert not all(r.identical for r in results), "the long prompts kept the reference's tokens"

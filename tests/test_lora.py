@@ -387,15 +387,32 @@ def test_base_and_two_adapters_in_one_batch_each_give_the_reference_merged_greed
         assert logprob_difference(got, want[name]) < 1e-3, name
 
 
-@pytest.mark.vllm
-@pytest.mark.xfail(
-    strict=True,
-    reason="vLLM 0.32's CPU LoRA ops give a base-model row slot -1 (the last adapter's) when every slot is "
-    "filled (vLLM PRs #48421, #49656, open): engine.lora_settings keeps a spare. Passing means vLLM fixed it",
+# the bug of vLLM 0.32's CPU LoRA ops that engine.lora_settings' spare slot steps around (vLLM PRs #48421, #49656,
+# open): with every slot filled, a base-model row's slot index -1 reads the last slot, the last adapter's weights
+FIXED = (
+    "the base rows are the base model's with every LoRA slot filled: vLLM fixed its CPU LoRA ops (PRs #48421, "
+    "#49656)? Hold the base rows to the base model here, and drop engine.lora_settings' spare slot where the "
+    "pinned release has the fix"
 )
-def test_base_rows_stay_the_base_models_when_every_lora_slot_is_filled(offline, want):
-    for name, got in zip(BATCHES["full"], offline["full"]):
-        assert ids(got) == ids(want[name]), name
+
+
+@pytest.mark.vllm
+def test_with_every_lora_slot_filled_each_adapter_is_served_and_the_base_rows_get_the_last_adapter(offline, want):
+    """vLLM's known bug, pinned as it is: each adapter's rows are its reference's (fp32 identical ids, logprobs
+    within 1e-3), while no base row gives the base model's greedy ids: they carry the last adapter's update, the
+    slot -1 reads, so more of them give its ids than any other model's. Which rows, and whether exactly, varies
+    from run to run: seen 5, 8 and 10 of 10 with its ids, 0 to 7 of them its logprobs within 1e-3 too, none
+    with another adapter's or the base's ids. Base rows that are the base model's fail saying vLLM fixed it."""
+    got = dict(zip(BATCHES["full"], offline["full"]))
+    for name in BATCHES["full"][1:]:
+        assert ids(got[name]) == ids(want[name]), name
+        assert logprob_difference(got[name], want[name]) < 1e-3, name
+    base = ids(got[None])
+    assert base != ids(want[None]), FIXED
+    agree = {name: sum(a == b for a, b in zip(base, ids(want[name]))) for name in BATCHES["full"]}
+    assert agree[None] == 0, (FIXED, agree)  # not one prompt the base model's
+    last = BATCHES["full"][-1]
+    assert agree[last] > max(n for name, n in agree.items() if name != last), f"not the last adapter's: {agree}"
 
 
 # --- servers: vllm serve and ministream serve, on the patched wheel and the plugin route ----------------

@@ -10,7 +10,7 @@ import shutil
 import git
 import pytest
 
-from ministream.checks.matrix import CHECKS, check_version, run_matrix
+from ministream.checks.matrix import CHECKS, all_passed, check_version, run_matrix
 from ministream.fork.patch import patch_tree
 from ministream.fork.patchset import patch_set_dir, supported_versions
 from ministream.fork.port import pristine_files
@@ -30,8 +30,14 @@ checked = functools.cache(check_version)  # each version's matrix row, for the t
 @pytest.mark.parametrize("version", [v if v in QUICK else pytest.param(v, marks=pytest.mark.full) for v in VERSIONS])
 def test_patch_set_passes_every_check(version):
     result = checked(version)
+    assert list(result["checks"]) == list(CHECKS)  # every check ran: none passes by its absence
     failed = {c: r["detail"] for c, r in result["checks"].items() if not r["ok"]}
     assert not failed, f"vLLM {version}: {failed}"
+
+
+def test_a_matrix_of_no_version_or_no_check_does_not_pass():
+    assert not all_passed({}) and not all_passed({"0.32.0": {"checks": {}}})
+    assert all_passed({"0.32.0": {"checks": {c: {"ok": True} for c in CHECKS}}})
 
 
 def test_a_release_of_a_listed_line_with_identical_files_uses_that_lines_patch_set():

@@ -149,11 +149,11 @@ def test_a_node_killed_while_serving_ends_rank_0_promptly_naming_it(cluster):
     n0, n1 = cluster["nodes"]
     os.killpg(n1.pid, signal.SIGKILL)
     n1.wait(timeout=30)  # reaped: our child, gone
-    start_t = time.monotonic()
+    # a hang bound, not a timing: rank 0's watcher ends it within seconds; without it vLLM waits on its collective
+    # until torch.distributed's timeout (minutes), which is what "promptly" rules out
     rc = n0.wait(timeout=60)
-    took = time.monotonic() - start_t
-    assert rc != 0 and took < 30, (rc, took)
     log = (cluster["logs"] / "node0.log").read_text()
+    assert rc == 3, (rc, log[-3000:])  # serve's status for a lost node: its watcher ended it, nothing else
     assert "node 1 was lost" in log
     deadline = time.monotonic() + 30
     while (group_left(n0.pid) or group_left(n1.pid)) and time.monotonic() < deadline:
@@ -166,12 +166,10 @@ def test_a_node_killed_while_serving_ends_rank_0_promptly_naming_it(cluster):
 
 def test_rank_0_alone_says_it_waits_and_gives_up_after_its_timeout(tiny_hf, tmp_path):
     master = free_port()
-    t = time.monotonic()
     proc = node(tiny_hf, 0, master, tmp_path / "node0.log", "--tp", 2, "--node-timeout", 8)
-    rc = proc.wait(timeout=120)
-    took = time.monotonic() - t
+    rc = proc.wait(timeout=120)  # a hang bound: it gives up at --node-timeout, before vLLM starts (the log says)
     log = (tmp_path / "node0.log").read_text()
-    assert rc == 2 and took < 60, (rc, took, log)
+    assert rc == 2, (rc, log)
     assert f"waiting for node(s) 1 at 127.0.0.1:{master + 1}" in log
     assert f"node(s) 1 of 2 did not join at 127.0.0.1:{master + 1} within 8 s" in log and "Traceback" not in log
 

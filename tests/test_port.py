@@ -443,7 +443,8 @@ def test_a_release_without_an_sdist_records_why_it_has_no_upstream_part():
     folder = patch_set_dir("0.15.1")
     assert manifest(folder)["upstream"] == "no sdist on PyPI for 0.15.1"
     assert not (folder / "upstream").exists()
-    assert all(p.startswith("vllm/") for p in pinned(folder, "0.15.1"))
+    files = pinned(folder, "0.15.1")
+    assert files and all(p.startswith("vllm/") for p in files)
 
 
 def test_relative_imports_are_rewritten_for_the_tests_folder():

@@ -155,11 +155,12 @@ def test_left_padded_batch_equals_one_request_at_a_time():
     m = random_model(config(n_kv_heads=2))
     prompts = [[0, 5], [0, 9, 14, 3, 77, 12], [0, 60, 2, 4]]
     batch = m.generate(prompts, 10, logprobs=2)
-    for p, b in zip(prompts, batch):
+    for p, b in zip(prompts, batch, strict=True):
         alone = m.generate([p], 10, logprobs=2)[0]
-        assert b["ids"] == alone["ids"]
+        assert b["ids"] == alone["ids"] and len(b["ids"]) == 10
+        assert len(b["logprobs"]) == len(alone["logprobs"]) == 10  # every step's logprobs held below
         for x, y in zip(b["logprobs"], alone["logprobs"]):
-            assert x.keys() == y.keys()
+            assert x.keys() == y.keys() and len(x) >= 2
             assert all(abs(x[t] - y[t]) < 1e-4 for t in x)
 
 

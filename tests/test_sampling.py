@@ -39,6 +39,21 @@ MAX_TOKENS = 64  # the tiny model's greedy text reaches eos within this on DEFAU
 TOP_K = 5  # logprobs and prompt_logprobs asked for
 SAMPLE_TOKENS = 24
 SAMPLE = {"temperature": 1.0, "top_k": 10}  # seeded sampling: each token among the reference's top 10
+# The sampler against the reference's distribution: DRAWS samples (n=) of each default prompt's next token, a
+# Pearson chi-square test of their counts against the reference's softmax over its top_k (renormalised), summed
+# over the prompts, at a false-failure rate of FALSE_FAILURE: a correct sampler fails it once in 10^4 runs (the
+# chi-square approximation holds for cells expecting >= MIN_EXPECTED draws, rarer tokens pooled; 2000 simulated
+# runs on the tiny model's distributions exceeded the 1e-1, 1e-2, 1e-3 bounds 9.4%, 0.8%, 0.1% of the time).
+# Its power, from the same distributions: temperature 0.7 instead of 1 adds some 490 to the statistic's mean
+# (its noncentrality), top_k 5 instead of 10 as much, against a bound of 112 over 62 degrees of freedom (mean 62):
+# both fail it for certain; temperature 0.9 (+53) about half the time.
+# The draws take the engine's generator, not a seed of their own: vLLM 0.32's CPU runner kills the engine on a
+# seeded request whose sample it discards (it rewinds the request's torch.Generator by set_offset, which a CPU
+# generator lacks: "CPU Generator does not use offset"), as it did on 5000 seeded ones. So they are not the same
+# in another engine (TP=2, the plugin route), which same_outputs leaves them out of.
+DRAWS = 500
+FALSE_FAILURE = 1e-4
+MIN_EXPECTED = 5
 
 # One offline engine of the installed vLLM, every request of a spec file in turn; each request's outputs
 # and the engine's counters after it (spec decoding's among them) into a JSON file.
@@ -166,6 +181,7 @@ def sampling_requests(folder: Path, prompts: list[list[int]], greedy: list[dict]
         "seeded_other": {"prompts": few, "params": {**sampled, "seed": 4321}},
         "n": {"prompts": few[:2], "params": {**sampled, "n": 4, "seed": 99}},
         "n_again": {"prompts": few[:2], "params": {**sampled, "n": 4, "seed": 99}},
+        "distribution": {"prompts": prompts, "params": {**SAMPLE, "max_tokens": 1, "n": DRAWS}},
         "stop_strings": {
             "prompts": few,
             "params": [{**plain, "stop": [stop_string(folder, g["ids"])]} for g in greedy[:4]],
@@ -276,6 +292,52 @@ def test_n_completions_are_distinct_samples_repeated_by_their_seed(case):
     assert report("n>1 logprobs", diffs) <= TOL
 
 
+def sampling_distribution(model, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
+    """What SAMPLE draws the next token of `prompt` from, by the reference: its top_k tokens and their
+    probabilities (the softmax at SAMPLE's temperature over the top_k logits alone), in float64."""
+    top = reference_rows(model, prompt)[-1].double().topk(SAMPLE["top_k"])
+    return top.indices.tolist(), torch.softmax(top.values / SAMPLE["temperature"], dim=-1)
+
+
+def chi_square(counts: list[int], probs: torch.Tensor) -> tuple[float, int]:
+    """Pearson's statistic of `counts` against `probs` and its degrees of freedom; cells expecting fewer than
+    MIN_EXPECTED draws are pooled into one (into the smallest other cell, if the pool still expects too few)."""
+    n, pairs = sum(counts), sorted(zip(probs.tolist(), counts), reverse=True)
+    cells = [[n * p, c] for p, c in pairs if n * p >= MIN_EXPECTED]
+    pool = [sum(n * p for p, c in pairs if n * p < MIN_EXPECTED), sum(c for p, c in pairs if n * p < MIN_EXPECTED)]
+    if pool[0] >= MIN_EXPECTED:
+        cells.append(pool)
+    elif pool[0] > 0:
+        cells[-1] = [cells[-1][0] + pool[0], cells[-1][1] + pool[1]]
+    return sum((c - e) ** 2 / e for e, c in cells), len(cells) - 1
+
+
+def chi_square_bound(df: int, p: float) -> float:
+    """The value a chi-square variable of `df` degrees of freedom exceeds with probability `p` (its upper tail,
+    P(X > x) = Q(df/2, x/2), the regularised upper incomplete gamma, solved by bisection)."""
+    lo, hi, a = 0.0, df + 20.0 * df**0.5 + 100.0, torch.tensor(df / 2, dtype=torch.float64)
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        tail = float(torch.special.gammaincc(a, torch.tensor(mid / 2, dtype=torch.float64)))
+        lo, hi = (mid, hi) if tail > p else (lo, mid)
+    return hi
+
+
+def test_sampled_tokens_follow_the_reference_distribution_by_a_chi_square_test(case):
+    """DRAWS samples of each prompt's next token (temperature 1, top_k 10): counted per token, they fit the
+    reference's distribution at FALSE_FAILURE (see there), and none falls outside its top_k."""
+    statistic, df = 0.0, 0
+    for prompt, completions in zip(case["prompts"], outputs(case, "distribution"), strict=True):
+        drawn = [c["ids"][0] for c in completions]
+        tokens, probs = sampling_distribution(case["model"], prompt)
+        assert len(drawn) == DRAWS and set(drawn) <= set(tokens), (prompt, sorted(set(drawn) - set(tokens)))
+        s, d = chi_square([drawn.count(t) for t in tokens], probs)
+        statistic, df = statistic + s, df + d
+    bound = chi_square_bound(df, FALSE_FAILURE)
+    print(f"sampling: chi-square {statistic:.1f}, {df} degrees of freedom, bound {bound:.1f} at p {FALSE_FAILURE:g}")
+    assert df >= len(case["prompts"]) and statistic <= bound
+
+
 # ---------------------------------------------------------------- stop strings, stop token ids, eos
 
 
@@ -323,7 +385,7 @@ def test_generation_ends_at_the_formats_eos_id_unless_ignore_eos(case):
 def same_outputs(case: dict, other: dict) -> None:
     """Another engine's outputs of the same requests: the same tokens, stops and reasons for every request
     (seeded sampling included), and logprobs within TOL of the reference."""
-    for name in case["requests"]:
+    for name in case["requests"].keys() - {"distribution"}:  # unseeded (see DRAWS)
         mine = [
             [{k: c[k] for k in ("ids", "text", "finish_reason", "stop_reason")} for c in r["outputs"]]
             for r in case["vllm"][name]["results"]

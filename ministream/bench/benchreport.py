@@ -48,7 +48,7 @@ def table(result: dict) -> str:
         f"{'MS comp':>8} {'MS eager':>8} {'comp/eager':>10} "
         f"{'vLLM bind':>9} {'ours/bind':>9} {'ref batch':>9} {'x':>6} {'ref 1-by-1':>10} {'x':>6} "
         f"{'TTFT MS':>8} {'TTFT ref':>8} {'llama.cpp':>9} {'MS/l.cpp':>8} {'TTFT l.cpp':>10} "
-        f"{'no zentorch':>11} {'zen/plain':>9}",
+        f"{'no zentorch':>11} {'zen/plain':>9} {'HF backend':>10} {'MS/HF':>6}",
     ]
     for r in sm["rows"]:
         t, ttft = r["tokens_per_s"], r["ttft_s"]
@@ -64,11 +64,12 @@ def table(result: dict) -> str:
             f"{_f(ttft['reference_batched'] and ttft['reference_batched'] * 1e3, '{:.0f}ms'):>8} "
             f"{_f(t['llamacpp']):>9} {_r(r, 'vllm_over_llamacpp', '{:.2f}'):>8} "
             f"{_f(ttft['llamacpp'] and ttft['llamacpp'] * 1e3, '{:.0f}ms'):>10} "
-            f"{_f(t['ministream_no_zentorch']):>11} {_r(r, 'zentorch_over_plain', '{:.2f}'):>9}"
+            f"{_f(t['ministream_no_zentorch']):>11} {_r(r, 'zentorch_over_plain', '{:.2f}'):>9} "
+            f"{_f(t['transformers_backend']):>10} {_r(r, 'native_over_transformers_backend', '{:.2f}'):>6}"
         )
     lines.append(
         "geometric means: MS/LLaMA {}, compiled/eager {}, ours/vLLM bind {}, vLLM/ref batched {}, "
-        "vLLM/ref one-by-one {}, vLLM/llama.cpp {}, zentorch/plain {}".format(
+        "vLLM/ref one-by-one {}, vLLM/llama.cpp {}, zentorch/plain {}, native/Transformers backend {}".format(
             _f(sm["geomean_ministream_over_llama"], "{:.3f}"),
             _f(sm.get("geomean_compiled_over_eager"), "{:.2f}"),
             _f(sm["geomean_ours_over_vllm_bind"], "{:.2f}"),
@@ -76,6 +77,7 @@ def table(result: dict) -> str:
             _f(sm["geomean_vllm_over_reference_serial"], "{:.1f}"),
             _f(sm.get("geomean_vllm_over_llamacpp"), "{:.2f}"),
             _f(sm.get("geomean_zentorch_over_plain"), "{:.2f}"),
+            _f(sm.get("geomean_native_over_transformers_backend"), "{:.2f}"),
         )
     )
     lines += spread_lines(result)

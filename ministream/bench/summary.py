@@ -18,6 +18,7 @@ SYSTEMS = {
     "reference_serial": "reference model, one request at a time",
     "llamacpp": "llama.cpp (llama-server, GGUF of the same weights)",
     "ministream_no_zentorch": "MiniStream, patched vLLM, zentorch hidden (vLLM's plain CPU platform)",
+    "transformers_backend": "MiniStream, stock vLLM's Transformers backend (the folder's own transformers files)",
 }
 
 
@@ -64,6 +65,8 @@ RATIOS = {
     "vllm_over_reference_serial": ("ministream", "reference_serial"),
     "vllm_over_llamacpp": ("ministream", "llamacpp"),
     "zentorch_over_plain": ("ministream", "ministream_no_zentorch"),
+    # upstream says the backend is "as fast as native": the native model (patched vLLM) over it
+    "native_over_transformers_backend": ("ministream", "transformers_backend"),
 }
 
 

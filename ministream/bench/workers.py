@@ -93,7 +93,9 @@ def _worker(spec: dict) -> dict:
         settings = engine.EngineSettings(
             dtype=spec["dtype"], max_model_len=spec["prompt_len"] + spec["new_tokens"], enforce_eager=eager
         )
-        llm = vllm_engine(Path(spec["model_dir"]), settings)
+        llm = vllm_engine(Path(spec["model_dir"]), settings, **spec.get("llm", {}))  # "llm": LLM(...)'s own
+        # the class vLLM resolved: MiniStreamForCausalLM, or TransformersForCausalLM on the Transformers backend
+        result["architecture"] = llm.llm_engine.model_config.architecture
         result["weights_file_bytes"] = widths.folder_bytes(spec["model_dir"])
         result["start_s"] = time.perf_counter() - t
         result["env"] = {k: os.environ.get(k) for k in (engine.BIND, engine.KV_CACHE, engine.IN_PROCESS)}
@@ -180,7 +182,8 @@ def _llamacpp_worker(spec: dict) -> dict:
 
 
 def run_worker(name: str, spec: dict, out: Path, env: dict | None = None, timeout: float = 1800) -> dict:
-    """Run _worker(spec) in `python -m ministream.bench.workers` with its own environment; figures + peak memory."""
+    """Run _worker(spec) in `python -m ministream.bench.workers` with its own environment; figures + peak memory.
+    spec["python"]: another environment's interpreter (the stock vLLM venv's), which sees this ministream."""
     (out / "logs").mkdir(parents=True, exist_ok=True)
     spec_file, result_file, log = (out / "logs" / f"{name}.{x}" for x in ("spec.json", "result.json", "log"))
     spec_file.write_text(json.dumps(spec))
@@ -191,7 +194,7 @@ def run_worker(name: str, spec: dict, out: Path, env: dict | None = None, timeou
     t = time.perf_counter()
     with open(log, "w") as logf:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "ministream.bench.workers", str(spec_file), str(result_file)],
+            [spec.get("python", sys.executable), "-m", "ministream.bench.workers", str(spec_file), str(result_file)],
             stdout=logf,
             stderr=subprocess.STDOUT,
             env=full_env,

@@ -168,6 +168,7 @@ def read(folder: Path) -> dict | None:
         and fp["prompt_ids"]
         and all(type(t) is int for t in fp["prompt_ids"])
         and isinstance(fp["ids"], list)
+        and fp["ids"]  # no new token: serve's check would compare nothing and pass
         and all(type(t) is int for t in fp["ids"])
         and isinstance(fp["logprobs"], list)
         and len(fp["logprobs"]) == len(fp["ids"])

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from .. import MiniStreamError, __version__
+from .. import MiniStreamError
 from ..atomic import check_output, check_space, disk_full, new_folder, pause_point
 from ..spec import (
     LORA_TABLE,
@@ -154,7 +154,9 @@ def load_for(adapter_path: str | Path, cfg: TrainConfig) -> tuple[Adapter, list[
 
 
 def peft_config(adapter: Adapter, rows: list[LoraRow], base: Path) -> dict:
-    """adapter_config.json: PEFT's LoraConfig for the same update (scale lora_alpha / r, no rsLoRA, no bias)."""
+    """adapter_config.json: PEFT's LoraConfig for the same update (scale lora_alpha / r, no rsLoRA, no bias).
+    LoraConfig's keys only: on any other, PeftModel.from_pretrained warns the user to upgrade PEFT (issue 53),
+    so the folder names its maker in its made record (.ministream-made.json), not here."""
     targets = [t for t in LORA_TABLE if any(row.target == t for row in rows)]
     alpha = int(adapter.alpha) if adapter.alpha.is_integer() else adapter.alpha
     return {
@@ -172,7 +174,6 @@ def peft_config(adapter: Adapter, rows: list[LoraRow], base: Path) -> dict:
         "modules_to_save": None,
         "init_lora_weights": True,
         "inference_mode": True,
-        "ministream_converter": __version__,
     }
 
 

@@ -338,7 +338,8 @@ def matrix_table(results: dict) -> str:
 
 
 def all_passed(results: dict) -> bool:
-    return all(c["ok"] for r in results.values() for c in r["checks"].values())
+    """Every check of every version passed; a matrix of no version, or a version of no check, does not pass."""
+    return bool(results) and all(r["checks"] and all(c["ok"] for c in r["checks"].values()) for r in results.values())
 
 
 def check_versions(versions: str | None, out: Path) -> int:
