@@ -190,7 +190,7 @@ def add_gguf(sub) -> None:
 
 
 def add_quantize(sub) -> None:
-    from .checkpoint import quantize
+    from .checkpoint import quantize, scheme
 
     p = command(
         sub,
@@ -202,7 +202,7 @@ def add_quantize(sub) -> None:
     p.add_argument(
         "--scheme",
         required=True,
-        choices=list(quantize.SCHEMES),
+        choices=list(scheme.SCHEMES),
         help="w8a8: int8 weights and activations; w4a16: int4 weights in groups of 128, activations as they are; "
         "fp8: float8 weights and activations, for GPUs",
     )
@@ -221,7 +221,7 @@ def add_quantize(sub) -> None:
     p.add_argument("--calibration-samples", type=int, help="windows of 512 tokens GPTQ calibrates on (default: 128)")
     p.add_argument(
         "--head",
-        choices=quantize.HEADS,
+        choices=scheme.HEADS,
         default="float",
         help="float: the head as it is, tied to the embedding where the model ties it (default); quantized: the "
         "head by the same scheme too, rounded to nearest, as a tensor of its own (w8a8, w4a16; vLLM with PR "
@@ -1241,8 +1241,8 @@ def _run(argv) -> int:
 def console() -> None:
     """The `ministream` command: main's exit status. Where an offline engine's core ran in this process (tune's
     in_process choice), the exit skips the interpreter's teardown: vLLM's in-process engine has aborted there
-    after its work was done ("terminate called without an active exception", exit -6: 1 verify in 7 on an
-    Intel Xeon with AMX, 1 engine in 8 on the family-26 EPYC, 2026-12-04), which made a passed verify fail.
+    after its work was done ("terminate called without an active exception", exit -6; how often: docs/faults.md
+    row 130), which made a passed verify fail.
     Every output is written, atomically, before main returns, and that engine has no processes to stop."""
     import logging
     import os

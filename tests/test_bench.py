@@ -522,7 +522,7 @@ def test_each_quantized_width_s_folder_is_quantized_as_the_width_says(tiny_hf, t
     width with a float head, so its head rows measured the float head's folder); the source untouched."""
     from ministream.bench.accuracy import SYSTEMS, system_folder
     from ministream.bench.widths import WIDTHS, vllm_folder
-    from ministream.checkpoint.quantize import read_scheme
+    from ministream.checkpoint.scheme import read_scheme
     from ministream.paths import HELDOUT
 
     before = {f.name: f.read_bytes() for f in tiny_hf.iterdir()}

@@ -10,11 +10,12 @@ import torch
 from torch import nn
 
 from ministream import MiniStreamError
-from ministream.checkpoint.convert import convert, read_folder
+from ministream.checkpoint.convert import convert
 from ministream.checkpoint.demo import make_checkpoint
 from ministream.checkpoint.format import load, load_checkpoint
 from ministream.checkpoint.gguf import export
 from ministream.checkpoint.reference import MiniStream
+from ministream.checkpoint.weights import read_folder
 from ministream.spec import EMBEDDING, HEAD, TrainConfig
 
 from conftest import quiet

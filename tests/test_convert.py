@@ -18,10 +18,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import ministream.checkpoint.hf  # noqa: F401  registers MiniStreamForCausalLM with the Auto classes
 from ministream import MiniStreamError
-from ministream.checkpoint.convert import convert, read_folder
+from ministream.checkpoint.convert import convert
 from ministream.checkpoint.demo import make_checkpoint
 from ministream.checkpoint.format import load
 from ministream.checkpoint.reference import MiniStream
+from ministream.checkpoint.weights import read_folder
 
 from conftest import quiet
 

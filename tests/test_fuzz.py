@@ -19,8 +19,9 @@ from hypothesis import given, strategies as st
 from tokenizers import Tokenizer, models
 
 from ministream import MiniStreamError
-from ministream.checkpoint.convert import convert, read_folder
+from ministream.checkpoint.convert import convert
 from ministream.checkpoint.format import load_checkpoint
+from ministream.checkpoint.weights import read_folder
 from ministream.spec import TrainConfig, raw_shapes, renumber_block
 
 from conftest import fuzz_settings

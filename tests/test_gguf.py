@@ -11,8 +11,8 @@ from gguf import GGUFReader
 from safetensors.torch import load_file
 
 from ministream import spec
-from ministream.checkpoint.convert import read_folder
 from ministream.checkpoint.gguf import CONTROL, NORMAL, UNUSED
+from ministream.checkpoint.weights import read_folder
 
 from conftest import quiet
 

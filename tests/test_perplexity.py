@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from ministream import MiniStreamError
-from ministream.checkpoint.convert import read_folder
 from ministream.checkpoint.perplexity import N_CTX, chunks, folder_perplexity, reference_perplexity
 from ministream.checkpoint.reference import MiniStream
+from ministream.checkpoint.weights import read_folder
 from ministream.paths import CORPUS, HELDOUT
 
 

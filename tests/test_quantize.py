@@ -15,9 +15,10 @@ from safetensors.torch import load_file
 
 from ministream import MiniStreamError
 from ministream.checkpoint import fingerprint
-from ministream.checkpoint.convert import read_folder
 from ministream.checkpoint.perplexity import chunks, folder_perplexity
-from ministream.checkpoint.quantize import LINEAR, RECORD, check_shapes, quantization_config, read_scheme
+from ministream.checkpoint.quantize import RECORD
+from ministream.checkpoint.scheme import LINEAR, check_shapes, quantization_config, read_scheme
+from ministream.checkpoint.weights import read_folder
 from ministream.paths import HELDOUT
 from ministream.run.folder import (
     CPU_INT4,
@@ -79,7 +80,7 @@ def test_each_linear_weight_is_within_half_a_step_of_its_value_and_nothing_else_
             assert after[f"{stem}.weight_shape"].tolist() == [rows, inputs]
         hf_after[name] = scale.repeat_interleave(GROUP[scheme] or inputs, dim=1)
     # round to nearest: no weight moved more than half its step, and the largest of each group sits on the grid
-    from ministream.checkpoint.quantize import dequantize_state, scheme_name
+    from ministream.checkpoint.scheme import dequantize_state, scheme_name
 
     config = json.loads((out / "config.json").read_text())
     deq = dequantize_state(after, cfg, scheme_name(config, "config.json"))
@@ -294,7 +295,7 @@ def test_fp8_weights_sit_on_the_float8_grid(cli, tiny_gqa_hf, tmp_path):
     float8's spacing there (3 mantissa bits: 2^-4 of it, or of the smallest subnormal step)."""
     out = quantized(cli, tiny_gqa_hf, tmp_path / "fp8", "fp8")
     before, after = load_file(tiny_gqa_hf / "model.safetensors"), load_file(out / "model.safetensors")
-    from ministream.checkpoint.quantize import dequantize_state
+    from ministream.checkpoint.scheme import dequantize_state
 
     cfg, _ = read_folder(out)  # the library reads it back
     deq = dequantize_state(after, cfg, "fp8")

@@ -155,8 +155,8 @@ def _row(name: str, golden: dict, got: list[dict], ppl: float, ref_ppl: float) -
 
 
 # log-probability within which the reference model's first and second choices tie in float32's arithmetic: another
-# engine's float32 (llama.cpp's own reduction order) may take the second there and stay the same model (seen: a
-# gap of 5e-4 on tiny-gqa trained on the Intel Xeon here, llama.cpp f32 took the other token)
+# engine's float32 (llama.cpp's own reduction order) may take the second there and stay the same model (a gap of
+# 5e-4 on a trained test model: llama.cpp f32 took the other token)
 NEAR_TIE = 1e-3
 
 

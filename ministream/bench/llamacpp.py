@@ -45,11 +45,11 @@ CMAKE_FLAGS = [
 ]
 
 
-# llama.cpp's AMX kernels die of SIGSEGV on some Xeons with AMX (llama.cpp #20824, open): on the virtualized one
-# here (2026-12-04) at `ldtilecfg` in ggml_backend_amx_mul_mat on any batch of 2+ tokens, on one thread too, and
-# with the kernel's AMX permission asked for before main (arch_prctl ARCH_REQ_XCOMP_PERM, preloaded): llama-server
-# at every start, llama-bench and llama-perplexity at their first prompt. What runs there at its best is the same
-# sources built without AMX (its AVX-512 repacking kept: at q4_0 1.6x the AMX build's --no-repack here), so
+# llama.cpp's AMX kernels die of SIGSEGV on some Xeons with AMX (llama.cpp #20824, open): at `ldtilecfg` in
+# ggml_backend_amx_mul_mat on any batch of 2+ tokens, on one thread too, and with the kernel's AMX permission asked
+# for before main (arch_prctl ARCH_REQ_XCOMP_PERM, preloaded): llama-server at every start, llama-bench and
+# llama-perplexity at their first prompt (docs/bench.md). What runs there at its best is the same sources built
+# without AMX (its AVX-512 repacking kept: faster than the AMX build's --no-repack), so
 # where a tool dies of SIGSEGV that build is made (once, recorded) and every llama.cpp tool after it runs from
 # it; results say so (bench: llamacpp_no_amx). Not the default: where AMX works it is llama.cpp's fastest.
 NO_AMX_FLAGS = [f"-DCMAKE_{lang}_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16" for lang in ("C", "CXX")]
@@ -317,8 +317,8 @@ def perplexity(gguf: Path, text: Path, n_ctx: int, threads: int = 2, kv: str = "
 def final_estimate(stdout: str, stderr: str) -> float | None:
     """llama-perplexity's estimate over all N chunks it announced ("calculating perplexity over N chunks"): the
     running estimate it prints to stdout after chunk N ("[N]40.0750,"), else its "Final estimate: PPL = x" log
-    line; None where it printed neither. Its output has been seen to stop after chunk N-1, with exit 0 and no
-    Final line (2026-12-04): that earlier estimate (35.95 against the whole text's 40.08) is no answer."""
+    line; None where it printed neither. Its output can stop after chunk N-1, with exit 0 and no Final line:
+    that earlier estimate is no answer (it measured the text short of its end)."""
     announced = re.search(r"calculating perplexity over (\d+) chunks", stderr + stdout)
     running = dict(re.findall(r"\[(\d+)\]([0-9.]+|nan|inf),", stdout))
     if announced and announced.group(1) in running:

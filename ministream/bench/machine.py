@@ -46,7 +46,7 @@ def machine() -> dict:
 
     info = _cpuinfo()
     cpu = info.get("model name") or platform.processor()
-    # "AMD EPYC" alone names several machines: two runs a day apart differed 2-20x (docs/bench.md)
+    # "AMD EPYC" alone names several machines, whose figures differ severalfold (docs/bench.md)
     detail = {
         k.replace(" ", "_"): info[k]
         for k in ("cpu family", "model", "stepping", "cpu MHz", "cache size", "microcode")

@@ -1,10 +1,9 @@
 """tune: the CPU defaults that are the machine's to decide, chosen on the machine by one quick same-run check.
 
-Machines of one kind differ: on a Zen 5 EPYC zentorch was slower than vLLM's plain CPU platform in 6 of 9
-bench cells and vLLM's own core binding beat ours at batch 1, while on a Zen 4 zentorch won 1.27x (issue 36).
-So no figure from one machine sets the default on another. `ministream tune` (`make install` runs it) starts
-the reference shape (random weights, bfloat16) on the installed vLLM once per candidate and decodes at batch 1,
-8 and 64, each cell the median of repeats with their range (workers.measure):
+Machines of one kind differ: zentorch and the core binding have each won on one machine and lost on another
+(docs/tune.md). So no figure from one machine sets the default on another. `ministream tune` (`make install`
+runs it) starts the reference shape (random weights, bfloat16) on the installed vLLM once per candidate and
+decodes at batch 1, 8 and 64, each cell the median of repeats with their range (workers.measure):
 
   vllm      vLLM's own: VLLM_CPU_OMP_THREADS_BIND=auto, zentorch hidden (its plain CPU platform)
   ours      every core to the model (engine.core_binding), zentorch hidden

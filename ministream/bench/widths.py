@@ -115,8 +115,8 @@ def folder_bytes(folder: str | Path) -> int:
 
     from safetensors import safe_open
 
-    from ..checkpoint.convert import safetensors_files
-    from ..checkpoint.quantize import EMBED, quantizes_head
+    from ..checkpoint.scheme import EMBED, quantizes_head
+    from ..checkpoint.weights import safetensors_files
 
     files = safetensors_files(Path(folder))
     size = sum(f.stat().st_size for f in files)

@@ -224,7 +224,7 @@ def run_worker(name: str, spec: dict, out: Path, env: dict | None = None, timeou
 def exit_note(rc: int) -> str | None:
     """For a child that wrote its result (atomically, as its last act) and yet exited non-zero: the note kept
     beside its figures, which stand. vLLM on zentorch's platform has aborted at exit after finishing its work
-    ("terminate called without an active exception": 1 engine of 8 on the family-26 EPYC, 2026-12-04). None
+    ("terminate called without an active exception"; docs/faults.md row 127). None
     where it exited 0. A child without its result failed, whatever its exit."""
     return None if rc == 0 else f"exit {rc} after writing its result: at its end, not during its work"
 

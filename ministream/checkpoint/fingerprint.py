@@ -81,8 +81,8 @@ def compute(folder: Path) -> dict:
     """The fingerprint of a converted (or quantized) folder: the reference model in float32 on its weights."""
     import torch
 
-    from .convert import read_folder
     from .reference import MiniStream
+    from .weights import read_folder
 
     folder = Path(folder)
     config = json.loads((folder / "config.json").read_text())
@@ -120,7 +120,7 @@ def compute(folder: Path) -> dict:
 
 
 def _scheme(config: dict, folder: Path) -> str:
-    from .quantize import scheme_name
+    from .scheme import scheme_name
 
     return scheme_name(config, folder / "config.json")
 

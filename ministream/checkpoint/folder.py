@@ -202,14 +202,14 @@ _TRAIN_KINDS = {
 
 
 def quantized(v, _c):
-    from . import quantize
+    from . import scheme
 
     try:
-        quantize.scheme_name({"quantization_config": v}, "config.json")
+        scheme.scheme_name({"quantization_config": v}, "config.json")
     except MiniStreamError:
         return (
             f"vLLM would apply it, and it is not one of `ministream quantize`'s schemes "
-            f"({', '.join(quantize.SCHEMES)}), whose tensors this check knows"
+            f"({', '.join(scheme.SCHEMES)}), whose tensors this check knows"
         )
     return None
 
@@ -364,23 +364,23 @@ def checked(folder: Path) -> Examined:
 
 def quantized_view(config: dict, tensors: dict[str, Tensor]) -> tuple[dict[str, Tensor], list[Finding]]:
     """A quantized folder's tensors as the other checks read them: the tensors that stand for each linear weight
-    (quantize.stored: names, shapes, dtypes for the folder's scheme) checked, then replaced by one tensor of
+    (scheme.stored: names, shapes, dtypes for the folder's scheme) checked, then replaced by one tensor of
     the weight's own shape. A scheme `ministream quantize` does not write is an error: nothing here could say
     whether vLLM would read its weights right."""
-    from . import quantize
+    from .scheme import is_quantized, read_scheme, stored
 
     fix = "quantize the converted folder with `ministream quantize` (make quantize)"
     try:
-        scheme, head = quantize.read_scheme(config, "config.json")
+        scheme, head = read_scheme(config, "config.json")
         want = spec.hf_shapes(spec.train_config_from_hf(config))
     except MiniStreamError:
         return tensors, []  # config_findings names what is wrong with config.json
     what = f"{scheme} (compressed-tensors){', the head too' if head else ''}"
     view, found = dict(tensors), [Finding("ok", "quantization", what)]
     for name, shape in want.items():
-        if not quantize.is_quantized(name, head):
+        if not is_quantized(name, head):
             continue
-        stem, parts = name.removesuffix(".weight"), quantize.stored(shape, scheme)
+        stem, parts = name.removesuffix(".weight"), stored(shape, scheme)
         have = {local: view.pop(f"{stem}.{local}", None) for local in parts}
         for local, t in have.items():
             if t is None:
@@ -608,7 +608,7 @@ def check_head_dim(cfg: spec.TrainConfig, tensors: dict[str, Tensor]) -> Finding
 
 
 def check_head(folder: Folder) -> Finding:
-    from . import quantize
+    from . import scheme
 
     tied, has_head = folder.config.get("tie_word_embeddings"), HEAD in folder.tensors
     if tied is None:
@@ -633,7 +633,7 @@ def check_head(folder: Folder) -> Finding:
             f"tie_word_embeddings is false but there is no {HEAD}: vLLM's head stays uninitialized",
             "set tie_word_embeddings true if the head shares embed_tokens, else convert again",
         )
-    if not tied and not quantize.quantizes_head(folder.config) and folder.all_zero(HEAD):  # stored as int there
+    if not tied and not scheme.quantizes_head(folder.config) and folder.all_zero(HEAD):  # stored as int there
         return Finding(
             "error",
             "lm_head",

@@ -22,9 +22,9 @@ from .. import MiniStreamError, __version__
 from ..atomic import check_apart, check_space, disk_full, new_file
 from ..spec import TrainConfig, gguf_tensors, hf_shapes, raw_to_hf, train_config_from_hf
 from .cast import check_cast
-from .convert import LazyFolder, safetensors_files
 from .folder import checked
 from .format import load_checkpoint, read_json, resolve_config
+from .weights import LazyFolder, safetensors_files
 
 # --dtype -> (torch dtype of the matrices, gguf file type); 1-D tensors (the norms) stay f32, as llama.cpp's
 # converter keeps them: its CPU kernels want f32 norm weights.

@@ -28,9 +28,9 @@ from ..spec import (
     peft_shapes,
     train_config_from_hf,
 )
-from .convert import write_safetensors
 from .folder import checked
 from .format import ADAPTER_FILE, load_checkpoint, named_tensors, read_json, read_pt, resolve_config
+from .weights import write_safetensors
 
 PEFT_CONFIG, PEFT_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"  # a PEFT adapter folder's files
 CONFIG_KEYS = ("r", "alpha")  # the adapter's config: rank, and alpha of the scale alpha / r

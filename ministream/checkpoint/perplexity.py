@@ -80,9 +80,9 @@ def reference_perplexity(model: torch.nn.Module, c: Chunks) -> float:
 
 
 def folder_perplexity(folder: Path, c: Chunks, dtype: torch.dtype = torch.float32) -> float:
-    """The reference model on a converted folder's weights (a quantized folder's dequantized: convert.read_folder)."""
-    from .convert import read_folder
+    """The reference model on a converted folder's weights (a quantized folder's dequantized: weights.read_folder)."""
     from .reference import MiniStream
+    from .weights import read_folder
 
     cfg, state = read_folder(Path(folder))
     model = MiniStream(cfg)

@@ -51,8 +51,8 @@ CLI_LINE = re.compile(rb"""\bimportlib\.metadata\.version\((["'])vllm\1\)""")  #
 CLI_FIX = rb'__import__("vllm").__version__'
 
 # vLLM's CPU attention makes the key and value halves of a layer's KV cache with a view and a chunk on every
-# call, twice a layer a step (since PR #44393 laid the cache out blocks first): 0.2-0.4 ms of a 3.3-4 ms 4-bit
-# decode step at batch 1 on a 2-core Xeon (docs/bench.md). The CPU part makes them once per cache tensor, as
+# call, twice a layer a step (since PR #44393 laid the cache out blocks first): a measurable share of a small
+# model's decode step at batch 1 (docs/bench.md). The CPU part makes them once per cache tensor, as
 # PR #10989 trimmed flash-attn's per-call ops. Only where nothing after them reads the viewed `kv_cache`.
 ATTN_FILE = "vllm/v1/attention/backends/cpu_attn.py"
 ATTN_LINES = re.compile(

@@ -43,8 +43,8 @@ from ..net import read_url
 from .release import index_files
 
 PYPI = "https://pypi.org/simple/"
-# "name==version" -> the upstream issue about that pin. flashinfer-python==0.7.3 (vLLM 0.34.0): searched on
-# 2026-12-02 in vllm-project/vllm's and flashinfer-ai/flashinfer's issues and pull requests, none found.
+# "name==version" -> the upstream issue about that pin; empty where none was found (flashinfer-python==0.7.3,
+# vLLM 0.34.0: the search and its result are in docs/gpu.md).
 UPSTREAM_ISSUES: dict[str, str] = {}
 RECORD = "ministream-pins.json"  # beside the environment's bin/: what an install put in place of a pin
 TIMEOUT = 60

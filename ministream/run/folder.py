@@ -47,10 +47,10 @@ CT_HEAD = "isinstance(layer, ParallelLMHead)"
 def check_quantized_head(config: dict, vllm_dir: Path | None) -> Finding | None:
     """A folder whose head `quantize --head quantized` wrote, against the vLLM at `vllm_dir` (read, not
     imported): None where the head is not quantized or no vLLM is there to judge."""
-    from ..checkpoint import quantize
+    from ..checkpoint.scheme import read_scheme
 
     try:
-        scheme, head = quantize.read_scheme(config, "config.json")
+        scheme, head = read_scheme(config, "config.json")
     except MiniStreamError:
         return None
     if not head or vllm_dir is None:
@@ -70,7 +70,7 @@ def check_quantized_head(config: dict, vllm_dir: Path | None) -> Finding | None:
 
 # vLLM 0.32's CPU int8 GEMM where the CPU has AMX (check_cpu_sgl_kernel) is int8_scaled_mm_with_quant, which takes
 # bfloat16 or float16 activations only: a w8a8 folder in float32 fails at the first step ("expect A to be
-# bfloat16 or half"), seen on an Intel Xeon with AMX 2026-12-04; elsewhere the oneDNN kernel takes float32
+# bfloat16 or half"; docs/quantize.md); elsewhere the oneDNN kernel takes float32
 CPU_INT8 = "model_executor/kernels/linear/scaled_mm/cpu.py"
 CPU_INT8_AMX = "int8_scaled_mm_with_quant"
 
@@ -108,10 +108,10 @@ def check_int4_kernel(
 ) -> Finding | None:
     """What a 4-bit folder is computed with where that is not what its name says (w4a8 on an AMX CPU); None
     elsewhere. Not an error: verify holds it to the 4-bit rule all the same (docs/quantize.md)."""
-    from ..checkpoint import quantize
+    from ..checkpoint.scheme import read_scheme
 
     try:
-        scheme, _ = quantize.read_scheme(config, "config.json")
+        scheme, _ = read_scheme(config, "config.json")
     except MiniStreamError:
         return None
     if scheme != "w4a16" or not int4_runs_w4a8(vllm_dir, cpuinfo, env):
@@ -120,17 +120,17 @@ def check_int4_kernel(
         "ok",
         "4-bit kernel",
         f"on this CPU (AMX) vLLM computes the 4-bit weights with int8 activations ({CPU_INT4_W4A8} in {CPU_INT4}: "
-        f"w4a8), which verify holds to the w4a16 rule; {W4A8_ENV}=0 gives bf16 activations (cpu_gemm_wna16: 1.7x "
-        "slower a step on an Intel Xeon here)",
+        f"w4a8), which verify holds to the w4a16 rule; {W4A8_ENV}=0 gives bf16 activations (cpu_gemm_wna16: slower; "
+        "docs/quantize.md)",
     )
 
 
 # vLLM's CPU build picks its ZenCpuPlatform on an AMD CPU with AVX-512 where zentorch imports (vllm/platforms/
 # __init__.py, fork/zentorch.py), and every linear layer then runs through zentorch_linear_unary, whose float16 path
 # needs AVX512-FP16, which no AMD CPU so far has: `--dtype float16` starts, says ready and fails the first request
-# (HTTP 500; an EPYC with AVX-512, issue 52). vLLM lets it start: the platform's supported_dtypes leave float16 out,
+# (HTTP 500, docs/faults.md). vLLM lets it start: the platform's supported_dtypes leave float16 out,
 # but only "auto" reads them (it falls back to bfloat16 there). Its plain CpuPlatform runs float16: oneDNN's matmul,
-# else torch's linear where oneDNN has no float16 primitive (an AVX2 EPYC, 2026-12-06: the reference's tokens).
+# else torch's linear where oneDNN has no float16 primitive (tests/test_serve_checks.py: the reference's tokens).
 ZEN_PLATFORM = "platforms/zen_cpu.py"
 FP16_FLAG = "avx512_fp16"
 
@@ -169,7 +169,7 @@ def check_dtype(scheme: str | None, runs_in: str | None, what: str) -> None:
     """FolderError where this machine's vLLM cannot run weights quantized `scheme` (None: float weights)
     computing in `runs_in` (`what`: the folder or width named in the error). The one rule of what this machine
     runs: check_servable's (serve, generate, verify), doctor's and the benches' (widths.refusal)."""
-    from ..checkpoint.quantize import needs_16_bits
+    from ..checkpoint.scheme import needs_16_bits
 
     if runs_in == "float16" and float16_fails(installed_vllm_dir()):
         raise FolderError(
@@ -200,7 +200,7 @@ def check_dtype(scheme: str | None, runs_in: str | None, what: str) -> None:
 def check_runs(config: dict, dtype: str | None, what: str) -> None:
     """check_dtype for a folder (its config.json) run with the engine's --dtype `dtype`; None or auto: the folder's
     own, except that float16 is held only when asked for (vLLM's auto takes bfloat16 where float16 cannot run)."""
-    from ..checkpoint.quantize import scheme_name
+    from ..checkpoint.scheme import scheme_name
 
     runs_in = dtype if dtype not in (None, "auto") else config.get("dtype") or config.get("torch_dtype")
     if dtype in (None, "auto") and runs_in == "float16":

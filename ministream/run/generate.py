@@ -52,8 +52,8 @@ def detokenize(folder: Path, ids: list[int]) -> str:
 
 def load_reference(source: Path, dtype: str):
     """The reference model from a training checkpoint folder, or from a converted HF folder."""
-    from ..checkpoint.convert import read_folder
     from ..checkpoint.reference import MiniStream
+    from ..checkpoint.weights import read_folder
 
     source = Path(source)
     if (source / "config.json").is_file() and not (source / "model.pt").is_file():

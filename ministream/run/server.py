@@ -33,7 +33,7 @@ from ..net import open_url, parse_json
 
 HOST = "127.0.0.1"
 API_KEY = "VLLM_API_KEY"  # vLLM's own: every /v1 request must then carry "Authorization: Bearer <key>"
-START_TIMEOUT = 1800  # s for a server to answer (vLLM's engine start is minutes on a loaded 2-core box)
+START_TIMEOUT = 1800  # s for a server to answer (vLLM's engine start is minutes on a loaded machine with few cores)
 STOP_TIMEOUT = 60  # s from SIGTERM to SIGKILL
 REAP_GRACE = 10  # s the rest of a stopped server's group has to exit before SIGKILL
 

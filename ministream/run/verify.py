@@ -572,7 +572,7 @@ FOLDER_DIFFERS = (
 
 def quantized_scheme(model: Path) -> str | None:
     """The `ministream quantize` scheme of a folder (check_servable has accepted it), None when not quantized."""
-    from ..checkpoint.quantize import scheme_name
+    from ..checkpoint.scheme import scheme_name
 
     config = json.loads((Path(model) / "config.json").read_text())
     return scheme_name(config, Path(model) / "config.json") if "quantization_config" in config else None

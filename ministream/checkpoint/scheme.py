@@ -1,0 +1,173 @@
+"""The quantization vocabulary of a folder `ministream quantize` wrote: its schemes, the tensors that stand for one
+linear weight (stored), config.json's quantization_config and how to read the scheme back from it (read_scheme),
+and the float weights vLLM computes with (dequantize_state). The folder check, the reader and the quantizer share
+it; torch and compressed-tensors are imported where a function needs them, so the folder check (doctor) stays
+light.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from .. import MiniStreamError, spec
+from ..spec import EMBEDDING, TrainConfig, hf_names, hf_shapes
+
+if TYPE_CHECKING:
+    import torch
+
+# --scheme -> (the compressed-tensors preset, its compression format)
+SCHEMES = {
+    "w8a8": ("W8A8", "int-quantized"),
+    "w4a16": ("W4A16", "pack-quantized"),
+    "fp8": ("FP8_DYNAMIC", "float-quantized"),
+}
+# a scheme's stored weight: its safetensors code (pack-quantized stores int32 words: stored())
+WEIGHT_CODES = {"int-quantized": "I8", "float-quantized": "F8_E4M3"}
+LINEAR = re.compile(r"^model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight$")
+EMBED, HEAD = hf_names(EMBEDDING)[0], hf_names(spec.HEAD)[0]
+HEADS = ("float", "quantized")  # --head: as it is (tied to the embedding where the model ties it), or quantized
+# schemes whose quantized head was run here through vLLM (fp8's on a GPU was not: a head is no LinearBase,
+# and the fp8 kernels there read LinearBase's attributes, vLLM PR #52543)
+HEAD_SCHEMES = ("w8a8", "w4a16")
+WEIGHT_FILES = re.compile(r"^model(-\d+-of-\d+)?\.safetensors(\.index\.json)?$")
+
+
+# stored()'s safetensors codes as torch names: what GPTQ's tensors are checked against before they are written
+CODE_DTYPES = {"I8": "int8", "I32": "int32", "I64": "int64", "F32": "float32", "F8_E4M3": "float8_e4m3fn"}
+
+
+def scheme_of(name: str):
+    """The compressed-tensors QuantizationScheme of `--scheme name`, and its compressor class."""
+    if name not in SCHEMES:
+        raise MiniStreamError(f"--scheme {name}: choose one of {', '.join(SCHEMES)}")
+    from compressed_tensors.compressors import (
+        FloatQuantizationCompressor,
+        IntQuantizationCompressor,
+        PackedQuantizationCompressor,
+    )
+    from compressed_tensors.quantization import preset_name_to_scheme
+
+    preset, fmt = SCHEMES[name]
+    compressor = {
+        "pack-quantized": PackedQuantizationCompressor,
+        "int-quantized": IntQuantizationCompressor,
+        "float-quantized": FloatQuantizationCompressor,
+    }[fmt]
+    return preset_name_to_scheme(preset, ["Linear"]), compressor
+
+
+def stored(shape: tuple[int, ...], name: str) -> dict[str, tuple[tuple[int, ...], str]]:
+    """What stands for one linear weight of `shape` [out, in] in a `--scheme name` folder: local name -> (shape,
+    safetensors code). The scales are float32 whatever the folder's dtype: quantize computes them so."""
+    rows, inputs = shape
+    group = scheme_of(name)[0].weights.group_size
+    if not group:
+        return {"weight": ((rows, inputs), WEIGHT_CODES[SCHEMES[name][1]]), "weight_scale": ((rows, 1), "F32")}
+    return {
+        "weight_packed": ((rows, inputs // 8), "I32"),  # eight 4-bit values per int32, along the inputs
+        "weight_scale": ((rows, inputs // group), "F32"),
+        "weight_shape": ((2,), "I64"),
+    }
+
+
+def needs_16_bits(name: str) -> bool:
+    """Weight-only int4: vLLM's kernels (CPU and GPU) multiply in bfloat16 or float16, never float32."""
+    return SCHEMES[name][1] == "pack-quantized"
+
+
+def quantization_config(name: str, head: bool = False) -> dict:
+    """config.json's quantization_config for `--scheme name`, written by the library; with `head`, its group
+    targets lm_head too (by name: vLLM matches "Linear" against a layer's class, and the head's is
+    ParallelLMHead)."""
+    from compressed_tensors.quantization import QuantizationConfig
+
+    scheme, _ = scheme_of(name)
+    if head:
+        scheme = scheme.model_copy(update={"targets": [*scheme.targets, "lm_head"]})
+    fmt = SCHEMES[name][1]
+    config = QuantizationConfig(
+        config_groups={"group_0": scheme},
+        format=fmt,
+        quantization_status="compressed",
+        ignore=[] if head else ["lm_head"],
+    )
+    return config.model_dump(mode="json", exclude_none=True)
+
+
+def is_quantized(name: str, head: bool) -> bool:
+    """Whether the folder's tensor `name` (an HF weight name) is stored quantized: every linear weight, and the
+    head where `--head quantized` wrote it."""
+    return bool(LINEAR.match(name)) or (head and name == HEAD)
+
+
+def check_shapes(cfg: TrainConfig, name: str, source: str) -> None:
+    """Refuse, by tensor and size, a shape the scheme cannot group: every input size a multiple of the group."""
+    scheme, _ = scheme_of(name)
+    group = scheme.weights.group_size
+    if not group:
+        return
+    for tensor, shape in hf_shapes(cfg).items():  # the head's inputs are q_proj's: d_model
+        if LINEAR.match(tensor) and shape[1] % group:
+            raise MiniStreamError(
+                f"{source}: {tensor} has {shape[1]} inputs, not a multiple of {name}'s group of {group}: "
+                f"this model cannot be quantized {name}; use --scheme w8a8 (one scale per row)"
+            )
+
+
+def decompress(local: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    """The float weight that `compress`'s tensors stand for: what vLLM multiplies by (before activations)."""
+    scheme, compressor = scheme_of(name)
+    return compressor.decompress(dict(local), scheme)["weight"]
+
+
+def dequantize_state(
+    raw: dict[str, torch.Tensor], cfg: TrainConfig, name: str, head: bool = False
+) -> dict[str, torch.Tensor]:
+    """The HF-named float weights vLLM computes with, from the tensors of a folder `quantize` wrote
+    (convert.read_folder: the reference model of a quantized folder; `head`: its head is quantized too)."""
+    state = {k: v for k, v in raw.items() if not is_quantized(k.rsplit(".", 1)[0] + ".weight", head)}
+    for tensor in hf_shapes(cfg):
+        if is_quantized(tensor, head):
+            stem = tensor.removesuffix(".weight")
+            local = {k.removeprefix(stem + "."): v for k, v in raw.items() if k.startswith(stem + ".")}
+            if not local:
+                raise MiniStreamError(f"the quantized folder has no tensors of {stem}: quantize it again")
+            state[tensor] = decompress(local, name)
+    return state
+
+
+def scheme_name(config: dict, source: Path | str) -> str:
+    """The --scheme a quantized config.json was written with, refused by name where it is not one of ours."""
+    return read_scheme(config, source)[0]
+
+
+def read_scheme(config: dict, source: Path | str) -> tuple[str, bool]:
+    """The --scheme a quantized config.json was written with and whether its head is quantized (--head), refused
+    by name where it is not one of ours."""
+    q = config.get("quantization_config")
+    if not isinstance(q, dict):
+        raise MiniStreamError(f"{source}: no quantization_config: the folder is not quantized")
+    for name in SCHEMES:
+        for head in (False, True):
+            if q.get("quant_method") == "compressed-tensors" and _same_groups(q, quantization_config(name, head)):
+                return name, head
+    raise MiniStreamError(
+        f"{source}: quantization_config ({q.get('quant_method')}, format {q.get('format')}) is none of "
+        f"`ministream quantize`'s schemes ({', '.join(SCHEMES)}): quantize the converted folder again"
+    )
+
+
+def quantizes_head(config: dict) -> bool:
+    """Whether config.json is one of ours with its head quantized (--head quantized): False for anything else."""
+    try:
+        return "quantization_config" in config and read_scheme(config, "config.json")[1]
+    except MiniStreamError:
+        return False
+
+
+def _same_groups(have: dict, want: dict) -> bool:
+    strip = lambda q: json.dumps({k: q.get(k) for k in ("format", "config_groups", "ignore")}, sort_keys=True)  # noqa: E731
+    return strip(have) == strip(want)
