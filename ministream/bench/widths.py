@@ -56,14 +56,24 @@ def width(name: str) -> Width:
 def refusal(name: str) -> str | None:
     """Why this machine's vLLM cannot run the width (run/folder.check_dtype: its kernels and the dtype), naming
     the widths of the same weights it can run instead; None where it can."""
+    e = _kernels_refuse(name)
+    if e is None:
+        return None
+    w = width(name)
+    same = [n for n, o in WIDTHS.items() if (o.scheme, o.method, o.head) == (w.scheme, w.method, w.head)]
+    others = [n for n in same if n != name and _kernels_refuse(n) is None]
+    return f"{e.text}; use {' or '.join(others)} here" if others else f"{e.text}; {e.fix}"
+
+
+def _kernels_refuse(name: str):
+    """check_dtype's FolderError for the width on this machine, None where it runs."""
     from ..run.folder import FolderError, check_dtype
 
     w = width(name)
     try:
         check_dtype(w.scheme, w.dtype, f"the width {name}")
     except FolderError as e:
-        same = [n for n, o in WIDTHS.items() if (o.scheme, o.method, o.head) == (w.scheme, w.method, w.head)]
-        return f"{e.text}; use {' or '.join(n for n in same if n != name)} here"
+        return e
     return None
 
 

