@@ -97,7 +97,7 @@ def test_golden_file_records_prompts_ids_outputs_and_the_reference_source(tiny, 
 def test_each_injected_bug_is_named_by_layer_and_by_setting_or_tensor(bug, tiny, tiny_hf, tmp_path, monkeypatch):
     broken = inject(tiny_hf, bug, tmp_path / bug)
     # the reference model stands in for vLLM, which reads a folder the folder check refuses (an all-zero head)
-    monkeypatch.setattr("ministream.checkpoint.convert.checked", lambda folder: None)
+    monkeypatch.setattr("ministream.checkpoint.weights.checked", lambda folder: None)
     ids = tokenize(tiny_hf, DEFAULT_PROMPTS)
     golden = make_golden(tiny_hf, tiny, DEFAULT_PROMPTS, "float32", max_tokens=16)
     served = make_golden(broken, broken, DEFAULT_PROMPTS, "float32", max_tokens=16)  # stands in for vLLM
