@@ -20,6 +20,8 @@ from ministream.run.generate import DEFAULT_PROMPTS, reference_generate, tokeniz
 from ministream.run.server import free_port
 from ministream.run.verify import compare
 
+from conftest import NEEDS_INT4_GEMM
+
 pytestmark = pytest.mark.full
 MAX_TOKENS = 32
 # what a corpus of prose misses: digits in runs, contractions, runs of spaces and newlines, other scripts
@@ -82,6 +84,7 @@ def test_every_width_on_both_engines_passes_its_rule_and_f32_scores_the_referenc
     assert (tmp_path / "acc" / "accuracy.md").read_text().count("PASS") == passed
 
 
+@NEEDS_INT4_GEMM
 def test_bench_runs_each_quantized_width_on_both_engines_with_a_median_and_a_range(home, cli, tmp_path):
     """`make bench` at the quantized widths: vLLM on the quantize folder and llama.cpp on its own quantized file,
     each cell a median of 3 repeats within its range, the bytes each engine read recorded. int8 in float32, or
@@ -109,6 +112,7 @@ def test_bench_runs_each_quantized_width_on_both_engines_with_a_median_and_a_ran
     assert f"tiny {int8} batch 4: ministream" in r.stdout
 
 
+@NEEDS_INT4_GEMM
 def test_bench_serve_loads_both_engines_at_a_quantized_width_and_nothing_else(home, cli, tmp_path):
     """`make bench-serve` at 4-bit: vLLM's server on the quantize folder, llama-server on the q4_0 file, vLLM's
     client against each; the LLaMA twin and the reference server have no quantized form and are left out."""

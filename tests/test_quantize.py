@@ -38,7 +38,7 @@ from ministream.run.folder import (
 from ministream.run.verify import PERPLEXITY_BOUND, RULES
 from ministream.spec import train_config_from_hf
 
-from conftest import one_line_error
+from conftest import NEEDS_INT4_GEMM, one_line_error
 
 SCHEMES = ["w8a8", "w4a16"]
 GROUP = {"w8a8": None, "w4a16": 128}  # inputs per scale: a whole row, or groups of 128
@@ -282,14 +282,12 @@ def test_a_shape_the_groups_cannot_split_is_refused_naming_the_tensor(tiny_hf):
             "patched wheel",
             "w4a16",
             "float",
-            marks=pytest.mark.skipif(
-                int4_gemm_missing(installed_vllm_dir()), reason="vLLM's kernels on this CPU (AVX2) have no 4-bit GEMM"
-            ),
+            marks=NEEDS_INT4_GEMM,
         ),
-        pytest.param("patched wheel", "w4a16", "quantized", marks=pytest.mark.full),
+        pytest.param("patched wheel", "w4a16", "quantized", marks=[pytest.mark.full, NEEDS_INT4_GEMM]),
         pytest.param("plugin", "w8a8", "float", marks=pytest.mark.full),
         pytest.param("plugin", "w8a8", "quantized", marks=pytest.mark.full),
-        pytest.param("plugin", "w4a16", "float", marks=pytest.mark.full),
+        pytest.param("plugin", "w4a16", "float", marks=[pytest.mark.full, NEEDS_INT4_GEMM]),
         pytest.param("patched wheel", "fp8", "float", marks=pytest.mark.full),
         pytest.param("plugin", "fp8", "float", marks=pytest.mark.full),
     ],
@@ -370,6 +368,7 @@ def test_fp8_weights_sit_on_the_float8_grid(cli, tiny_gqa_hf, tmp_path):
 
 @pytest.mark.full
 @pytest.mark.vllm
+@NEEDS_INT4_GEMM
 def test_gptq_calibrated_int4_is_stored_as_rtn_stores_it_and_vllm_passes_the_w4a16_rule(cli, tiny_gqa_hf, tmp_path):
     """--method gptq: llm-compressor's GPTQ (its own environment, build/llmcompressor/) on the corpus, stored in
     round-to-nearest's W4A16 layout (the same tensors and quantization_config) with other int4 values; vLLM
