@@ -893,7 +893,15 @@ def add_eval(sub) -> None:
     add_engine_options(p, "offline", ["dtype", "enforce_eager"])
     p.set_defaults(
         func=lambda a: lm_eval_run.run_eval(
-            a.model, a.route, a.out, a.tasks, a.include_path, a.dtype, a.limit, a.url, a.enforce_eager
+            a.model,
+            a.route,
+            a.out,
+            tasks=a.tasks,
+            include=a.include_path,
+            dtype=a.dtype,
+            limit=a.limit,
+            url=a.url,
+            eager=a.enforce_eager,
         )
     )
 

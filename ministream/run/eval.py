@@ -309,19 +309,10 @@ def _simple_evaluate(route, folder, tasks, manager, dtype, max_length, limit, ur
     return results
 
 
-def run_eval(
-    folder: Path,
-    route: str,
-    out: Path,
-    tasks: list[str] | None = None,
-    include: Path | None = None,
-    dtype: str = "float32",
-    limit: int | None = None,
-    url: str | None = None,
-    eager: bool = False,
-) -> int:
-    """`ministream eval`: evaluate, OUT/results.json (lm-eval's, written whole), lm-eval's table printed."""
-    results = evaluate(folder, route, out, tasks, include, dtype, limit, url, eager)
+def run_eval(folder: Path, route: str, out: Path, **options) -> int:
+    """`ministream eval`: evaluate (`options`: its keywords), OUT/results.json (lm-eval's, written whole), lm-eval's
+    table printed."""
+    results = evaluate(folder, route, out, **options)
     from lm_eval.utils import handle_non_serializable, make_table
 
     results["ministream"] = {"folder": str(Path(folder).resolve()), "route": route, "lm_eval_model": ROUTES[route]}
