@@ -45,13 +45,17 @@ OURS = (NEXT_TASK, PERPLEXITY_TASK)
 CHOICES = 4  # the true sentence and 3 others
 
 # the task YAMLs, lm-eval's schema; data_files absolute, as datasets reads a relative one from the current folder
-NEXT_YAML = """\
+DATASET_YAML = """\
 task: {task}
 dataset_path: json
 dataset_kwargs:
   data_files:
     test: {data}
 test_split: test
+"""
+NEXT_YAML = (
+    DATASET_YAML
+    + """\
 output_type: multiple_choice
 doc_to_text: "{{{{context}}}}"
 doc_to_choice: "{{{{choices}}}}"
@@ -64,13 +68,10 @@ metric_list:
 metadata:
   version: 1.0
 """
-PERPLEXITY_YAML = """\
-task: {task}
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {data}
-test_split: test
+)
+PERPLEXITY_YAML = (
+    DATASET_YAML
+    + """\
 output_type: loglikelihood_rolling
 doc_to_text: ""
 doc_to_target: "{{{{text}}}}"
@@ -81,6 +82,7 @@ metric_list:
 metadata:
   version: 1.0
 """
+)
 
 
 # --- our tasks, from the held-out text ---------------------------------------------------------

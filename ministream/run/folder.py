@@ -5,6 +5,7 @@ and width, read from the installed vLLM's files and the CPU's flags, never by im
 check_servable is serve's, generate's and verify's pre-flight; doctor reports the same findings one by one.
 """
 
+import functools
 import os
 from pathlib import Path
 
@@ -146,8 +147,10 @@ def cpu_kernels(vllm_dir: Path | None, cpuinfo: Path = Path("/proc/cpuinfo")) ->
     return path if path.is_file() else None
 
 
+@functools.cache
 def int4_gemm_missing(vllm_dir: Path | None, cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
-    """Whether the kernels the vLLM at `vllm_dir` loads on this CPU lack the 4-bit GEMM (INT4_GEMM)."""
+    """Whether the kernels the vLLM at `vllm_dir` loads on this CPU lack the 4-bit GEMM (INT4_GEMM); read once per
+    process (a library of ~100 MB, asked for every width a bench names)."""
     import mmap
 
     lib = cpu_kernels(vllm_dir, cpuinfo)
@@ -203,7 +206,8 @@ def check_dtype(scheme: str | None, runs_in: str | None, what: str) -> None:
     runs: check_servable's (serve, generate, verify), doctor's and the benches' (widths.refusal)."""
     from ..checkpoint.scheme import needs_16_bits
 
-    if runs_in == "float16" and float16_fails(installed_vllm_dir()):
+    vllm_dir = installed_vllm_dir()
+    if runs_in == "float16" and float16_fails(vllm_dir):
         raise FolderError(
             "dtype",
             f"{what} in float16: on this CPU vLLM's ZenCpuPlatform runs every linear layer through zentorch, "
@@ -211,8 +215,8 @@ def check_dtype(scheme: str | None, runs_in: str | None, what: str) -> None:
             "and fail its first request",
             "run it with --dtype bfloat16 (or float32)",
         )
-    if scheme is not None and needs_16_bits(scheme) and int4_gemm_missing(installed_vllm_dir()):
-        lib = cpu_kernels(installed_vllm_dir())
+    if scheme is not None and needs_16_bits(scheme) and int4_gemm_missing(vllm_dir):
+        lib = cpu_kernels(vllm_dir)
         raise FolderError(
             "kernel",
             f"{what} is quantized {scheme}, and the kernels vLLM loads on this CPU ({lib.name if lib else '?'}: no "
@@ -228,7 +232,7 @@ def check_dtype(scheme: str | None, runs_in: str | None, what: str) -> None:
             "cpu_gemm_wna16 and zentorch's WOQ linear fail on float32 at the first step, Marlin on GPUs too)",
             "run it with --dtype bfloat16 (or float16)",
         )
-    if scheme == "w8a8" and int8_needs_16_bits(installed_vllm_dir()):
+    if scheme == "w8a8" and int8_needs_16_bits(vllm_dir):
         raise FolderError(
             "dtype",
             f"{what} is quantized {scheme}, and on this CPU (AMX) vLLM runs int8 weights through "
