@@ -215,6 +215,14 @@ def check_dtype(scheme: str | None, runs_in: str | None, what: str) -> None:
             "and fail its first request",
             "run it with --dtype bfloat16 (or float32)",
         )
+    # The request's own error first: it holds on every machine, and its fix (16 bits) is asked of the kernel next.
+    if runs_in == "float32" and scheme is not None and needs_16_bits(scheme):
+        raise FolderError(
+            "dtype",
+            f"{what} is quantized {scheme}, whose int4 kernels take 16-bit activations only (vLLM 0.32: "
+            "cpu_gemm_wna16 and zentorch's WOQ linear fail on float32 at the first step, Marlin on GPUs too)",
+            "run it with --dtype bfloat16 (or float16)",
+        )
     if scheme is not None and needs_16_bits(scheme) and int4_gemm_missing(vllm_dir):
         lib = cpu_kernels(vllm_dir)
         raise FolderError(
@@ -223,16 +231,7 @@ def check_dtype(scheme: str | None, runs_in: str | None, what: str) -> None:
             f"AVX-512) have no 4-bit GEMM ({INT4_GEMM}): the engine would start and fail its first step",
             "serve the bfloat16 or w8a8 folder on this machine, or the 4-bit one on a CPU with AVX-512",
         )
-    if runs_in != "float32" or scheme is None:
-        return
-    if needs_16_bits(scheme):
-        raise FolderError(
-            "dtype",
-            f"{what} is quantized {scheme}, whose int4 kernels take 16-bit activations only (vLLM 0.32: "
-            "cpu_gemm_wna16 and zentorch's WOQ linear fail on float32 at the first step, Marlin on GPUs too)",
-            "run it with --dtype bfloat16 (or float16)",
-        )
-    if scheme == "w8a8" and int8_needs_16_bits(vllm_dir):
+    if runs_in == "float32" and scheme == "w8a8" and int8_needs_16_bits(vllm_dir):
         raise FolderError(
             "dtype",
             f"{what} is quantized {scheme}, and on this CPU (AMX) vLLM runs int8 weights through "
