@@ -236,7 +236,7 @@ def train_config_from_hf(config: dict, source: str = "config.json") -> TrainConf
 # --- the tensor table ---------------------------------------------------------------------------
 
 # Roles other modules ask for by name; the strings themselves live only in the table below.
-EMBEDDING, HEAD = "embedding.weight", "lm_head.weight"
+EMBEDDING, HEAD, FINAL_NORM = "embedding.weight", "lm_head.weight", "norm_f.weight"
 QKV, W12 = "blocks.{i}.attn.Wqkv.weight", "blocks.{i}.mlp.w12.weight"
 OUT_PROJ, W3 = "blocks.{i}.attn.out_proj.weight", "blocks.{i}.mlp.w3.weight"
 
@@ -272,7 +272,7 @@ LAYER_TABLE = [
 ]
 GLOBAL_TABLE = [
     (EMBEDDING, ["model.embed_tokens.weight"], None, lambda c: (c.vocab_size, c.d_model)),
-    ("norm_f.weight", ["model.norm.weight"], None, lambda c: (c.d_model,)),
+    (FINAL_NORM, ["model.norm.weight"], None, lambda c: (c.d_model,)),
     (
         HEAD,
         ["lm_head.weight"],

@@ -27,7 +27,7 @@ from ministream.fork import plugin
 from ministream.fork.stock import stock_venv
 from ministream.paths import CACHE
 from ministream.run import server, tuned
-from ministream.run.folder import installed_vllm_dir, int4_gemm_missing
+from ministream.run.kernels import installed_vllm_dir, int4_gemm_missing
 
 # Engines started by tests stay lean (a user's setting, which wins over engine.py's quarter of the memory):
 # the tiny models need little KV cache, and the suite shares the machine with whatever else runs.

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from hypothesis import given, strategies as st
 
-from ministream.bench import benchreport
-from ministream.bench.bench import prepare_model, save
-from ministream.bench.benchreport import chart, table
+from ministream.bench import offline_report
+from ministream.bench.offline import prepare_model, save
+from ministream.bench.offline_report import chart, table
 from ministream.bench.summary import SYSTEMS, geomean, summarize
 from ministream.bench.workers import measure, prompts
 
@@ -334,9 +334,9 @@ def test_the_chart_draws_each_systems_measured_tokens_per_s_by_batch_one_panel_p
         }
         result["runs"].append({**run, "dtype": "float32", **halved})
     drawn = []
-    save_figure = benchreport.save_figure
+    save_figure = offline_report.save_figure
     monkeypatch.setattr(
-        benchreport, "save_figure", lambda plt, fig, path: drawn.append(fig) or save_figure(plt, fig, path)
+        offline_report, "save_figure", lambda plt, fig, path: drawn.append(fig) or save_figure(plt, fig, path)
     )
     path = chart(result, tmp_path / "c.png")
 
@@ -363,7 +363,7 @@ def test_the_chart_draws_each_systems_measured_tokens_per_s_by_batch_one_panel_p
 
 
 def test_a_quantized_width_runs_vllm_on_the_quantize_folder_against_llama_cpp_and_nothing_else(tiny_hf, tmp_path):
-    from ministream.bench.bench import jobs
+    from ministream.bench.offline import jobs
 
     folder = tmp_path / "hf"
     shutil.copytree(tiny_hf, folder)
@@ -516,6 +516,27 @@ def test_a_near_tie_is_where_the_reference_s_first_two_choices_all_but_tie():
     assert not near_tie(ref, [7], 1) and not near_tie(ref, [7, 280, 91], 2)  # an output that ended: no tie
 
 
+def test_llama_cpp_is_compared_with_the_reference_up_to_the_references_first_end_of_text():
+    """llama-server's ignore_eos bans EOS from sampling: where the reference model chose EOS (seen: the trained MHA
+    model, a prompt of verify's at new token 22, EOS at -1.117 against -1.867 for what llama.cpp took), both sides
+    end there; a difference before the EOS still counts, and an output with no EOS is compared whole."""
+    from ministream.bench.accuracy import until_eos
+
+    golden = {
+        "top_k": 2,
+        "outputs": [
+            {"ids": [5, 1, 9], "logprobs": [{5: 0}, {1: -1.1, 9: -1.9}, {9: 0}]},
+            {"ids": [4, 6], "logprobs": [{4: 0}, {6: 0}]},
+        ],
+    }
+    got = [{"ids": [5, 9, 3], "logprobs": [{5: 0}, {9: -1.9}, {3: 0}]}, {"ids": [4, 7], "logprobs": [{4: 0}, {7: 0}]}]
+    want, mine = until_eos(golden, got, 1)
+    assert [o["ids"] for o in want["outputs"]] == [[5], [4, 6]] and [o["ids"] for o in mine] == [[5], [4, 7]]
+    assert [len(o["logprobs"]) for o in want["outputs"] + mine] == [1, 2, 1, 2] and want["top_k"] == 2
+    assert until_eos(golden, got, [2, 1])[1] == mine and until_eos(golden, got, None) == (golden, got)
+    assert [o["ids"] for o in golden["outputs"]] == [[5, 1, 9], [4, 6]]  # the golden file's own copy untouched
+
+
 def test_each_quantized_width_s_folder_is_quantized_as_the_width_says(tiny_hf, tmp_path):
     """bench, bench-step, bench-serve and bench-accuracy run vLLM on widths.vllm_folder: each round-to-nearest
     width's folder carries its scheme and its head as the width names them (bench-accuracy once quantized every
@@ -549,7 +570,7 @@ def test_a_width_this_machine_s_vllm_cannot_run_is_refused_by_each_bench_before_
     that says why. Elsewhere every width runs."""
     from ministream.bench.accuracy import table
     from ministream.bench.widths import WIDTHS, refusal
-    from ministream.run.folder import float16_fails, installed_vllm_dir, int4_gemm_missing, int8_needs_16_bits
+    from ministream.run.kernels import float16_fails, installed_vllm_dir, int4_gemm_missing, int8_needs_16_bits
 
     amx, fp16 = int8_needs_16_bits(installed_vllm_dir()), float16_fails(installed_vllm_dir())
     int4 = {n for n, w in WIDTHS.items() if w.scheme == "w4a16"} if int4_gemm_missing(installed_vllm_dir()) else set()
@@ -577,20 +598,20 @@ def test_a_width_this_machine_s_vllm_cannot_run_is_refused_by_each_bench_before_
 
 def test_bench_step_variants_combine_and_an_unknown_one_is_refused_before_any_engine(tmp_path):
     from ministream import MiniStreamError
-    from ministream.bench import benchstep
+    from ministream.bench import decode_step
 
-    what, env, overrides = benchstep.variant_settings("in_process+bfloat16")
+    what, env, overrides = decode_step.variant_settings("in_process+bfloat16")
     assert env == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} and overrides == {"dtype": "bfloat16"}
-    assert what == "; ".join(benchstep.VARIANTS[v][0] for v in ("in_process", "bfloat16"))
-    assert benchstep.variant_settings("default") == benchstep.VARIANTS["default"]
+    assert what == "; ".join(decode_step.VARIANTS[v][0] for v in ("in_process", "bfloat16"))
+    assert decode_step.variant_settings("default") == decode_step.VARIANTS["default"]
     with pytest.raises(MiniStreamError, match="unknown variant 'async_scheduling'"):
-        benchstep.bench_step(tmp_path / "out", ["reference"], ["w8a8"], ["default", "async_scheduling"])
+        decode_step.bench_step(tmp_path / "out", ["reference"], ["w8a8"], ["default", "async_scheduling"])
     assert not (tmp_path / "out").exists()  # refused before the folder, the model or an engine
 
 
 def test_bench_step_s_table_keeps_its_columns_for_the_longest_width_and_system():
     """A width's name (w4a16-head) ran into the system's column when the column was 9 characters wide."""
-    from ministream.bench.benchstep import table
+    from ministream.bench.decode_step import table
 
     step = {"forward": 2.99, "logits": 0.6, "step": 4.77}
     rows = [
@@ -707,7 +728,7 @@ def test_a_llama_cpp_tool_that_dies_of_sigsegv_runs_again_from_the_build_without
 def test_the_transformers_backend_runs_the_float_folder_on_stock_vllm_through_its_remote_code(tiny_hf, tmp_path):
     """Its column is the converted folder (not the LLaMA twin, which carries no remote code) on the stock vLLM
     venv's python with model_impl="transformers"; a quantized width runs vLLM as "ministream" only."""
-    from ministream.bench.bench import STOCK_VENV, jobs
+    from ministream.bench.offline import STOCK_VENV, jobs
 
     folder = tmp_path / "hf"
     shutil.copytree(tiny_hf, folder)

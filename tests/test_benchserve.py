@@ -12,9 +12,9 @@ import urllib.parse
 import pytest
 
 from ministream import MiniStreamError
-from ministream.bench import benchserve, refserver
-from ministream.bench.benchserve import FULL, prompts_for, save
+from ministream.bench import refserver, serving
 from ministream.bench.servereport import judge, summarize, table
+from ministream.bench.serving import FULL, prompts_for, save
 from ministream.checkpoint.demo import train_tokenizer
 from ministream.run.generate import DEFAULT_PROMPTS, load_reference, tokenize
 from ministream.run.prompts import build_prompts, dataset_stats, write_jsonl
@@ -191,7 +191,7 @@ def test_vllms_client_completes_every_request_with_each_rows_output_length(tiny_
     sets = dict(zip(rates, build_prompts(tok, [5] * 3, 0, (16, 64), (4, 12), 2, (24, 40), max_model_len=512)["sets"]))
     files = {r: write_jsonl(rows, tmp_path / f"rate-{r:g}.jsonl") for r, rows in sets.items()}
     result = {"settings": settings, "model": {"hf": str(tiny_hf)}, "systems": {}}
-    benchserve.run_system("reference", result, tmp_path, files, sets, dict(os.environ))
+    serving.run_system("reference", result, tmp_path, files, sets, dict(os.environ))
 
     entry = result["systems"]["reference"]
     assert "error" not in entry["server"], entry["server"]
@@ -213,8 +213,8 @@ def test_vllms_client_completes_every_request_with_each_rows_output_length(tiny_
 
 def test_a_usage_beside_the_last_token_is_split_into_a_usage_only_chunk():
     """llama-server's last chunk carries the token and the usage; vLLM's client reads usage only from a chunk
-    without choices, so benchclient splits it; vLLM's own stream (usage alone) and [DONE] pass unchanged."""
-    from ministream.bench.benchclient import usage_apart
+    without choices, so vllm_client splits it; vLLM's own stream (usage alone) and [DONE] pass unchanged."""
+    from ministream.bench.vllm_client import usage_apart
 
     usage = {"completion_tokens": 6, "prompt_tokens": 10}
     last = {"choices": [{"text": "", "finish_reason": "length"}], "usage": usage, "timings": {"predicted_n": 6}}

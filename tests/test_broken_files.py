@@ -20,8 +20,10 @@ import pytest
 from hypothesis import given, strategies as st
 
 from ministream import MiniStreamError
+from ministream.checkpoint.folder import open_folder
+from ministream.checkpoint.headers import read_headers
 from ministream.run.doctor import doctor
-from ministream.run.folder import check_servable, open_folder, read_headers
+from ministream.run.folder import check_servable
 
 from conftest import fuzz_settings, one_line_error
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from ministream.checkpoint.folder import Tensor, check_vocab
 from ministream.run.doctor import doctor
 from ministream.run.engine import EngineSettings
-from ministream.run.folder import Tensor, check_vocab
 
 
 def broken(tiny_hf: Path, where: Path, tensors=None, tokenizer=None, **config) -> Path:

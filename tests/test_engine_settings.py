@@ -17,7 +17,7 @@ import pytest
 import torch
 from hypothesis import assume, given, strategies as st
 
-from ministream.bench import bench, benchserve, benchstep, workers
+from ministream.bench import decode_step, offline, serving, workers
 from ministream.cli import build_parser, parse_args
 from ministream.run import doctor, serve
 from ministream.run.engine import OFFLINE_MAX_MODEL_LEN, SEED, EngineSettings
@@ -179,26 +179,26 @@ def test_bench_runs_every_engine_on_the_kv_cache_its_option_always_gave(kv, no_e
     def run_bench(out, **chosen):
         raise Started(chosen)
 
-    monkeypatch.setattr(bench, "run_bench", run_bench)
+    monkeypatch.setattr(offline, "run_bench", run_bench)
     got = started("bench", "--quick", *opt("--kv-cache-gib", kv))
     assert got["kv_cache_gib"] == kv and type(got["kv_cache_gib"]) is type(kv)  # whole GiB, as vLLM reads them
 
 
 @pytest.mark.parametrize("dtype", [None, "float32"])
 def test_bench_serve_serves_the_dtype_its_option_always_did(dtype, tiny_hf, monkeypatch):
-    def bench_serve(out, quick, report, systems, note, **settings):
+    def bench_serve(out, quick, report_only, systems, note, **settings):
         raise Started(settings)
 
-    monkeypatch.setattr(benchserve, "bench_serve", bench_serve)
+    monkeypatch.setattr(serving, "bench_serve", bench_serve)
     assert started("bench-serve", *opt("--dtype", dtype))["dtype"] == dtype  # None: the benchmark's (FULL)
-    chosen = dtype or benchserve.FULL["dtype"]
+    chosen = dtype or serving.FULL["dtype"]
     port, folder = free_port(), str(tiny_hf)
-    cmd, name, _ = benchserve.server_command("ministream", {"hf": folder}, chosen, port)
+    cmd, name, _ = serving.server_command("ministream", {"hf": folder}, chosen, port)
     # before: engine.server_command(Path(folder), HOST, port, name, dtype, 1, None, [])
     assert cmd == [
         sys.executable,
         *("-m", "vllm.entrypoints.openai.api_server", "--model", str(Path(folder).resolve())),
-        *("--served-model-name", name, "--host", benchserve.HOST, "--port", str(port)),
+        *("--served-model-name", name, "--host", serving.HOST, "--port", str(port)),
         *("--tensor-parallel-size", "1", "--seed", str(SEED), "--dtype", chosen),
     ]
 
@@ -213,11 +213,11 @@ def test_benchmark_workers_hand_vllm_what_they_always_did(dtype, eager, tiny_hf,
     want = {"model": str(tiny_hf), "dtype": dtype, "tensor_parallel_size": 1, "seed": SEED}
     length = min(context(tiny_hf), 32 + 128)
     assert caught.value.args[0] == {**want, "max_model_len": length, "enforce_eager": bool(eager)}
-    for _, _, overrides in benchstep.VARIANTS.values():
+    for _, _, overrides in decode_step.VARIANTS.values():
         with pytest.raises(Started) as caught:
-            benchstep._vllm_worker({"model_dir": str(tiny_hf), "dtype": dtype, "overrides": overrides})
+            decode_step._vllm_worker({"model_dir": str(tiny_hf), "dtype": dtype, "overrides": overrides})
         # before: vllm_engine(dir, dtype, max_model_len=PROMPT + NEW + 8, **overrides)
-        length = min(context(tiny_hf), benchstep.PROMPT + benchstep.NEW + 8)
+        length = min(context(tiny_hf), decode_step.PROMPT + decode_step.NEW + 8)
         assert caught.value.args[0] == {**want, "max_model_len": length, "enforce_eager": False, **overrides}
 
 

@@ -21,8 +21,9 @@ from safetensors.torch import load_file, save_file
 from ministream.checkpoint.demo import make_adapter
 from ministream.run.doctor import doctor
 from ministream.run.engine import EngineSettings
-from ministream.run.folder import ZEN_PLATFORM, check_servable, float16_fails, installed_vllm_dir
+from ministream.run.folder import check_servable
 from ministream.run.generate import DEFAULT_PROMPTS, reference_generate, tokenize
+from ministream.run.kernels import ZEN_PLATFORM, float16_fails, installed_vllm_dir
 from ministream.run.verify import compare
 
 from conftest import generate_args, one_line_error, quiet
@@ -100,7 +101,12 @@ def test_every_command_that_reads_a_folder_refuses_what_the_one_check_refuses(
 
 @pytest.mark.parametrize(
     "dtype, value, width",
-    [("f16", 1e5, "float16"), ("q8_0", 2e7, "q8_0"), ("q4_0", 2e7, "q4_0")],
+    # make test: the cheapest width that can overflow; the others in the full tier
+    [
+        pytest.param("f16", 1e5, "float16", marks=pytest.mark.full),
+        ("q8_0", 2e7, "q8_0"),
+        pytest.param("q4_0", 2e7, "q4_0", marks=pytest.mark.full),
+    ],
 )
 def test_gguf_refuses_a_weight_its_width_cannot_hold_by_name_and_writes_nothing(
     dtype, value, width, tiny_hf, cli, tmp_path
@@ -123,7 +129,9 @@ def test_gguf_writes_a_large_weight_where_the_width_holds_it(dtype, tiny_hf, cli
     assert np.isfinite(got).all() and math.isclose(float(np.abs(got).max()), 1e5, rel_tol=1e-2)
 
 
-@pytest.mark.parametrize("scheme", ["w8a8", "w4a16", "fp8"])
+@pytest.mark.parametrize(
+    "scheme", ["w8a8", pytest.param("w4a16", marks=pytest.mark.full), pytest.param("fp8", marks=pytest.mark.full)]
+)
 def test_quantize_refuses_a_weight_that_makes_non_finite_scales_by_name_and_writes_nothing(
     scheme, tiny_hf, cli, tmp_path
 ):

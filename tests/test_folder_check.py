@@ -14,13 +14,15 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 from safetensors.torch import load_file, save_file
+from walk import walk
 
 from ministream import MiniStreamError
+from ministream.checkpoint.quantize import quantize
 from ministream.run.doctor import doctor
 from ministream.run.engine import EngineSettings
 from ministream.run.folder import check_servable
 
-from conftest import fuzz_settings
+from conftest import fuzz_settings, quiet
 
 EXAMPLES = 50
 # doctor's machine-side checks held still, so that only the folder decides (the tiny model fits them)
@@ -161,7 +163,7 @@ def test_doctor_refuses_a_meaningless_flag_by_name_in_one_line(flag, value, tiny
 
 
 def test_every_key_the_converter_writes_is_one_the_check_allows():
-    from ministream.run.folder import CONFIG_KEYS
+    from ministream.checkpoint.config_json import CONFIG_KEYS
     from ministream.spec import TrainConfig, hf_config
 
     cfg = TrainConfig(64, 16, 1, 2, 32, 64, 1e-6, 1e4, 0, 1)
@@ -178,6 +180,19 @@ def test_a_folder_saved_again_by_transformers_still_passes(tiny_hf, tmp_path):
     config = json.loads((folder / "config.json").read_text())
     assert "transformers_version" in config and "rope_theta" not in config  # transformers 5 keeps rope_parameters
     assert refusal(folder) is None and not errors(folder)
+
+
+@pytest.mark.parametrize("weights", ["float", pytest.param("w8a8", marks=pytest.mark.full)])
+def test_serves_check_reads_config_json_its_train_config_and_its_scheme_once(weights, tiny_hf, tmp_path):
+    """check_servable (the pre-flight of serve, generate and verify) opens config.json once, parses the train
+    config it holds once and reads a quantized folder's scheme once: every check takes what that read gave
+    (tests/walk.py counts the opens and the calls)."""
+    folder = tiny_hf if weights == "float" else quantize(tiny_hf, tmp_path / weights, weights, log=quiet)
+    seen = walk(folder, "bfloat16")  # a dtype every machine runs both in: the check goes to its end
+    assert seen.refused is None, seen.refused
+    assert seen.config_reads == 1 and seen.calls["read_config"] == 1, seen
+    assert seen.calls["train_config_from_hf"] == 1, seen
+    assert seen.calls["read_scheme"] == (weights != "float") and not seen.calls["scheme_name"], seen
 
 
 # --- the property: doctor has an error exactly when serve's check refuses ----------------------------------

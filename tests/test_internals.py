@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from ministream.checks.internals import _Source, import_needs, internals, runners
+from ministream.checks.internals_check import _Source, import_needs, internals, runners
 from ministream.checks.model_checks import Failed, Release
 from ministream.fork.internals import BENCH_STEP, RUNNER_PARTS, Env, Name, Need, Runner, cpu_needs_triton
 from ministream.fork.patchset import patch_set_dir

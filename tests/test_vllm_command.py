@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from ministream.bench.benchclient import client_common
+from ministream.bench.vllm_client import client_common
 from ministream.fork.image import DOCKER
 from ministream.fork.install import installed_vllm
 from ministream.fork.wheel import LOCAL_LABEL

@@ -410,7 +410,10 @@ def test_wheel_command_refuses_an_overlapping_dist_in_one_line(cli, tmp_path):
 CPU_LINES = ["0.8.5.post1", "0.16.0", "0.32.0"]
 
 
-@pytest.fixture(scope="module", params=CPU_LINES)
+# make test: the line this machine runs; the older two (the CPU part's platform fix) in the full tier
+@pytest.fixture(
+    scope="module", params=[v if v == VERSION else pytest.param(v, marks=pytest.mark.full) for v in CPU_LINES]
+)
 def cpu_build(request, tmp_path_factory):
     """(version, tree, wheel): the tree as `make patch DEVICE=cpu` makes it, and our CPU wheel built from it."""
     version = request.param

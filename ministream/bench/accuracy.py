@@ -1,7 +1,7 @@
 """bench-accuracy: every width on both engines, measured the same way against the full-precision reference.
 
 For one converted folder (float32), each system runs verify's prompts (DEFAULT_PROMPTS and those far into
-the context) greedily with its top-k log-probabilities, and scores the held-out text (run/perplexity.py,
+the context) greedily with its top-k log-probabilities, and scores the held-out text (run/vllm_perplexity.py,
 llama-perplexity's method). Against the reference model in float32 on the same folder:
 
 - exact: prompts whose greedy token ids equal the reference model's, all of them;
@@ -65,7 +65,7 @@ def bench_accuracy(
 ) -> int:
     """`ministream bench-accuracy`: each folder, and each preset's model (made once under out/models), through
     every system; out/accuracy.md holds one table per model."""
-    from .bench import prepare_model
+    from .offline import prepare_model
 
     if unknown := [s for s in systems or [] if s not in SYSTEMS]:
         raise MiniStreamError(f"unknown system(s) {', '.join(unknown)}: choose from {', '.join(SYSTEMS)}")
@@ -110,7 +110,8 @@ def run_accuracy(folder: Path, out: Path, systems: list[str], text: Path | None 
                 rows.append({"system": name, "width": width(name), "not_run": why})
                 continue
             got, ppl = (_vllm if engine == "vllm" else _llamacpp)(folder, Path(work), w, golden, c)
-            row = _row(name, golden, got, ppl, ref_ppl)
+            want, got = (golden, got) if engine == "vllm" else until_eos(golden, got, config.get("eos_token_id"))
+            row = _row(name, want, got, ppl, ref_ppl)
             log(_line(row))
             rows.append(row)
     result = {
@@ -129,6 +130,18 @@ def run_accuracy(folder: Path, out: Path, systems: list[str], text: Path | None 
     (out / "accuracy.md").write_text(table(result))
     log(f"wrote {out}/accuracy.json and accuracy.md")
     return result
+
+
+def until_eos(golden: dict, got: list[dict], eos: int | list[int] | None) -> tuple[dict, list[dict]]:
+    """The reference's outputs cut before its first end-of-text token, and `got` (llama.cpp's) to the same length:
+    llama-server's ignore_eos bans the end-of-text tokens from sampling (vLLM's only keeps going), so where the
+    reference model chose EOS llama.cpp takes its second choice, and what follows is another continuation."""
+    ends = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    cut = []
+    for ref, mine in zip(golden["outputs"], got):
+        n = next((i for i, t in enumerate(ref["ids"]) if t in ends), len(ref["ids"]))
+        cut.append(({k: v[:n] for k, v in ref.items()}, {k: v[:n] for k, v in mine.items()}))
+    return {**golden, "outputs": [r for r, _ in cut]}, [m for _, m in cut]
 
 
 def _row(name: str, golden: dict, got: list[dict], ppl: float, ref_ppl: float) -> dict:
@@ -242,7 +255,7 @@ def _vllm_child(job_path: str) -> None:
     """In its own process: one engine, the prompts and the held-out chunks."""
     from ..run.engine import EngineSettings
     from ..run.generate import vllm_engine, vllm_generate
-    from ..run.perplexity import vllm_perplexity
+    from ..run.vllm_perplexity import vllm_perplexity
 
     job = json.loads(Path(job_path).read_text())
     golden, ids = job["golden"], job["golden"]["prompt_ids"]

@@ -86,7 +86,7 @@ def _model_file() -> dict | None:
     import hashlib
 
     from ..run.doctor import patch_version
-    from ..run.folder import installed_vllm_dir
+    from ..run.kernels import installed_vllm_dir
     from ..spec import MODEL_FILE_IN_TREE
 
     vllm_dir = installed_vllm_dir()

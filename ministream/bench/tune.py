@@ -30,7 +30,7 @@ from .. import MiniStreamError
 from ..atomic import write_json
 from ..paths import BUILD
 from ..run import engine, tuned
-from .bench import prepare_model
+from .offline import prepare_model
 from .workers import run_worker
 
 DEFAULT_OUT = BUILD / "tune"

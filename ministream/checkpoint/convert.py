@@ -28,7 +28,7 @@ from ..spec import (
     table,
 )
 from . import fingerprint, hf_files
-from .format import CONFIG_KEYS, Checkpoint, load_checkpoint, resolve_config
+from .format import CONFIG_KEYS, Checkpoint, checkpoint_inputs, load_checkpoint, resolve_config, stored_dtype
 from .tokenizer import tokenizer_config
 from .weights import write_safetensors
 
@@ -145,7 +145,7 @@ def _model_param_names(cfg: TrainConfig) -> set[str]:
 def convert(
     raw_dir: str | Path,
     out: str | Path,
-    dtype: str = "float32",
+    dtype: str | None = None,
     force: bool = False,
     chat_template: str | None = None,
     max_shard_size: int | str = DEFAULT_SHARD_SIZE,
@@ -154,14 +154,15 @@ def convert(
     log=print,
     ignore_config_keys: Iterable[str] = (),
 ) -> TrainConfig:
-    """`ignore_config_keys`: train config keys format 1 does not define that the user says do not change the
-    math (--ignore-config-key); any other such key is refused by name."""
+    """`dtype`: the folder's (spec.DTYPES); None: the dtype the checkpoint's weights are stored in (float32 for
+    mixed ones, said in a note). `ignore_config_keys`: train config keys format 1 does not define that the user
+    says do not change the math (--ignore-config-key); any other such key is refused by name."""
     raw_dir, out = Path(raw_dir), Path(out)
-    # the folder and the files it names (either may be a symlink into another folder)
-    inputs = [raw_dir, raw_dir / "model.pt", raw_dir / "tokenizer.json"]
+    inputs = checkpoint_inputs(raw_dir)  # the folder and the files it names (any may be a symlink elsewhere)
     check_output(out, force, inputs)  # before the (possibly long) load
     ckpt = load_checkpoint(raw_dir)
     cfg = resolve_config(ckpt, overrides, ignore_config_keys)
+    dtype = dtype or stored_dtype(ckpt)
     for note in ckpt.notes:  # what loading and resolving changed
         log(f"note: {note}")
     what = f"converting {raw_dir} to {out}"  # "... needs about N GB free", "filled up while ..."
@@ -172,6 +173,9 @@ def convert(
     try:
         with new_folder(out, force, inputs) as tmp:
             write_folder(tmp, ckpt.path.parent, cfg, ckpt.state, dtype, chat_template, max_shard_size, allow_nonfinite)
+            # the fingerprint's reference model reads the folder just written: the checkpoint's weights (read into
+            # memory from a sharded one, mapped from model.pt) go first, so the two are never held together
+            ckpt.state.clear()
             fingerprint.record(tmp, log)  # what a server of the folder must compute (run/fingerprint.py)
     except OSError as e:
         raise disk_full(e, out, f"while {what}") or e from None

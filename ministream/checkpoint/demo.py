@@ -5,13 +5,15 @@ ministream/data/corpus.txt. Random weights give near-uniform next-token distribu
 greedy choices flip on rounding noise; a few hundred steps of real training make them peaked, so
 greedy comparisons between implementations are meaningful. Flags make the variants a real user's
 checkpoint may have: GQA, another head_dim, an untied head, a padded vocabulary, DDP/compile key
-prefixes, blocks numbered from 1, no config entry, optimizer state, bfloat16 tensors.
+prefixes, blocks numbered from 1, no config entry, optimizer state, bfloat16 tensors, and the sharded form
+that N ranks of an FSDP run save (`ranks`: torch.distributed.checkpoint's folder, written by N real ranks).
 
 `make_adapter` (`ministream checkpoint --adapter BASE`) writes a LoRA adapter.pt for a checkpoint, as the
 trainer saves one: random, seeded factors whose update is large enough to change the greedy outputs.
 """
 
 import hashlib
+import json
 import math
 import time
 from pathlib import Path
@@ -26,9 +28,10 @@ from ..atomic import new_file, new_folder
 from ..paths import CORPUS
 from ..spec import LORA_TABLE, TrainConfig, lora_table, renumber_block
 from . import reference
-from .format import ADAPTER_FILE, load, save_checkpoint
+from .format import ADAPTER_FILE, SHARDED_DIR, load, save_checkpoint
 from .lora import check_r_alpha
 from .reference import Block, MiniStream
+from .sharded import save_sharded
 
 SPECIAL_TOKENS = ["<|bos|>", "<|eos|>", "<|pad|>"]  # ids 0, 1, 2
 
@@ -138,10 +141,15 @@ def make_checkpoint(
     force: bool = False,
     log=print,
     cache: Path | None = None,
+    ranks: int | None = None,
     **overrides,
 ) -> TrainConfig:
     """Write `out/model.pt` and `out/tokenizer.json`; returns the train config. cache: a folder where the trained
-    weights are kept (trained_file) and taken from the next time, instead of training the same model again."""
+    weights are kept (trained_file) and taken from the next time, instead of training the same model again.
+    ranks: instead of model.pt, the sharded form N ranks save (format.md, "Sharded checkpoints"):
+    `out/checkpoint/` and `out/config.json` (`bare`: none), the optimizer's moments sharded beside the weights."""
+    if ranks is not None and ranks < 1:
+        raise MiniStreamError(f"--ranks {ranks}: a sharded checkpoint is written by 1 or more ranks")
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
     _, tok_vocab, default_steps = PRESETS[preset]
@@ -180,13 +188,31 @@ def make_checkpoint(
     if optimizer and opt_state is not None:
         extra["optimizer"] = opt_state
     with new_folder(out, force) as tmp:
-        save_checkpoint(tmp / "model.pt", state, None if bare else cfg, extra)
+        if ranks is None:
+            save_checkpoint(tmp / "model.pt", state, None if bare else cfg, extra)
+        else:
+            sharded = {"model": state}
+            if "optimizer" in extra:  # as torchtitan saves it: the moments keyed by parameter name
+                sharded["optimizer"] = named_optimizer(extra["optimizer"], [n for n, _ in model.named_parameters()])
+            save_sharded(tmp / SHARDED_DIR, sharded, ranks)
+            if not bare:
+                (tmp / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
         tok.save(str(tmp / "tokenizer.json"))
+    written = "model.pt" if ranks is None else f"{SHARDED_DIR}/ ({ranks} ranks)" + ("" if bare else ", config.json")
     log(
-        f"checkpoint: wrote {out}/model.pt ({sum(v.numel() for v in model.parameters()) / 1e6:.1f}M parameters, "
-        f"{dtype}) and {out}/tokenizer.json"
+        f"checkpoint: wrote {out}/{written} ({sum(v.numel() for v in model.parameters()) / 1e6:.1f}M parameters, "
+        f"{dtype}) and tokenizer.json"
     )
     return cfg
+
+
+def named_optimizer(opt_state: dict, names: list[str]) -> dict:
+    """torch.optim's state dict, whose parameters are numbered, keyed by parameter name instead, as FSDP trainers
+    save it (torch.distributed.checkpoint.state_dict.get_optimizer_state_dict)."""
+    return {
+        "state": {names[i]: dict(s) for i, s in opt_state["state"].items()},
+        "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in opt_state["param_groups"]],
+    }
 
 
 def trained_file(cache: Path, preset: str, steps: int, seed: int, overrides: dict) -> Path:

@@ -3,6 +3,9 @@ its zip proven to hold what its pickle says before a byte is mapped or inflated,
 format's dtypes, prefixes stripped, blocks renumbered, the train config resolved (no key of it dropped in
 silence) and checked against the shapes.
 
+A sharded checkpoint (format.md, "Sharded checkpoints": torch.distributed.checkpoint's folder `checkpoint/`,
+with config.json beside it) is read by .sharded, one tensor at a time, into the same state dict, checks and notes.
+
 Everything that reads a user's training checkpoint (the converter, the GGUF export, the reference model,
 verify --raw) goes through `load_checkpoint` and `resolve_config`; what the tensors must be is ministream.spec's.
 """
@@ -30,6 +33,7 @@ from ..spec import (
     infer_shapes,
     renumber_block,
 )
+from .sharded import METADATA, is_sharded, read_sharded
 
 
 @dataclass
@@ -41,6 +45,7 @@ class Checkpoint:
 
 
 _PREFIXES = ("module.", "_orig_mod.")  # DistributedDataParallel, torch.compile
+SHARDED_DIR = "checkpoint"  # a sharded checkpoint's DCP folder; config.json and tokenizer.json lie beside it
 ADAPTER_FILE = "adapter.pt"  # a LoRA adapter's file (format.md, "LoRA adapters"), read by the same reader
 RESAVE = {  # how the trainer saves each file with nothing but tensors, dicts and numbers
     "model.pt": "torch.save({'model': model.state_dict(), 'config': dict(config)}, 'model.pt')",
@@ -52,14 +57,42 @@ CONFIG_KEYS = frozenset(f.name for f in dataclasses.fields(TrainConfig))  # the 
 MAX_INFLATED_RECORD = 64 * 2**20
 
 
-def load_checkpoint(path: str | Path) -> Checkpoint:
-    """Read a format-1 `model.pt` (a file, or the folder holding it) without executing code from it."""
+def weights_path(path: str | Path) -> Path:
+    """Where a training checkpoint given as `path` keeps its weights: its model.pt, or its sharded checkpoint/
+    folder (`path` may be the folder holding either, either itself, or the sharded folder's .metadata)."""
     path = Path(path)
+    if path.name == METADATA and path.is_file():
+        return path.parent
+    if not path.is_dir() or is_sharded(path):
+        return path
+    if not (path / "model.pt").is_file() and (path / SHARDED_DIR).is_dir():
+        return path / SHARDED_DIR
+    return path / "model.pt"
+
+
+def is_training_checkpoint(path: str | Path) -> bool:
+    """A training checkpoint (model.pt, or a sharded one), not a converted folder: both may hold config.json."""
+    weights = weights_path(path)
+    return weights.is_file() or weights.is_dir()
+
+
+def checkpoint_inputs(path: str | Path) -> list[Path]:
+    """The paths a training checkpoint given as `path` consists of: what an output must not be or lie in."""
+    path, weights = Path(path), weights_path(path)
+    beside = weights.parent
+    return [path, weights, beside / "tokenizer.json"] + ([beside / "config.json"] if weights.is_dir() else [])
+
+
+def load_checkpoint(path: str | Path) -> Checkpoint:
+    """Read a format-1 training checkpoint without executing code from it: `model.pt` (a file, or the folder
+    holding it) or a sharded checkpoint (its folder, or the checkpoint/ folder in it)."""
+    path = weights_path(path)
     if path.is_dir():
-        path = path / "model.pt"
+        return _load_sharded(path)
     if not path.is_file():
         raise MiniStreamError(
-            f"{path}: no such file; a MiniStream training checkpoint folder holds model.pt and tokenizer.json"
+            f"{path}: no such file; a MiniStream training checkpoint folder holds model.pt and tokenizer.json, "
+            f"or a sharded checkpoint: {SHARDED_DIR}/ (torch.distributed.checkpoint's), config.json and tokenizer.json"
         )
     notes: list[str] = []
     obj = read_pt(path, notes)
@@ -81,6 +114,22 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
             "(expected a state dict or {'model': state dict, 'config': ...})"
         )
     return Checkpoint(path, named_tensors(path, state, notes), config, notes)
+
+
+def _load_sharded(folder: Path) -> Checkpoint:
+    """A sharded checkpoint: the train config from config.json beside `folder` (before the weights are read),
+    the "model." tensors through torch's DCP reader."""
+    config_file = folder.parent / "config.json"
+    if not config_file.is_file():
+        raise MiniStreamError(
+            f"{config_file}: no such file; a sharded checkpoint keeps its train config beside {folder.name}/ as "
+            "JSON: write it there (json.dump(dict(config), open('config.json', 'w')))"
+        )
+    config = read_json(config_file)
+    if not isinstance(config, dict):
+        raise MiniStreamError(f"{config_file}: holds a {type(config).__name__}, expected a dict of train config values")
+    notes: list[str] = []
+    return Checkpoint(folder, named_tensors(folder, read_sharded(folder, notes), notes), config, notes)
 
 
 def named_tensors(path: Path, state: dict, notes: list[str], what: str = "the state dict") -> dict[str, torch.Tensor]:
@@ -308,6 +357,24 @@ def resolve_config(ckpt: Checkpoint, overrides: dict | None = None, ignore_keys:
         ckpt.notes.append(note)
     check_state(ckpt.state, cfg, str(ckpt.path))
     return cfg
+
+
+def stored_dtype(ckpt: Checkpoint) -> str:
+    """The dtype the checkpoint's weights are stored in (a name of spec.DTYPES): what convert writes unless told,
+    so a bfloat16 checkpoint is not doubled to float32. Of mixed dtypes, float32, which holds each of them
+    exactly (bfloat16 and float16 hold only part of each other's values); a note says so."""
+    counts: dict[torch.dtype, int] = {}
+    for t in ckpt.state.values():
+        counts[t.dtype] = counts.get(t.dtype, 0) + 1
+    names = {d: str(d).removeprefix("torch.") for d in counts}
+    if len(counts) == 1:
+        return names.popitem()[1]
+    stored = ", ".join(f"{names[d]} ({n} tensors)" for d, n in sorted(counts.items(), key=lambda kv: -kv[1]))
+    ckpt.notes.append(
+        f"the weights are stored in mixed dtypes, {stored}: writing float32, which holds each of them exactly "
+        "(--dtype bfloat16 writes half the bytes)"
+    )
+    return "float32"
 
 
 def _known_config(ckpt: Checkpoint, ignore: set[str]) -> dict | None:

@@ -23,7 +23,7 @@ from ..atomic import check_apart, check_space, disk_full, new_file
 from ..spec import TrainConfig, gguf_tensors, hf_shapes, raw_to_hf, train_config_from_hf
 from .cast import check_cast
 from .folder import checked
-from .format import load_checkpoint, read_json, resolve_config
+from .format import is_training_checkpoint, load_checkpoint, read_json, resolve_config
 from .weights import LazyFolder, safetensors_files
 
 # --dtype -> (torch dtype of the matrices, gguf file type); 1-D tensors (the norms) stay f32, as llama.cpp's
@@ -143,7 +143,7 @@ def export(
 
 def _read(src: Path, ignore_config_keys: Iterable[str] = (), log=print):
     """(config, HF-named tensors read one at a time, tokenizer.json, chat template or None) of `src`."""
-    if (src / "config.json").is_file():
+    if (src / "config.json").is_file() and not is_training_checkpoint(src):  # a sharded checkpoint has one too
         if ignore_config_keys:
             raise MiniStreamError(
                 f"--ignore-config-key is for a training checkpoint's train config; {src} is a converted folder "
@@ -167,7 +167,7 @@ def _read(src: Path, ignore_config_keys: Iterable[str] = (), log=print):
             f"weights) or a training checkpoint (model.pt): give the folder, {src.parent}"
             + ("" if (src.parent / "config.json").is_file() else ", once `ministream convert` has written it")
         )
-    elif (src / "model.pt").is_file() or src.is_file():
+    elif is_training_checkpoint(src):
         ckpt = load_checkpoint(src)
         if ckpt.config is None:  # resolve_config would ask for convert's flags, which gguf has not
             raise MiniStreamError(
@@ -181,7 +181,8 @@ def _read(src: Path, ignore_config_keys: Iterable[str] = (), log=print):
         template, tok = None, ckpt.path.parent / "tokenizer.json"
     else:
         raise MiniStreamError(
-            f"{src}: neither a converted folder (config.json) nor a training checkpoint (model.pt); give one of them"
+            f"{src}: neither a converted folder (config.json) nor a training checkpoint (model.pt, "
+            "or a sharded checkpoint/ folder); give one of them"
         )
     if not tok.is_file():
         raise MiniStreamError(f"{tok}: no such file; the GGUF file carries the tokenizer, so the folder must hold it")

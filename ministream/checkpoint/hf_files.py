@@ -21,7 +21,9 @@ from pathlib import Path
 
 from .. import MiniStreamError, __version__, spec
 from ..atomic import lock, maker, mark_remade, signals_held, umask
-from .folder import Finding, FolderError, examine, read_config
+from .config_json import read_config
+from .findings import Finding, FolderError
+from .folder import examine
 
 TEMPLATES = "transformers_files"  # beside this module, shipped as package data
 # template -> the file a folder carries, in the order they are executed (the model file imports the config's)

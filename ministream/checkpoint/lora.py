@@ -29,7 +29,15 @@ from ..spec import (
     train_config_from_hf,
 )
 from .folder import checked
-from .format import ADAPTER_FILE, load_checkpoint, named_tensors, read_json, read_pt, resolve_config
+from .format import (
+    ADAPTER_FILE,
+    is_training_checkpoint,
+    load_checkpoint,
+    named_tensors,
+    read_json,
+    read_pt,
+    resolve_config,
+)
 from .weights import write_safetensors
 
 PEFT_CONFIG, PEFT_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"  # a PEFT adapter folder's files
@@ -130,7 +138,7 @@ def base_config(base: str | Path, ignore_keys: Iterable[str] = ()) -> TrainConfi
             f"{base}: no such folder; give the base model: its converted folder (make convert) or its training "
             "checkpoint"
         )
-    if (base / "config.json").is_file() and not (base / "model.pt").is_file():
+    if (base / "config.json").is_file() and not is_training_checkpoint(base):  # a sharded checkpoint has one too
         checked(base)  # the one folder check: an adapter is served on the base the server would run
         return train_config_from_hf(read_json(base / "config.json"), str(base / "config.json"))
     ckpt = load_checkpoint(base)

@@ -1,5 +1,5 @@
 """Perplexity on held-out text, computed the way llama.cpp's `llama-perplexity` computes it, so that the
-reference model, vLLM (run/perplexity.py) and llama.cpp (bench/llamacpp.py) are measured alike at every width.
+reference model, vLLM (run/vllm_perplexity.py) and llama.cpp (bench/llamacpp.py) are measured alike at every width.
 
 The text is tokenized as a prompt is (the folder's tokenizer.json, BOS where it adds one) and cut into chunks
 of n_ctx tokens, the rest dropped; where the tokenizer adds BOS, each chunk's first token is BOS. Of each
@@ -20,6 +20,11 @@ import torch
 from .. import MiniStreamError
 from ..paths import HELDOUT
 
+# safetensors' codes of the tensors a folder holds, as torch dtypes (FolderTensors.read)
+CODE_TORCH = {
+    "F32": "float32", "BF16": "bfloat16", "F16": "float16", "I8": "int8", "I32": "int32", "I64": "int64",
+    "F8_E4M3": "float8_e4m3fn",
+}  # fmt: skip
 N_CTX = 256  # each chunk, at most the model's context
 
 
@@ -80,11 +85,118 @@ def reference_perplexity(model: torch.nn.Module, c: Chunks) -> float:
 
 
 def folder_perplexity(folder: Path, c: Chunks, dtype: torch.dtype = torch.float32) -> float:
-    """The reference model on a converted folder's weights (a quantized folder's dequantized: weights.read_folder)."""
-    from .reference import MiniStream
-    from .weights import read_folder
+    """The reference model on a converted folder's weights (a quantized folder's dequantized, as vLLM computes
+    with them), run one block at a time over every chunk: memory holds one block's weights in `dtype` and the
+    chunks' hidden states, never the model (issue 56). The same math as reference_perplexity on the whole model:
+    each chunk on its own, so each matmul has the shapes it has there."""
+    from ..spec import EMBEDDING, FINAL_NORM, HEAD, block_index, table, train_config_from_hf
+    from .folder import checked
+    from .format import read_json
+    from .reference import Block, rmsnorm, rope_tables
 
-    cfg, state = read_folder(Path(folder))
-    model = MiniStream(cfg)
-    model.load_state_dict(state, strict=True, assign=True)
-    return reference_perplexity(model.to(dtype).eval(), c)
+    folder = Path(folder)
+    checked(folder)  # the one folder check: the perplexities read what the server runs
+    cfg = train_config_from_hf(read_json(folder / "config.json"), str(folder / "config.json"))
+    tensors = FolderTensors(folder, cfg, read_json(folder / "config.json"))
+    rows = table(cfg)
+
+    def weights(layer: int | None) -> dict[str, torch.Tensor]:  # training name -> tensor, in `dtype`
+        return {r.raw: tensors.raw(r).to(dtype) for r in rows if block_index(r.raw) == layer}
+
+    T = len(c.ids[0])
+    mask = torch.ones(T, T, dtype=torch.bool).tril()[None, None]
+    cos, sin = rope_tables(torch.arange(T).expand(1, T), cfg.head_dim, cfg.rope_theta)
+    ids = [torch.tensor([chunk]) for chunk in c.ids]
+    with torch.no_grad():
+        embedding = weights(None)[EMBEDDING]
+        hidden = [torch.nn.functional.embedding(x, embedding) for x in ids]
+        for layer in range(cfg.n_layers):
+            with torch.device("meta"):  # no random initialisation of weights the block's own replace
+                block = Block(cfg)
+            prefix = f"blocks.{layer}."
+            block.load_state_dict({k.removeprefix(prefix): v for k, v in weights(layer).items()}, assign=True)
+            hidden = [block(x, cos, sin, mask, None, layer) for x in hidden]
+            del block
+        final = weights(None)
+        head = final[EMBEDDING] if cfg.tie_embeddings else final[HEAD]
+        per_chunk = []
+        for x, h in zip(ids, hidden):
+            logits = (rmsnorm(h, final[FINAL_NORM], cfg.norm_eps) @ head.T).float()
+            logprobs = torch.log_softmax(logits[0], dim=-1)
+            per_chunk.append(logprobs[c.first : -1].gather(1, x[0, c.first + 1 :, None])[:, 0].tolist())
+    return from_logprobs(per_chunk)
+
+
+class FolderTensors:
+    """A converted folder's float weights, read when asked from its safetensors files: by HF name, or by training
+    row (the HF tensors concatenated); a quantized folder's linear weights dequantized as vLLM computes with them
+    (scheme.decompress), one weight at a time. Read with plain file reads, not a memory map: a mapped file's
+    pages, once read, stay in the process's resident memory until it is unmapped, which would make a streaming
+    tool's peak the whole file (issue 56)."""
+
+    def __init__(self, folder: Path, cfg, config: dict):
+        import json
+
+        from ..spec import hf_shapes
+        from .scheme import is_quantized, read_scheme, stored
+        from .weights import safetensors_files
+
+        self.shapes = {k: tuple(v) for k, v in hf_shapes(cfg).items()}
+        quantized = "quantization_config" in config
+        self.scheme, self.head = read_scheme(config, folder / "config.json") if quantized else ("", False)
+        self.where: dict[str, tuple[Path, int, dict]] = {}  # name -> file, where its data starts, header entry
+        for f in safetensors_files(folder):
+            with open(f, "rb") as fh:
+                n = int.from_bytes(fh.read(8), "little")
+                header = json.loads(fh.read(n))
+            self.where.update({k: (f, 8 + n, v) for k, v in header.items() if k != "__metadata__"})
+        self.parts: dict[str, list[str]] = {}  # HF weight name -> the folder's tensors that stand for it
+        for name, shape in self.shapes.items():
+            stem = name.removesuffix(".weight")
+            self.parts[name] = (
+                [f"{stem}.{k}" for k in stored(shape, self.scheme)]
+                if self.scheme and is_quantized(name, self.head)
+                else [name]
+            )
+        expected = {t for names in self.parts.values() for t in names}
+        if set(self.where) != expected:
+            missing, extra = sorted(expected - set(self.where)), sorted(set(self.where) - expected)
+            raise MiniStreamError(
+                f"{folder}: tensors do not match config.json: missing {missing[:3]}, extra {extra[:3]}"
+            )
+        self.folder = folder
+
+    def code(self, name: str) -> str:
+        """The safetensors dtype code the folder stores tensor `name` in."""
+        return self.where[name][2]["dtype"]
+
+    def read(self, name: str) -> torch.Tensor:
+        """The folder's tensor `name` as it is stored."""
+        file, start, entry = self.where[name]
+        begin, end = entry["data_offsets"]
+        buf = torch.empty(end - begin, dtype=torch.uint8)
+        with open(file, "rb") as f:
+            f.seek(start + begin)
+            if f.readinto(buf.numpy().data) != end - begin:
+                raise MiniStreamError(f"{file}: cut short inside {name}: convert the folder again")
+        return buf.view(getattr(torch, CODE_TORCH[entry["dtype"]])).reshape(entry["shape"])
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        from .scheme import decompress
+
+        names = self.parts[name]
+        if names == [name]:
+            t = self.read(name)
+        else:
+            stem = name.removesuffix(".weight") + "."
+            t = decompress({k.removeprefix(stem): self.read(k) for k in names}, self.scheme)
+        if tuple(t.shape) != self.shapes[name]:
+            raise MiniStreamError(
+                f"{self.folder}: {name} has shape {list(t.shape)}, config.json implies {list(self.shapes[name])}: "
+                "convert the folder again"
+            )
+        return t
+
+    def raw(self, row) -> torch.Tensor:
+        """The training tensor of a spec.table row."""
+        return torch.cat([self[h] for h in row.hf], dim=0) if row.split else self[row.hf[0]]

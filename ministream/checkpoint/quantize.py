@@ -21,7 +21,9 @@ refuses it there.
 """
 
 import json
+import math
 import shutil
+import struct
 from pathlib import Path
 
 import torch
@@ -34,6 +36,7 @@ from .cast import check_cast
 from .convert import llama_twin
 from .folder import checked
 from .format import read_json
+from .perplexity import FolderTensors
 from .scheme import (
     CODE_DTYPES,
     EMBED,
@@ -48,7 +51,7 @@ from .scheme import (
     scheme_of,
     stored,
 )
-from .weights import LazyFolder, safetensors_files
+from .weights import safetensors_files
 
 METHODS = ("rtn", "gptq")  # round to nearest (no data), or GPTQ on a calibration text (gptq.py)
 RECORD = "ministream-quantize.json"  # beside config.json: the scheme, the source, what the rounding cost
@@ -131,6 +134,48 @@ def calibrate(src: Path, tmp: Path, cfg: TrainConfig, scheme: str, python, text,
     return how, parts
 
 
+TORCH_CODES = {
+    "int8": "I8",
+    "int32": "I32",
+    "int64": "I64",
+    "float32": "F32",
+    "bfloat16": "BF16",
+    "float16": "F16",
+    "float8_e4m3fn": "F8_E4M3",
+}  # torch dtype name -> safetensors code: what the streaming writer plans and checks
+
+
+def write_groups(path: Path, groups: list[tuple[str, dict]], make) -> None:
+    """Stream tensors into one safetensors file: the header planned from `groups` (stem -> {name: (shape,
+    code)}), then group i's tensors made by make(i), each checked against its plan, written and dropped, so
+    memory holds one weight's tensors at a time, never the model (safetensors' save_file takes them all)."""
+    header: dict = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for _, planned in groups:
+        for name, (shape, code) in planned.items():
+            size = math.prod(shape) * SIZES[code]
+            header[name] = {"dtype": code, "shape": list(shape), "data_offsets": [offset, offset + size]}
+            offset += size
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # data starts 8-byte aligned
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)) + blob)
+        for i, (stem, planned) in enumerate(groups):
+            made = make(i)
+            if set(made) != set(planned):
+                raise MiniStreamError(f"quantize made {sorted(made)} for {stem}, planned {sorted(planned)}: a bug")
+            for name, (shape, code) in planned.items():
+                t = made.pop(name)
+                got = (tuple(t.shape), TORCH_CODES.get(str(t.dtype).removeprefix("torch.")))
+                if got != (tuple(shape), code):
+                    raise MiniStreamError(f"quantize made {name} as {got}, planned {(shape, code)}: a bug")
+                if t.numel():
+                    f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy().data)
+
+
+SIZES = {"I8": 1, "F8_E4M3": 1, "BF16": 2, "F16": 2, "I32": 4, "F32": 4, "I64": 8}
+
+
 def read_record(folder: Path) -> dict | None:
     """A quantized folder's loss record (None: quantized elsewhere, or before the record existed)."""
     path = Path(folder) / RECORD
@@ -189,28 +234,32 @@ def quantize(
     cfg = train_config_from_hf(config, str(src / "config.json"))
     check_shapes(cfg, scheme, str(src / "config.json"))
     files = safetensors_files(src)
-    tensors = LazyFolder(files, hf_shapes(cfg))
+    shapes = hf_shapes(cfg)
+    tensors = FolderTensors(src, cfg, config)  # read one tensor at a time, never mapped: perplexity.py
     what = f"quantizing {src} to {out}"
     check_space(out.parent if out.parent.exists() else Path("."), sum(f.stat().st_size for f in files), what)
-    from safetensors.torch import save_file
-
     python = gptq.environment(log) if method == "gptq" else None  # made once, before anything is written
     try:
         with new_folder(out, force, inputs=[src]) as tmp:
             calibrated = calibrate(src, tmp, cfg, scheme, python, calibration, samples, log) if python else None
-            state: dict[str, torch.Tensor] = {}
-            for name in hf_shapes(cfg):  # a tied head has no tensor of its own: not in hf_shapes either
-                t = tensors[name]
-                if LINEAR.match(name):
-                    stem = name.removesuffix(".weight")
-                    parts = calibrated[1][stem] if calibrated else compress(t, scheme)
-                    state.update(held(stem, t, parts, scheme))
-                elif not (quantize_head and name == HEAD):
-                    state.update(held(name, t, {"": t.contiguous()}, scheme))
+            # one weight at a time: planned from shapes, then each computed, written and dropped (issue 56)
+            stems = [(name, name.removesuffix(".weight") if LINEAR.match(name) else name) for name in hf_shapes(cfg)]
             if quantize_head:  # the head's own weight, or the embedding it is tied to: rounded to nearest
-                weight = tensors[EMBED if cfg.tie_embeddings else HEAD]
-                state.update(held("lm_head", weight, compress(weight, scheme), scheme))
-            save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+                stems = [(n, s) for n, s in stems if n != HEAD] + [(EMBED if cfg.tie_embeddings else HEAD, "lm_head")]
+
+            def plan(name: str, stem: str) -> dict[str, tuple[tuple[int, ...], str]]:
+                if stem != name:
+                    return {f"{stem}.{k}": v for k, v in stored(tuple(shapes[name]), scheme).items()}
+                return {name: (tuple(shapes[name]), tensors.code(name))}
+
+            def parts(name: str, stem: str) -> dict[str, torch.Tensor]:
+                t = tensors[name]
+                if stem == name:  # a tensor kept as it is (a tied head has no tensor of its own: not in hf_shapes)
+                    return held(name, t, {"": t.contiguous()}, scheme)
+                got = calibrated[1][stem] if calibrated and stem != "lm_head" else compress(t, scheme)
+                return held(stem, t, got, scheme)
+
+            write_groups(tmp / "model.safetensors", [(s, plan(n, s)) for n, s in stems], lambda i: parts(*stems[i]))
             for f in sorted(src.iterdir()):
                 # not the weights, config.json, nor the tools' own dotfiles (the made-by record, locks)
                 if f.is_file() and f.name != "config.json" and not WEIGHT_FILES.match(f.name) and f.name[0] != ".":

@@ -4,6 +4,10 @@ This is the definition every other stage is checked against (docs/format.md, "Th
 and the stand-in for the team's original single-request inference script. Read top to bottom:
 RMSNorm, RoPE, attention, MLP, block, model, generation.
 
+Weights are used in whatever dtype they are stored in, each cast to the compute dtype (the activations')
+only as its layer runs: a model kept as the checkpoint stores it (`stream=True`, mmap'd from model.pt)
+computes in float32 without ever holding a float32 copy of all its weights.
+
 Shapes: B batch, T new tokens, S cached + new tokens, H d_model, Nq/Nkv heads, D head_dim, V vocab.
 """
 
@@ -61,6 +65,16 @@ class KVCache:
         return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
 
 
+def linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
+    # the weight in x's dtype for this product only (a no-op where it is stored so): the same values as a model
+    # cast whole up front, with one weight's copy alive at a time
+    return F.linear(x, layer.weight.to(x.dtype))
+
+
+def norm_weight(x: torch.Tensor, norm: "NormWeight") -> torch.Tensor:
+    return norm.weight.to(x.dtype)  # rounded to the compute dtype first, as a model cast whole would have it
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: TrainConfig):
         super().__init__()
@@ -71,7 +85,7 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, mask, cache: KVCache | None, layer: int):
         c = self.cfg
         B, T, _ = x.shape
-        q, k, v = self.Wqkv(x).split(c.qkv_sizes, dim=-1)
+        q, k, v = linear(x, self.Wqkv).split(c.qkv_sizes, dim=-1)
         q = q.view(B, T, c.n_heads, c.head_dim).transpose(1, 2)  # (B, Nq, T, D)
         k = k.view(B, T, c.n_kv_heads, c.head_dim).transpose(1, 2)  # (B, Nkv, T, D)
         v = v.view(B, T, c.n_kv_heads, c.head_dim).transpose(1, 2)  # (B, Nkv, T, D)
@@ -82,7 +96,7 @@ class Attention(nn.Module):
         G = c.n_heads // c.n_kv_heads
         k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)  # (B, Nq, S, D)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0 / math.sqrt(c.head_dim))
-        return self.out_proj(o.transpose(1, 2).reshape(B, T, c.n_heads * c.head_dim))
+        return linear(o.transpose(1, 2).reshape(B, T, c.n_heads * c.head_dim), self.out_proj)
 
 
 class MLP(nn.Module):
@@ -93,8 +107,8 @@ class MLP(nn.Module):
         self.w3 = nn.Linear(cfg.d_ff, cfg.d_model, bias=False)
 
     def forward(self, x):
-        g, u = self.w12(x).split(self.d_ff, dim=-1)
-        return self.w3(F.silu(g) * u)
+        g, u = linear(x, self.w12).split(self.d_ff, dim=-1)
+        return linear(F.silu(g) * u, self.w3)
 
 
 class NormWeight(nn.Module):
@@ -115,8 +129,8 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x, cos, sin, mask, cache, layer):
-        x = x + self.attn(rmsnorm(x, self.norm1.weight, self.eps), cos, sin, mask, cache, layer)
-        return x + self.mlp(rmsnorm(x, self.norm2.weight, self.eps))
+        x = x + self.attn(rmsnorm(x, norm_weight(x, self.norm1), self.eps), cos, sin, mask, cache, layer)
+        return x + self.mlp(rmsnorm(x, norm_weight(x, self.norm2), self.eps))
 
 
 class MiniStream(nn.Module):
@@ -129,19 +143,41 @@ class MiniStream(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm_f = NormWeight(cfg.d_model)
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.compute_dtype: torch.dtype | None = None  # None: the weights' own (a model cast whole)
 
     @classmethod
     def from_checkpoint(
-        cls, path: str | Path, dtype: torch.dtype = torch.float32, overrides=None, adapter: str | Path | None = None
+        cls,
+        path: str | Path,
+        dtype: torch.dtype = torch.float32,
+        overrides=None,
+        adapter: str | Path | None = None,
+        stream: bool = False,
     ) -> "MiniStream":
-        """The model of a training checkpoint; with `adapter` (a LoRA adapter.pt or its folder), merged into it."""
+        """The model of a training checkpoint; with `adapter` (a LoRA adapter.pt or its folder), merged into it.
+        stream: see from_state."""
         cfg, ckpt = load(path, overrides)
-        model = cls(cfg)
-        model.load_state_dict(ckpt.state, strict=True, assign=True)
-        if adapter is not None:
+        model = cls.from_state(cfg, ckpt.state, dtype, stream=True)
+        if adapter is not None:  # merged in the stored dtype, then cast
             lora, rows = load_for(adapter, cfg)
             model.merge_lora(updates(lora, rows), lora.scaling)
-        return model.to(dtype).eval()
+        return model if stream else model.cast(dtype)
+
+    @classmethod
+    def from_state(cls, cfg: TrainConfig, state: dict, dtype: torch.dtype, stream: bool = False) -> "MiniStream":
+        """The model on `state`'s tensors themselves (training names), computing in `dtype`. stream=False: the
+        weights cast to `dtype` whole; stream=True: kept as they are (model.pt's stay mmap'd, read as they are
+        used), each cast while its layer runs: memory near the stored weights', the same outputs."""
+        with torch.device("meta"):  # no initial weights: the state's replace them (a float32 model's worth)
+            model = cls(cfg)
+        model.load_state_dict(state, strict=True, assign=True)
+        model.compute_dtype = dtype
+        return model.eval() if stream else model.cast(dtype)
+
+    def cast(self, dtype: torch.dtype) -> "MiniStream":
+        """Every weight cast to `dtype` now (a copy where it is stored otherwise); computing in it."""
+        self.compute_dtype = None
+        return self.to(dtype).eval()
 
     @torch.no_grad()
     def merge_lora(self, factors: dict[str, tuple[torch.Tensor, torch.Tensor]], scaling: float) -> None:
@@ -155,7 +191,12 @@ class MiniStream(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embedding.weight.dtype
+        """The compute dtype: the activations', the KV cache's."""
+        return self.compute_dtype or self.embedding.weight.dtype
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """The embeddings of `ids` (B, T) -> (B, T, H) in the compute dtype: only their rows are read and cast."""
+        return F.embedding(ids, self.embedding.weight).to(self.dtype)
 
     def forward(
         self,
@@ -182,16 +223,16 @@ class MiniStream(nn.Module):
             mask = mask | (torch.arange(past + T)[None, :] == past + torch.arange(T)[:, None])[None, None]
         cos, sin = rope_tables(positions, self.cfg.head_dim, self.cfg.rope_theta)
 
-        x = self.embedding(ids)  # (B, T, H)
+        x = self.embed(ids)  # (B, T, H)
         for i, block in enumerate(self.blocks):
             x = block(x, cos, sin, mask, cache, i)
             if hidden_states is not None:
                 hidden_states.append(x.detach().clone())
         if cache is not None:
             cache.length += T
-        x = rmsnorm(x, self.norm_f.weight, self.cfg.norm_eps)
+        x = rmsnorm(x, norm_weight(x, self.norm_f), self.cfg.norm_eps)
         head = self.embedding.weight if self.lm_head is None else self.lm_head.weight
-        return (x @ head.T).float()  # (B, T, V)
+        return (x @ head.to(x.dtype).T).float()  # (B, T, V)
 
     @torch.no_grad()
     def generate(

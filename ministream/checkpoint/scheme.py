@@ -7,6 +7,7 @@ light.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from pathlib import Path
@@ -34,6 +35,9 @@ HEADS = ("float", "quantized")  # --head: as it is (tied to the embedding where 
 HEAD_SCHEMES = ("w8a8", "w4a16")
 WEIGHT_FILES = re.compile(r"^model(-\d+-of-\d+)?\.safetensors(\.index\.json)?$")
 
+
+# what read_scheme reads of a config.json: (--scheme, whether the head is quantized: --head quantized)
+Quantization = tuple[str, bool]
 
 # stored()'s safetensors codes as torch names: what GPTQ's tensors are checked against before they are written
 CODE_DTYPES = {"I8": "int8", "I32": "int32", "I64": "int64", "F32": "float32", "F8_E4M3": "float8_e4m3fn"}
@@ -71,6 +75,12 @@ def stored(shape: tuple[int, ...], name: str) -> dict[str, tuple[tuple[int, ...]
         "weight_scale": ((rows, inputs // group), "F32"),
         "weight_shape": ((2,), "I64"),
     }
+
+
+def stored_weights(shapes: dict[str, tuple[int, ...]], name: str, head: bool) -> dict[str, dict]:
+    """stored() of each weight of `shapes` (spec.hf_shapes) that a `--scheme name` folder stores quantized
+    (is_quantized; `head`: --head quantized), by its stem, the weight's name without `.weight`."""
+    return {t.removesuffix(".weight"): stored(shape, name) for t, shape in shapes.items() if is_quantized(t, head)}
 
 
 def needs_16_bits(name: str) -> bool:
@@ -144,30 +154,45 @@ def scheme_name(config: dict, source: Path | str) -> str:
     return read_scheme(config, source)[0]
 
 
-def read_scheme(config: dict, source: Path | str) -> tuple[str, bool]:
+def read_scheme(config: dict, source: Path | str) -> Quantization:
     """The --scheme a quantized config.json was written with and whether its head is quantized (--head), refused
     by name where it is not one of ours."""
     q = config.get("quantization_config")
     if not isinstance(q, dict):
         raise MiniStreamError(f"{source}: no quantization_config: the folder is not quantized")
-    for name in SCHEMES:
-        for head in (False, True):
-            if q.get("quant_method") == "compressed-tensors" and _same_groups(q, quantization_config(name, head)):
-                return name, head
+    if q.get("quant_method") == "compressed-tensors":
+        for name in SCHEMES:
+            for head in (False, True):
+                if _groups(q) == _our_groups(name, head):
+                    return name, head
     raise MiniStreamError(
         f"{source}: quantization_config ({q.get('quant_method')}, format {q.get('format')}) is none of "
         f"`ministream quantize`'s schemes ({', '.join(SCHEMES)}): quantize the converted folder again"
     )
 
 
+def quantization(config: dict) -> Quantization | None:
+    """read_scheme's answer for config.json; None where it names no scheme of ours (none at all: float weights)."""
+    if "quantization_config" not in config:
+        return None
+    try:
+        return read_scheme(config, "config.json")
+    except MiniStreamError:
+        return None
+
+
 def quantizes_head(config: dict) -> bool:
     """Whether config.json is one of ours with its head quantized (--head quantized): False for anything else."""
-    try:
-        return "quantization_config" in config and read_scheme(config, "config.json")[1]
-    except MiniStreamError:
-        return False
+    q = quantization(config)
+    return q is not None and q[1]
 
 
-def _same_groups(have: dict, want: dict) -> bool:
-    strip = lambda q: json.dumps({k: q.get(k) for k in ("format", "config_groups", "ignore")}, sort_keys=True)  # noqa: E731
-    return strip(have) == strip(want)
+def _groups(q: dict) -> str:
+    """What of a quantization_config says which scheme it is."""
+    return json.dumps({k: q.get(k) for k in ("format", "config_groups", "ignore")}, sort_keys=True)
+
+
+@functools.cache
+def _our_groups(name: str, head: bool) -> str:
+    """_groups of the config `quantize --scheme name` writes: built by compressed-tensors once per process."""
+    return _groups(quantization_config(name, head))

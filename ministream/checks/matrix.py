@@ -43,7 +43,7 @@ from ..fork.release import release_files, sdist_names
 from ..fork.upstream import upstream_files
 from ..paths import BUILD, PATCH_SETS
 from ..spec import ARCH, CONFIG_CLASS, MODEL_TYPE
-from .internals import internals
+from .internals_check import internals
 from .model_checks import CHECKS as STATIC_CHECKS, Failed, NotApplicable
 
 CHECKS = [

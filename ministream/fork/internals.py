@@ -1,7 +1,7 @@
 """vLLM's internals that ministream's tools reach by name, stated once, tool by tool and era by era.
 
 The tools take these names from here (bench-step the model runner's methods it times, doctor the platform
-rule it reports), and the matrix's `internals` check (checks/internals.py) proves, release by release, that
+rule it reports), and the matrix's `internals` check (checks/internals_check.py) proves, release by release, that
 each resolves in that release's own files, read with pysource.py and never imported: a name that moves in
 a new vLLM is a failing cell of `make matrix`, not a traceback at run time. Every `vllm` import in the
 package's own modules is checked the same way, from the era its module states in IMPORTS_SINCE.
@@ -52,7 +52,7 @@ V1_ENGINE = "0.9.2"  # the oldest supported release with the V1 engine's CPU wor
 # bench-step's era: the V1 runner splits a step into execute_model and sample_tokens (with _sample) from 0.11
 BENCH_STEP = "0.11.2"
 
-# bench-step's timers (bench/benchstep.py), part -> its name in each runner era: the V1 runner
+# bench-step's timers (bench/decode_step.py), part -> its name in each runner era: the V1 runner
 # (v1/worker/gpu_model_runner.py and its CPU subclass), then the V2 runner (v1/worker/gpu/model_runner.py; the
 # only one from 0.34, which deletes the V1 runner and VLLM_USE_V2_MODEL_RUNNER). The V2 runner calls
 # self.model(...) inline, and its sample() computes the logits too (model_state.compute_sample_logits), so
@@ -106,11 +106,11 @@ NEEDS: tuple[Need, ...] = (
 # environment, where running them is their proof.
 IMPORTS_SINCE = {
     "run/generate.py": "0.4.3",  # LLM, SamplingParams
-    "run/perplexity.py": "0.4.3",  # SamplingParams(prompt_logprobs=...)
+    "run/vllm_perplexity.py": "0.4.3",  # SamplingParams(prompt_logprobs=...)
     "bench/workers.py": "0.6.3",  # vllm.platforms.current_platform
-    "bench/benchstep.py": BENCH_STEP,
+    "bench/decode_step.py": BENCH_STEP,
     "run/vllm_cli.py": "0.7.3",  # vLLM's own command line (vllm/entrypoints/cli/main.py)
-    "bench/benchclient.py": "0.11.2",  # `vllm bench serve`'s client (vllm.utils.argparse_utils from 0.11)
+    "bench/vllm_client.py": "0.11.2",  # `vllm bench serve`'s client (vllm.utils.argparse_utils from 0.11)
     "run/vllm_options.py": "0.11.2",  # vLLM's server parser (FlexibleArgumentParser); below it the string check
     "fork/plugin_files/ministream_vllm/__init__.py": "0.6.3",  # the plugin route (fork/plugin.py)
 }

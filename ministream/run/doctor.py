@@ -21,6 +21,8 @@ from pathlib import Path
 
 from .. import MiniStreamError
 from ..checkpoint import hf_files
+from ..checkpoint.findings import Finding, FolderError
+from ..checkpoint.folder import Folder, examine
 from ..fork import plugin as vllm_plugin, zentorch
 from ..fork.internals import cpu_needs_triton
 from ..fork.registry import CONFIGS_INIT_PY, Registries, read_package
@@ -29,16 +31,8 @@ from ..paths import PATCH_SETS
 from ..spec import ARCH, MODEL_FILE_IN_TREE, MODEL_TYPE, TrainConfig
 from . import engine, fingerprint, tuned
 from .engine import SERVE_DEFAULTS, EngineSettings
-from .folder import (
-    Finding,
-    Folder,
-    FolderError,
-    check_int4_kernel,
-    check_quantized_head,
-    check_runs,
-    examine,
-    installed_vllm_dir,
-)
+from .folder import check_int4_kernel, check_quantized_head, check_runs
+from .kernels import installed_vllm_dir
 
 # what the checks of the installed vLLM read of a folder, when its own config.json is refused (examine says why)
 FORMAT_NAMES = {"architectures": [ARCH], "model_type": MODEL_TYPE}

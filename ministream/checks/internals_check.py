@@ -97,7 +97,7 @@ def _environment(source: _Source) -> set[str]:
         target = node.target if isinstance(node, ast.AnnAssign) else node.targets[0]
         if isinstance(target, ast.Name) and target.id == "environment_variables":
             return {k.value for k in node.value.keys if isinstance(k, ast.Constant) and isinstance(k.value, str)}
-    raise Failed(f"{ENVS} has no environment_variables table: a new form; extend ministream/checks/internals.py")
+    raise Failed(f"{ENVS} has no environment_variables table: a new form; extend ministream/checks/internals_check.py")
 
 
 def runners(source: _Source) -> list[tuple[str, str, str]]:

@@ -20,9 +20,9 @@ from .. import MiniStreamError
 from ..atomic import write_json
 from ..run import nodes
 from ..run.server import START_TIMEOUT, call, free_port, greedy, log_tail, start, stop, wait_ready
-from . import bench
-from .benchclient import check_client, client_common, run_client
+from . import offline
 from .machine import machine, machine_line
+from .vllm_client import check_client, client_common, run_client
 
 SYSTEMS = {
     "tp1": "TP=1, one node",
@@ -106,7 +106,7 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def bench_nodes(out: Path = bench.DEFAULT_OUT, quick: bool = False, systems: list[str] | None = None) -> int:
+def bench_nodes(out: Path = offline.DEFAULT_OUT, quick: bool = False, systems: list[str] | None = None) -> int:
     """`ministream bench-nodes`: the three systems one after another; OUT/nodes.json and the table."""
     check_client()
     settings = QUICK if quick else FULL
@@ -115,7 +115,7 @@ def bench_nodes(out: Path = bench.DEFAULT_OUT, quick: bool = False, systems: lis
         raise MiniStreamError(f"--systems {','.join(unknown)}: choose from {', '.join(SYSTEMS)}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    model = Path(bench.prepare_model(settings["preset"], out / "models")["hf"])
+    model = Path(offline.prepare_model(settings["preset"], out / "models")["hf"])
     result: dict[str, Any] = {"machine": machine(), "settings": settings, "model": str(model), "systems": {}}
     for system in systems or list(SYSTEMS):
         print(f"bench-nodes: {SYSTEMS[system]} ...", file=sys.stderr, flush=True)

