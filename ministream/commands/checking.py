@@ -4,7 +4,7 @@ import argparse
 from pathlib import Path
 
 from ..paths import BUILD
-from . import Command, Subparsers, for_release
+from . import Command, Subparsers, for_release, options
 from .building import nearest_pins
 
 
@@ -85,7 +85,7 @@ class VllmTests(Command):
     def cmd(self, a: argparse.Namespace) -> int:
         from ..checks import vllm_tests
 
-        return vllm_tests.run_vllm_tests(version=a.version, tree=a.tree, compare=a.compare, out=a.out, quick=a.quick)
+        return vllm_tests.run_vllm_tests(**options(a, "version", "tree", "compare", "out", "quick"))
 
 
 class CudaSmoke(Command):

@@ -5,7 +5,7 @@ import argparse
 from pathlib import Path
 
 from ..run.engine import add_engine_options
-from . import Command, Subparsers, heldout_text, listed
+from . import Command, Subparsers, heldout_text, listed, options
 
 
 def given(a: argparse.Namespace, settings: dict) -> dict:
@@ -52,13 +52,7 @@ class ServeBench(Command):
         from ..bench import vllm_client
 
         return vllm_client.serve_bench(
-            url=a.url,
-            model=a.model,
-            concurrency=a.concurrency,
-            max_tokens=a.max_tokens,
-            num_prompts=a.num_prompts,
-            dataset=a.dataset,
-            tokenizer=a.tokenizer,
+            **options(a, "url", "model", "concurrency", "max_tokens", "num_prompts", "dataset", "tokenizer")
         )
 
 
@@ -98,12 +92,7 @@ class Bench(Command):
         from ..bench import offline
 
         return offline.bench(
-            out=a.out,
-            quick=a.quick,
-            report_only=a.report,
-            systems=a.systems,
-            note=a.note,
-            **given(a, offline.FULL),
+            **options(a, "out", "quick", "systems", "note", report_only="report"), **given(a, offline.FULL)
         )
 
 
@@ -171,12 +160,7 @@ class BenchServe(Command):
         from ..bench import serving
 
         return serving.bench_serve(
-            out=a.out,
-            quick=a.quick,
-            report_only=a.report,
-            systems=a.systems,
-            note=a.note,
-            **given(a, serving.FULL),
+            **options(a, "out", "quick", "systems", "note", report_only="report"), **given(a, serving.FULL)
         )
 
 
@@ -229,7 +213,7 @@ class BenchStep(Command):
     def cmd(self, a: argparse.Namespace) -> int:
         from ..bench import decode_step
 
-        return decode_step.bench_step(out=a.out, presets=a.presets, dtypes=a.dtypes, variants=a.variants, note=a.note)
+        return decode_step.bench_step(**options(a, "out", "presets", "dtypes", "variants", "note"))
 
 
 class BenchAccuracy(Command):
@@ -262,7 +246,7 @@ class BenchAccuracy(Command):
     def cmd(self, a: argparse.Namespace) -> int:
         from ..bench import accuracy
 
-        return accuracy.bench_accuracy(out=a.out, folders=a.folders, presets=a.presets, systems=a.systems, text=a.text)
+        return accuracy.bench_accuracy(**options(a, "out", "folders", "presets", "systems", "text"))
 
 
 class Tune(Command):
@@ -285,4 +269,4 @@ class Tune(Command):
     def cmd(self, a: argparse.Namespace) -> int:
         from ..bench import tune
 
-        return tune.tune(out=a.out, model=a.model, quick=a.quick, force=a.force)
+        return tune.tune(**options(a, "out", "model", "quick", "force"))

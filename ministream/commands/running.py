@@ -7,7 +7,7 @@ from pathlib import Path
 
 from .. import MiniStreamError
 from ..run.engine import EngineSettings, add_engine_options
-from . import Command, Subparsers, seconds
+from . import Command, Subparsers, options, seconds
 
 RAW_HELP = (
     "training checkpoint folder for the reference model (default: the reference model reads the converted folder)"
@@ -39,15 +39,18 @@ class Generate(Command):
         from ..run import generate
 
         generate.generate(
-            model=a.model,
+            **options(
+                a,
+                "model",
+                "raw",
+                "max_tokens",
+                "logprobs",
+                "stop_at_eos",
+                engines="engine",
+                prompts="prompt",
+                json_path="json",
+            ),
             settings=EngineSettings.from_args(a),
-            raw=a.raw,
-            engines=a.engine,
-            prompts=a.prompt,
-            max_tokens=a.max_tokens,
-            logprobs=a.logprobs,
-            stop_at_eos=a.stop_at_eos,
-            json_path=a.json,
         )
         return 0
 
@@ -90,15 +93,18 @@ class Verify(Command):
         from ..run import verify
 
         return verify.run_verify(
-            model=a.model,
-            raw=a.raw,
+            **options(
+                a,
+                "model",
+                "raw",
+                "out",
+                "max_tokens",
+                "top_k",
+                "threshold",
+                prompts_file="prompts",
+                golden_path="golden",
+            ),
             settings=EngineSettings.from_args(a),
-            prompts_file=a.prompts,
-            out=a.out,
-            max_tokens=a.max_tokens,
-            top_k=a.top_k,
-            golden_path=a.golden,
-            threshold=a.threshold,
         )
 
 
@@ -175,15 +181,18 @@ class Eval(Command):
         from ..run import eval as lm_eval_run
 
         return lm_eval_run.run_eval(
-            folder=a.model,
-            route=a.route,
-            out=a.out,
-            tasks=a.tasks,
-            include=a.include_path,
-            dtype=a.dtype,
-            limit=a.limit,
-            url=a.url,
-            eager=a.enforce_eager,
+            **options(
+                a,
+                "route",
+                "out",
+                "tasks",
+                "dtype",
+                "limit",
+                "url",
+                folder="model",
+                include="include_path",
+                eager="enforce_eager",
+            )
         )
 
 
@@ -256,16 +265,10 @@ class Serve(Command):
         # refusal names
         extra = {"the command line": serve.passed_on(a.vllm_options, a), "--vllm-args": serve.vllm_args(a.vllm_args)}
         return serve.serve(
-            model=a.model,
+            **options(a, "model", "host", "port", "name", "stop_timeout", "api_key", loras="lora"),
             settings=EngineSettings.from_args(a),
-            host=a.host,
-            port=a.port,
-            name=a.name,
             extra=extra,
-            stop_timeout=a.stop_timeout,
-            api_key=a.api_key,
             cluster=cluster(a),
-            loras=a.lora,
         )
 
 
@@ -278,12 +281,8 @@ def cluster(a: argparse.Namespace):
     if not 0 <= a.node_rank < a.nnodes:
         raise MiniStreamError(f"--node-rank {a.node_rank}: give 0 to {a.nnodes - 1} for --nnodes {a.nnodes}")
     return nodes.Plan(
-        nnodes=a.nnodes,
-        rank=a.node_rank,
-        master_addr=a.master_addr,
-        master_port=a.master_port,
+        **options(a, "nnodes", "master_addr", "master_port", rank="node_rank", timeout="node_timeout"),
         rendezvous_port=a.rendezvous_port or a.master_port + 1,
-        timeout=a.node_timeout,
     )
 
 
@@ -317,7 +316,7 @@ class Ready(Command):
 
         url = a.url or ready.default_url()
         try:
-            name, how = ready.ready(url=url, model=a.model, timeout=a.timeout, folder=a.folder, dtype=a.dtype)
+            name, how = ready.ready(**options(a, "model", "timeout", "folder", "dtype"), url=url)
         except MiniStreamError as e:  # a state, not an input error: 1, as a probe expects
             print(f"not ready: {e}", file=sys.stderr)
             return 1

@@ -9,7 +9,7 @@ from .. import MiniStreamError
 from ..checkpoint import tokenizer
 from ..paths import CACHE
 from ..spec import DTYPES, LORA_TABLE, TrainConfig
-from . import Command, Subparsers, heldout_text, src_out
+from . import Command, Subparsers, heldout_text, options, src_out
 
 
 def ignore_config_key(p) -> None:
@@ -87,35 +87,31 @@ class Checkpoint(Command):
 
         if a.adapter:
             demo.make_adapter(
-                base=a.adapter,
-                out=a.out,
-                rank=a.rank,
-                alpha=a.alpha,
-                targets=a.targets,
-                strength=a.strength,
-                seed=a.seed,
-                dtype=a.dtype,
-                prefix=a.prefix,
-                force=a.force,
+                **options(
+                    a, "out", "rank", "alpha", "targets", "strength", "seed", "dtype", "prefix", "force", base="adapter"
+                )
             )
             return 0
         demo.make_checkpoint(
-            out=a.out,
-            preset=a.preset,
-            steps=a.steps,
-            seed=a.seed,
-            dtype=a.dtype,
-            prefix=a.prefix,
-            one_based=a.one_based,
-            bare=a.bare,
-            optimizer=a.optimizer,
-            force=a.force,
-            cache=a.cache,
-            ranks=a.ranks,
-            n_kv_heads=a.n_kv_heads,
-            head_dim=a.head_dim,
-            vocab_size=a.vocab_size,
-            tie_embeddings=a.tie_embeddings,
+            **options(
+                a,
+                "out",
+                "preset",
+                "steps",
+                "seed",
+                "dtype",
+                "prefix",
+                "one_based",
+                "bare",
+                "optimizer",
+                "force",
+                "cache",
+                "ranks",
+                "n_kv_heads",
+                "head_dim",
+                "vocab_size",
+                "tie_embeddings",
+            )
         )
         return 0
 
@@ -169,15 +165,12 @@ class Convert(Command):
         if a.out is None:
             raise MiniStreamError("give an output folder: ministream convert RAW OUT (or --dry-run)")
         convert.convert(
+            **options(
+                a, "out", "dtype", "force", "max_shard_size", "allow_nonfinite", ignore_config_keys="ignore_config_key"
+            ),
             raw_dir=a.raw.parent if a.raw.is_file() else a.raw,
-            out=a.out,
-            dtype=a.dtype,
-            force=a.force,
             chat_template=tokenizer.read_chat_template(path=a.chat_template) if a.chat_template else None,
-            max_shard_size=a.max_shard_size,
             overrides=overrides,
-            allow_nonfinite=a.allow_nonfinite,
-            ignore_config_keys=a.ignore_config_key,
         )
         return 0
 
@@ -206,7 +199,7 @@ class ConvertLora(Command):
         from ..checkpoint import lora
 
         lora.convert_lora(
-            adapter_dir=a.adapter, out=a.out, base=a.base, force=a.force, ignore_config_keys=a.ignore_config_key
+            **options(a, "out", "base", "force", adapter_dir="adapter", ignore_config_keys="ignore_config_key")
         )
         return 0
 
@@ -237,7 +230,7 @@ class Gguf(Command):
     def cmd(self, a: argparse.Namespace) -> int:
         from ..checkpoint import gguf
 
-        gguf.export(src=a.src, out=a.out, dtype=a.dtype, force=a.force, ignore_config_keys=a.ignore_config_key)
+        gguf.export(**options(a, "src", "out", "dtype", "force", ignore_config_keys="ignore_config_key"))
         return 0
 
 
@@ -287,15 +280,18 @@ class Quantize(Command):
         from ..checkpoint import quantize
 
         quantize.quantize(
-            src=a.src,
-            out=a.out,
-            scheme=a.scheme,
-            force=a.force,
-            text=a.text,
-            method=a.method,
-            calibration=a.calibration_text,
-            samples=a.calibration_samples,
-            head=a.head,
+            **options(
+                a,
+                "src",
+                "out",
+                "scheme",
+                "force",
+                "text",
+                "method",
+                "head",
+                calibration="calibration_text",
+                samples="calibration_samples",
+            )
         )
         return 0
 
