@@ -281,3 +281,23 @@ def test_a_command_kind_without_an_option_is_refused_by_name():
 
     with pytest.raises(ValueError, match="a judge command has no --tp"):
         add_engine_options(ArgumentParser(), "judge", ["tp"])
+
+
+def test_a_failure_of_vllm_s_own_is_one_line_naming_the_folder_and_the_doctor_ours_pass_unchanged():
+    """verify and generate start vLLM inside engine.vllm_failures: its exception (an engine that died, a folder it
+    refused) becomes the one-line error; the tool's own errors are not rewrapped."""
+    from ministream import MiniStreamError
+    from ministream.run.engine import vllm_failures
+
+    with pytest.raises(MiniStreamError) as e:
+        with vllm_failures(Path("out/m")):
+            raise RuntimeError("Engine core initialization failed. See root cause above.\n")
+    assert str(e.value) == (
+        "vLLM could not serve out/m (RuntimeError: Engine core initialization failed. See root cause above.); "
+        "run `ministream doctor out/m`"
+    )
+    ours = MiniStreamError("x")
+    with pytest.raises(MiniStreamError) as again:
+        with vllm_failures(Path("out/m")):
+            raise ours
+    assert again.value is ours

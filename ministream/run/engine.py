@@ -13,6 +13,7 @@ faster (offline_defaults). With a GPU, vLLM's own defaults. Settings the user pu
 """
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -188,6 +189,21 @@ def core_binding(tp: int = 1, cores: set[int] | None = None) -> str:
     return "|".join(
         f"{ordered[r * per]}-{ordered[r * per + per - 1]}" if per > 1 else str(ordered[r]) for r in range(tp)
     )
+
+
+@contextlib.contextmanager
+def vllm_failures(model: Path):
+    """vLLM's own failure inside (it refused the folder, its engine died) as one line naming the folder and what to
+    run, not a traceback: what verify and generate say when the engine they started fails."""
+    try:
+        yield
+    except MiniStreamError:
+        raise
+    except Exception as e:
+        raise MiniStreamError(
+            f"vLLM could not serve {model} ({type(e).__name__}: {str(e).strip()[-300:]}); "
+            f"run `ministream doctor {model}`"
+        ) from e
 
 
 def check_tp(tp: int) -> None:

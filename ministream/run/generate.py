@@ -152,12 +152,13 @@ def generate(
         )
         results["reference_seconds"] = time.time() - t
     if engines in ("both", "vllm"):
-        t = time.time()
-        llm = vllm_engine(model, dataclasses.replace(settings, dtype=dtype))
-        results["vllm_start_seconds"] = time.time() - t
-        t = time.time()
-        results["vllm"] = vllm_generate(llm, ids, max_tokens, logprobs, ignore_eos=not stop_at_eos)
-        results["vllm_seconds"] = time.time() - t
+        with engine.vllm_failures(model):
+            t = time.time()
+            llm = vllm_engine(model, dataclasses.replace(settings, dtype=dtype))
+            results["vllm_start_seconds"] = time.time() - t
+            t = time.time()
+            results["vllm"] = vllm_generate(llm, ids, max_tokens, logprobs, ignore_eos=not stop_at_eos)
+            results["vllm_seconds"] = time.time() - t
     for system in ("reference", "vllm"):
         for r in results.get(system, []):
             r["text"] = detokenize(model, r["ids"])

@@ -42,7 +42,7 @@ from ..atomic import check_output, mark_made
 from ..checkpoint.folder import EMBED, FINAL_NORM, HEAD, Folder, name_differences, natural, open_folder
 from ..checkpoint.perplexity import Chunks
 from ..spec import FORMAT_VERSION, QKV, hf_names
-from .engine import OFFLINE_DTYPE, OFFLINE_MAX_MODEL_LEN, EngineSettings
+from .engine import OFFLINE_DTYPE, OFFLINE_MAX_MODEL_LEN, EngineSettings, vllm_failures
 from .folder import check_servable
 from .prompts import context_prompts
 
@@ -662,15 +662,8 @@ def run_vllm(
 ) -> tuple[list[dict], float | None]:
     """vLLM's outputs on the golden prompt ids, also written to out/vllm-<dtype>.json; its perplexity of
     `chunks` where given."""
-    try:
+    with vllm_failures(model):
         got, perplexity = vllm_outputs(model, golden, out / "dump", settings, chunks)
-    except MiniStreamError:
-        raise
-    except Exception as e:  # vLLM refused the folder: the doctor names why
-        raise MiniStreamError(
-            f"vLLM could not serve {model} ({type(e).__name__}: {str(e).strip()[-300:]}); "
-            f"run `ministream doctor {model}`"
-        ) from e
     answer = {"model": str(model), "outputs": got} | ({"perplexity": perplexity} if chunks else {})
     (out / f"vllm-{golden['dtype']}.json").write_text(json.dumps(answer, indent=1))
     return got, perplexity
