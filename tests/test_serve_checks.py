@@ -246,6 +246,7 @@ def engine_core(family: list[psutil.Process]) -> psutil.Process:
 
 
 @pytest.mark.vllm
+@pytest.mark.full  # three servers (~130 s of make test's engine worker); test_serve's drain keeps SIGTERM mid-stream
 def test_sigterm_with_a_stream_in_flight_exits_0_within_the_stop_timeout_leaving_no_process(servers):
     for server, how in zip(servers, ROUNDS, strict=True):
         proc, log = server["proc"], server["log"]
