@@ -458,6 +458,13 @@ def _difference(a: torch.Tensor, b: torch.Tensor) -> str | None:
     return f"max abs difference {float(diff):.4g}"
 
 
+def check_stored_dtype(where: object, key: str, dtype) -> None:
+    """A weight's dtype is one format 1 stores (a name of DTYPES): the one rule for model.pt's tensors and, before
+    a byte of them is read, a sharded checkpoint's entries."""
+    if str(dtype).removeprefix("torch.") not in DTYPES:
+        raise MiniStreamError(f"{where}: {key} has dtype {dtype}; format 1 holds float32 or bfloat16 tensors")
+
+
 def check_state(state: dict, cfg: TrainConfig, source: str) -> None:
     """Every tensor the config implies is there with its shape, and nothing else is."""
     want = {row.raw: row for row in table(cfg)}

@@ -29,6 +29,7 @@ from ..spec import (
     TrainConfig,
     block_index,
     check_state,
+    check_stored_dtype,
     drop_tied_head,
     infer_shapes,
     renumber_block,
@@ -151,8 +152,7 @@ def named_tensors(path: Path, state: dict, notes: list[str], what: str = "the st
                 f"{path}: {k} is a {kind} tensor; format 1 holds dense tensors with their values: "
                 "save t.to_dense() (or the model's own state_dict()) instead"
             )
-        if v.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            raise MiniStreamError(f"{path}: {k} has dtype {v.dtype}; format 1 holds float32 or bfloat16 tensors")
+        check_stored_dtype(path, k, v.dtype)
     return state
 
 

@@ -14,6 +14,7 @@ class Tensor:
     shape: tuple[int, ...]
     dtype: str  # safetensors' code: F32, BF16, F16
     file: Path
+    start: int = 0  # where its bytes begin in the file (a reader that seeks, not maps: perplexity.FolderTensors)
 
 
 # safetensors' dtype codes and their sizes in bytes (its format's list)
@@ -81,7 +82,7 @@ def read_header(path: Path) -> dict[str, Tensor]:
                 f"tensor {name!r} ({dtype} {shape}) needs {count * ITEM_SIZE[dtype]} bytes, but its data_offsets "
                 f"span {offsets[1] - offsets[0]}"
             )
-        tensors[name] = Tensor(tuple(shape), dtype, path)
+        tensors[name] = Tensor(tuple(shape), dtype, path, 8 + n + offsets[0])
         spans.append((offsets[0], offsets[1], name))
     # as safetensors checks on open: the tensors' bytes follow each other without gap or overlap, to the end
     end = 0

@@ -19,12 +19,13 @@ import torch
 
 from .. import MiniStreamError
 from ..paths import HELDOUT
+from ..spec import DTYPES
+from .headers import ITEM_SIZE, read_header
+from .scheme import CODE_DTYPES
 
-# safetensors' codes of the tensors a folder holds, as torch dtypes (FolderTensors.read)
-CODE_TORCH = {
-    "F32": "float32", "BF16": "bfloat16", "F16": "float16", "I8": "int8", "I32": "int32", "I64": "int64",
-    "F8_E4M3": "float8_e4m3fn",
-}  # fmt: skip
+# safetensors' codes of the tensors a folder holds, as torch dtypes (FolderTensors.read): the float weights' and
+# the quantized schemes' own
+CODE_TORCH = {code: name for name, code in DTYPES.items()} | CODE_DTYPES
 N_CTX = 256  # each chunk, at most the model's context
 
 
@@ -135,8 +136,6 @@ class FolderTensors:
     tool's peak the whole file (issue 56)."""
 
     def __init__(self, folder: Path, cfg, config: dict):
-        import json
-
         from ..spec import hf_shapes
         from .scheme import is_quantized, read_scheme, stored
         from .weights import safetensors_files
@@ -144,12 +143,8 @@ class FolderTensors:
         self.shapes = {k: tuple(v) for k, v in hf_shapes(cfg).items()}
         quantized = "quantization_config" in config
         self.scheme, self.head = read_scheme(config, folder / "config.json") if quantized else ("", False)
-        self.where: dict[str, tuple[Path, int, dict]] = {}  # name -> file, where its data starts, header entry
-        for f in safetensors_files(folder):
-            with open(f, "rb") as fh:
-                n = int.from_bytes(fh.read(8), "little")
-                header = json.loads(fh.read(n))
-            self.where.update({k: (f, 8 + n, v) for k, v in header.items() if k != "__metadata__"})
+        # the one header reader's checks (sizes, offsets, the file's length) before a byte is read
+        self.where = {k: t for f in safetensors_files(folder) for k, t in read_header(f).items()}
         self.parts: dict[str, list[str]] = {}  # HF weight name -> the folder's tensors that stand for it
         for name, shape in self.shapes.items():
             stem = name.removesuffix(".weight")
@@ -168,18 +163,18 @@ class FolderTensors:
 
     def code(self, name: str) -> str:
         """The safetensors dtype code the folder stores tensor `name` in."""
-        return self.where[name][2]["dtype"]
+        return self.where[name].dtype
 
     def read(self, name: str) -> torch.Tensor:
         """The folder's tensor `name` as it is stored."""
-        file, start, entry = self.where[name]
-        begin, end = entry["data_offsets"]
-        buf = torch.empty(end - begin, dtype=torch.uint8)
-        with open(file, "rb") as f:
-            f.seek(start + begin)
-            if f.readinto(buf.numpy().data) != end - begin:
-                raise MiniStreamError(f"{file}: cut short inside {name}: convert the folder again")
-        return buf.view(getattr(torch, CODE_TORCH[entry["dtype"]])).reshape(entry["shape"])
+        t = self.where[name]
+        size = ITEM_SIZE[t.dtype] * math.prod(t.shape)
+        buf = torch.empty(size, dtype=torch.uint8)
+        with open(t.file, "rb") as f:
+            f.seek(t.start)
+            if f.readinto(buf.numpy().data) != size:
+                raise MiniStreamError(f"{t.file}: cut short inside {name}: convert the folder again")
+        return buf.view(getattr(torch, CODE_TORCH[t.dtype])).reshape(t.shape)
 
     def __getitem__(self, name: str) -> torch.Tensor:
         from .scheme import decompress

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from .. import MiniStreamError
+from ..spec import check_stored_dtype
 
 METADATA = ".metadata"  # DCP's index of every entry: its shape, dtype, chunks and which file holds each chunk
 MODEL = "model."  # the entries of {"model": state dict, "optimizer": ...} that are the weights
@@ -131,8 +132,7 @@ def _check_entry(folder: Path, metadata, fqn: str, md) -> None:
             f"{index}: {fqn} is saved as pickled bytes, not a tensor; format 1's state dict holds tensors only: "
             "save model.state_dict() with dcp.save"
         )
-    if md.properties.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise MiniStreamError(f"{index}: {fqn} has dtype {md.properties.dtype}; format 1 holds float32 or bfloat16")
+    check_stored_dtype(index, fqn, md.properties.dtype)
     size, covered = tuple(md.size), 0
     boxes: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
     for chunk in md.chunks:
