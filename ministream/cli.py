@@ -4,53 +4,15 @@ import signal
 import sys
 
 from . import MiniStreamError
-from .commands import Command, Parser, building, checking, listed, measuring, running, seconds, training
+from .commands import Parser, listed, seconds
+from .commands.table import COMMANDS
 
 __all__ = ["COMMANDS", "build_parser", "console", "listed", "main", "parse_args", "seconds"]
-
-# every subcommand, in the order `ministream --help` lists them (the commands/ modules declare them)
-COMMANDS: tuple[Command, ...] = (
-    # the training side
-    training.Checkpoint(),
-    training.Convert(),
-    training.ConvertLora(),
-    training.Gguf(),
-    training.Quantize(),
-    # the vLLM side
-    building.Patch(),
-    building.Port(),
-    building.Releases(),
-    checking.Matrix(),
-    building.Wheel(),
-    building.Plugin(),
-    building.Install(),
-    checking.VllmTests(),
-    checking.CudaSmoke(),
-    checking.GpuProof(),
-    building.Image(),
-    building.Clean(),
-    # using an engine
-    running.Generate(),
-    running.Verify(),
-    running.Doctor(),
-    running.Fingerprint(),
-    training.HfFiles(),
-    running.Eval(),
-    running.Serve(),
-    running.Ready(),
-    measuring.ServeBench(),
-    measuring.Bench(),
-    measuring.BenchServe(),
-    measuring.BenchNodes(),
-    measuring.BenchStep(),
-    measuring.BenchAccuracy(),
-    measuring.Tune(),
-)
 
 
 def _build(argv: list[str]) -> tuple[Parser, dict[str, Parser]]:
     """The parser and each subcommand's own parser by name: only the one argv names where it names one (each
-    subcommand's module is imported for its docstring, and torch or git with some: 1-2 s a call), every one for
+    subcommand's job module is imported for its docstring, and torch or git with some: 1-2 s a call), every one for
     `--help` or a name it does not know (argparse then lists them)."""
     parser = Parser(prog="ministream", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)

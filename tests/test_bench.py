@@ -398,6 +398,7 @@ def test_llama_twin_shares_the_safetensors_and_differs_only_in_config(tiny, tmp_
     assert m["parameters"] > 0 and m["convert_float32"]["seconds"] > 0 and "error" not in m["convert_float32"]
 
 
+@pytest.mark.full  # a real run of the command; the quick tests draw the json and the chart from planted results
 def test_reference_only_run_writes_the_json_and_the_chart(cli, tiny, tmp_path):
     (tmp_path / "models" / "tiny").mkdir(parents=True)
     (tmp_path / "models" / "tiny" / "raw").symlink_to(tiny)

@@ -110,6 +110,21 @@ BENCH_SERVE = {  # bench-serve's keywords for `bench-serve`
 }
 
 
+def benchmark_cases(job: str, defaults: dict, argv: list[str], given: dict) -> list[Case]:
+    """A benchmark's cases (bench, bench-serve): nothing given, --quick, --report, and every option given: the
+    options both share and its own `argv`, received as `given`."""
+    return [
+        Case([], [(job, defaults)], rc=STATUS),
+        Case(["--quick"], [(job, defaults | {"quick": True})], rc=STATUS),
+        Case(["--report"], [(job, defaults | {"report_only": True})], rc=STATUS),
+        Case(
+            ["--out", "o", "--quick", "--report", "--note", "n", *argv],
+            [(job, dict(out=P("o"), quick=True, report_only=True, note="n") | given)],
+            rc=STATUS,
+        ),
+    ]
+
+
 def plan(nnodes, rank, addr, port, rendezvous, timeout):
     from ministream.run.nodes import Plan
 
@@ -644,43 +659,23 @@ CASES: dict[str, list[Case]] = {
             rc=STATUS,
         ),
     ],
-    "bench": [
-        Case([], [("ministream.bench.offline:bench", BENCH)], rc=STATUS),
-        Case(["--quick"], [("ministream.bench.offline:bench", BENCH | {"quick": True})], rc=STATUS),
-        Case(
-            ["--out", "o", "--quick", "--report", "--systems", "a,b", "--note", "n", "--configs", "x:y,z:w"]
-            + ["--batches", "1,8", "--new-tokens", "4", "--prompt-len", "8", "--repeats", "2"]
-            + ["--serial-requests", "1", "--bind-configs", "q:r", "--copy-mib", "16", "--kv-cache-gib", "5"]
-            + ["--no-tooling"],
-            [
-                (
-                    "ministream.bench.offline:bench",
-                    dict(out=P("o"), quick=True, report_only=True, systems=["a", "b"], note="n")
-                    | dict(configs=["x:y", "z:w"], batches=[1, 8], new_tokens=4, prompt_len=8, repeats=2)
-                    | dict(serial_requests=1, bind_configs=["q:r"], copy_mib=16, kv_cache_gib=5, tooling=False),
-                )
-            ],
-            rc=STATUS,
-        ),
-    ],
-    "bench-serve": [
-        Case([], [("ministream.bench.serving:bench_serve", BENCH_SERVE)], rc=STATUS),
-        Case(["--report"], [("ministream.bench.serving:bench_serve", BENCH_SERVE | {"report_only": True})], rc=STATUS),
-        Case(
-            ["--out", "o", "--quick", "--report", "--systems", "a", "--note", "n", "--rates", "0.5,2"]
-            + ["--num-prompts", "4", "--dtype", "w8a8", "--preset", "tiny", "--ttft-target-s", "1"]
-            + ["--tpot-target-s", "0.25", "--seed", "7", "--bisect-steps", "0"],
-            [
-                (
-                    "ministream.bench.serving:bench_serve",
-                    dict(out=P("o"), quick=True, report_only=True, systems=["a"], note="n", rates=[0.5, 2.0])
-                    | dict(num_prompts=4, dtype="w8a8", preset="tiny", ttft_target_s=1.0, tpot_target_s=0.25)
-                    | dict(seed=7, bisect_steps=0),
-                )
-            ],
-            rc=STATUS,
-        ),
-    ],
+    "bench": benchmark_cases(
+        "ministream.bench.offline:bench",
+        BENCH,
+        ["--systems", "a,b", "--configs", "x:y,z:w", "--batches", "1,8", "--new-tokens", "4", "--prompt-len", "8"]
+        + ["--repeats", "2", "--serial-requests", "1", "--bind-configs", "q:r", "--copy-mib", "16"]
+        + ["--kv-cache-gib", "5", "--no-tooling"],
+        dict(systems=["a", "b"], configs=["x:y", "z:w"], batches=[1, 8], new_tokens=4, prompt_len=8, repeats=2)
+        | dict(serial_requests=1, bind_configs=["q:r"], copy_mib=16, kv_cache_gib=5, tooling=False),
+    ),
+    "bench-serve": benchmark_cases(
+        "ministream.bench.serving:bench_serve",
+        BENCH_SERVE,
+        ["--systems", "a", "--rates", "0.5,2", "--num-prompts", "4", "--dtype", "w8a8", "--preset", "tiny"]
+        + ["--ttft-target-s", "1", "--tpot-target-s", "0.25", "--seed", "7", "--bisect-steps", "0"],
+        dict(systems=["a"], rates=[0.5, 2.0], num_prompts=4, dtype="w8a8", preset="tiny", ttft_target_s=1.0)
+        | dict(tpot_target_s=0.25, seed=7, bisect_steps=0),
+    ),
     "bench-nodes": [
         Case(
             [],

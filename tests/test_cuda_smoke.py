@@ -199,6 +199,7 @@ def test_outputs_run_elsewhere_are_judged_by_the_proofs_rules(tmp_path, monkeypa
         gpu_proof.judge_run("9.9.9", made(right, right, right))
 
 
+@pytest.mark.full  # ~25 s of vLLM imports; judge_run's quick tests above read the probes' outputs
 def test_parallel_probes_return_every_jobs_outputs_in_the_jobs_order(tmp_path):
     """Real probe processes (the installed vLLM imported in each); every job fails at once on a folder that
     is not there, so each output names its own job's folder."""

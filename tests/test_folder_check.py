@@ -6,6 +6,8 @@ over random config.json values. doctor's own flags are refused by name. Real con
 
 import json
 import shutil
+import subprocess
+import sys
 import tempfile
 from collections import Counter
 from pathlib import Path
@@ -14,7 +16,7 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 from safetensors.torch import load_file, save_file
-from walk import walk
+from walk import walk, walk_doctor
 
 from ministream import MiniStreamError
 from ministream.checkpoint.quantize import quantize
@@ -22,7 +24,7 @@ from ministream.run.doctor import doctor
 from ministream.run.engine import EngineSettings
 from ministream.run.folder import check_servable
 
-from conftest import fuzz_settings, quiet
+from conftest import fuzz_settings, made_once, quiet
 
 EXAMPLES = 50
 # doctor's machine-side checks held still, so that only the folder decides (the tiny model fits them)
@@ -182,17 +184,36 @@ def test_a_folder_saved_again_by_transformers_still_passes(tiny_hf, tmp_path):
     assert refusal(folder) is None and not errors(folder)
 
 
+@pytest.fixture(scope="module")
+def tiny_w8a8(tiny_hf, tmp_path_factory) -> Path:
+    """The converted tiny model quantized w8a8 (round to nearest), made once for the run."""
+    return made_once(tmp_path_factory, "hf", "tiny-w8a8", lambda out: quantize(tiny_hf, out, "w8a8", log=quiet))
+
+
 @pytest.mark.parametrize("weights", ["float", pytest.param("w8a8", marks=pytest.mark.full)])
-def test_serves_check_reads_config_json_its_train_config_and_its_scheme_once(weights, tiny_hf, tmp_path):
+def test_serves_check_reads_config_json_its_train_config_and_its_scheme_once(weights, tiny_hf, request):
     """check_servable (the pre-flight of serve, generate and verify) opens config.json once, parses the train
     config it holds once and reads a quantized folder's scheme once: every check takes what that read gave
     (tests/walk.py counts the opens and the calls)."""
-    folder = tiny_hf if weights == "float" else quantize(tiny_hf, tmp_path / weights, weights, log=quiet)
+    folder = tiny_hf if weights == "float" else request.getfixturevalue("tiny_w8a8")
     seen = walk(folder, "bfloat16")  # a dtype every machine runs both in: the check goes to its end
     assert seen.refused is None, seen.refused
     assert seen.config_reads == 1 and seen.calls["read_config"] == 1, seen
     assert seen.calls["train_config_from_hf"] == 1, seen
     assert seen.calls["read_scheme"] == (weights != "float") and not seen.calls["scheme_name"], seen
+
+
+def test_doctor_reads_config_json_its_train_config_and_a_quantized_folders_scheme_once(tiny_w8a8):
+    """doctor opens config.json once, parses the train config once and reads the scheme once, for every finding
+    that needs them (the installed vLLM's, the folder's, the transformers files', the dtype it runs in): each takes
+    what the one folder check read (tests/walk.py counts the opens and the calls)."""
+    seen = walk_doctor(tiny_w8a8, **STILL)
+    assert seen.refused is None, seen.refused
+    topics = {f.topic for f in seen.returned}
+    assert {"quantization", "vllm", "fingerprint", "transformers", "memory"} <= topics, topics  # it went to its end
+    assert seen.config_reads == 1 and seen.calls["read_config"] == 1, seen
+    assert seen.calls["train_config_from_hf"] == 1, seen
+    assert seen.calls["read_scheme"] == 1 and not seen.calls["scheme_name"], seen
 
 
 # --- the property: doctor has an error exactly when serve's check refuses ----------------------------------
@@ -271,3 +292,16 @@ def test_doctor_has_an_error_exactly_when_serves_check_refuses(tiny_hf, tmp_path
 
     fuzz()
     assert seen["refused"] and seen["served"], seen
+
+
+def test_a_quantized_folders_check_and_doctor_import_no_compressed_tensors(tiny_w8a8):
+    """The scheme is read against the configs shipped per compressed-tensors version (scheme.WRITTEN), not built
+    by the library: its ~7 s of imports were in every doctor and serve of a quantized folder."""
+    code = (
+        "import sys; from pathlib import Path; from ministream.run.folder import check_servable; "
+        "from ministream.run.doctor import doctor; "
+        f"check_servable(Path({str(tiny_w8a8)!r}), 'bfloat16'); doctor(Path({str(tiny_w8a8)!r})); "
+        "print(sorted(m for m in sys.modules if m.startswith('compressed_tensors')))"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.strip() == "[]", (r.stdout, r.stderr[-2000:])

@@ -164,7 +164,7 @@ def test_a_node_killed_while_serving_ends_rank_0_promptly_naming_it(cluster):
 # --- faults before vLLM starts ------------------------------------------------------------------------
 
 
-@pytest.mark.full  # make test keeps the two nodes serving and a node refused by name
+@pytest.mark.full  # make test keeps the two nodes serving and a node killed
 def test_rank_0_alone_says_it_waits_and_gives_up_after_its_timeout(tiny_hf, tmp_path):
     master = free_port()
     proc = node(tiny_hf, 0, master, tmp_path / "node0.log", "--tp", 2, "--node-timeout", 8)
@@ -175,7 +175,9 @@ def test_rank_0_alone_says_it_waits_and_gives_up_after_its_timeout(tiny_hf, tmp_
     assert f"node(s) 1 of 2 did not join at 127.0.0.1:{master + 1} within 8 s" in log and "Traceback" not in log
 
 
-@pytest.mark.parametrize("differ", ["model", pytest.param("dtype", marks=pytest.mark.full)])
+# make test: the cards' comparison (below); the two refusals by real nodes in make test-full
+@pytest.mark.full
+@pytest.mark.parametrize("differ", ["model", "dtype"])
 def test_a_node_with_another_folder_or_dtype_is_refused_by_name_on_both(tiny_hf, tiny_gqa_hf, tmp_path, differ):
     master = free_port()
     n0 = node(tiny_hf, 0, master, tmp_path / "node0.log", "--tp", 2, "--dtype", "float32", "--node-timeout", 60)

@@ -5,9 +5,9 @@ folder's transformers model (GQA with an untied head and head_dim != d_model / n
 and give the reference model with the trainer's adapter merged: float32 greedy ids identical, logprobs within
 PEFT_LOGPROBS; so does `merge_and_unload()`. From PEFT to us, the loop users run: an adapter trained with PEFT on
 the transformers model (a few seeded AdamW steps here, on the bundled held-out text), saved by `save_pretrained`,
-is served by vLLM with LoRA on (the patched wheel's offline engine, `LoRARequest`, as tests/test_lora.py runs it;
-`ministream serve --lora` in make test-full) and gives PEFT's own greedy ids in float32; serve's pre-flight
-check accepts it as PEFT saved it.
+is served by vLLM with LoRA on (the patched wheel's offline engine, `LoRARequest`, as tests/test_lora.py runs it,
+and `ministream serve --lora`: both in make test-full, where make test has test_lora.py's engine) and gives PEFT's
+own greedy ids in float32; serve's pre-flight check accepts it as PEFT saved it.
 
 Controls, else a comparison could pass with the adapter ignored: each adapter changes the base model's greedy ids.
 """
@@ -211,6 +211,7 @@ def offline(tiny_gqa_hf, trained, tmp_path_factory) -> list[list[dict]]:
 
 
 @pytest.mark.vllm
+@pytest.mark.full  # make test: vLLM's LoRA math (test_lora.py) and PEFT reading our adapters (above)
 def test_vllm_serves_a_peft_trained_adapter_with_peft_greedy_ids_in_fp32(offline, trained):
     base, adapted = offline
     assert ids(adapted) == ids(trained["peft"])

@@ -137,7 +137,8 @@ def test_what_quantize_cannot_take_is_refused_by_name_and_nothing_is_written(cli
     assert RECORD in line and "quantize the converted folder again" in line, line
 
 
-@pytest.mark.parametrize("scheme", SCHEMES)
+# make test: w8a8's head (the 4-bit one in make test-full: the same writer with another compressor)
+@pytest.mark.parametrize("scheme", [s if s == "w8a8" else pytest.param(s, marks=pytest.mark.full) for s in SCHEMES])
 def test_a_quantized_head_is_a_tensor_of_its_own_by_the_same_scheme_and_the_embedding_stays(
     scheme, cli, tiny_hf, tiny_gqa_hf, tmp_path
 ):
@@ -389,3 +390,15 @@ def test_gptq_calibrated_int4_is_stored_as_rtn_stores_it_and_vllm_passes_the_w4a
     v = cli("verify", out, "--dtype", "bfloat16", "--out", tmp_path / "verify", timeout=1800)
     assert v.returncode == 0, (v.stdout + v.stderr)[-3000:]
     assert f"rule for w4a16 ({RULES['w4a16']}): PASS on perplexity" in v.stdout + v.stderr
+
+
+def test_the_shipped_quantization_configs_are_what_the_installed_compressed_tensors_writes():
+    """The folder check reads a folder's scheme against scheme.WRITTEN without importing compressed-tensors: its
+    entry for the installed version must be the library's own output (after a vLLM release pins another
+    compressed-tensors: `python -m ministream.checkpoint.scheme`)."""
+    from importlib import metadata
+
+    from ministream.checkpoint import scheme
+
+    shipped = json.loads(scheme.WRITTEN.read_text())
+    assert shipped.get(metadata.version("compressed-tensors")) == scheme.written_table()

@@ -298,3 +298,18 @@ def test_make_serve_s_pipeline_recipe_passes_serve_s_own_check(tiny_hf):
     assert "--pp" in argv, argv
     cmd = resolved_command(tiny_hf, argv)
     assert cmd[cmd.index("--distributed-executor-backend") + 1] == "ray"
+
+
+def test_vllms_parser_is_built_only_where_the_user_gave_vllm_options(tiny_hf, monkeypatch):
+    """Building vLLM's parser costs a forked child ~10 s of vLLM's imports: serve's own options alone need no
+    check, any option of the user's is checked (wherever given)."""
+    asked = []
+    monkeypatch.setattr(vllm_options, "check_resolved", lambda command, given, quant: asked.append(given))
+    resolved_command(tiny_hf, [])
+    assert asked == []
+    resolved_command(tiny_hf, ["--max-num-seqs", "4"])
+    resolved_command(tiny_hf, ["--vllm-args", "--max-num-seqs 4"])
+    assert [{k: v for k, v in g.items() if v} for g in asked] == [
+        {"the command line": ["--max-num-seqs", "4"]},
+        {"--vllm-args": ["--max-num-seqs", "4"]},
+    ]

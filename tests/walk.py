@@ -1,11 +1,12 @@
-"""The walk of a folder through serve's check: which of ministream's modules the pre-flight passes through, and
-how often it reads what it needs once (config.json, the train config it holds, the quantization scheme). A dev
-tool, and what test_folder_check.py holds the check to.
+"""The walk of a folder through serve's check, or through doctor: which of ministream's modules the check passes
+through, and how often it reads what it needs once (config.json, the train config it holds, the quantization scheme).
+A dev tool, and what test_folder_check.py holds both checks to.
 
-`python tests/walk.py FOLDER [FOLDER ...]`: check_servable(FOLDER) (what `serve`, `generate` and `verify` run
-before vLLM starts) under a profiler, printing its stays in order, their count, each module's entries, the opens
-of config.json and the calls that read or parse it (COUNTED), and the check's wall time without the profiler
-(rough on a loaded machine).
+`python tests/walk.py [--doctor] FOLDER [FOLDER ...]`: check_servable(FOLDER) (what `serve`, `generate` and `verify`
+run before vLLM starts), or with --doctor `ministream doctor`'s findings (doctor(FOLDER): the folder, the installed
+vLLM, this machine's memory), under a profiler, printing its stays in order, their count, each module's entries,
+the opens of config.json and the calls that read or parse it (COUNTED), and the check's wall time without the
+profiler (rough on a loaded machine).
 
 A stay is a maximal run of consecutive calls into code written in the same ministream module; calls into other
 code (the standard library, tokenizers, compressed-tensors, a dataclass's generated __init__) do not end one. A
@@ -17,11 +18,13 @@ import functools
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import ministream
 from ministream import MiniStreamError
+from ministream.run.doctor import doctor
 from ministream.run.folder import check_servable
 
 PACKAGE = str(Path(ministream.__file__).parent)
@@ -36,6 +39,7 @@ class Walk:
     config_reads: int = 0  # opens of a config.json
     calls: Counter = field(default_factory=Counter)  # calls of each COUNTED function
     refused: str | None = None  # the check's refusal, if it refused
+    returned: object = None  # else what it returned (doctor: its findings)
 
     @property
     def entries(self) -> Counter:
@@ -56,10 +60,21 @@ def _hooked() -> None:
 
 
 def walk(folder: Path, dtype: str | None = None) -> Walk:
-    """check_servable(folder, dtype) under the profiler: its stays and reads (a refusal is a walk too). After one
-    check unwatched, so that the walk is the check's own calls, not the bodies of the modules it imports first."""
+    """check_servable(folder, dtype) under the profiler: its stays and reads (a refusal is a walk too)."""
+    return watched(lambda: check_servable(folder, dtype))
+
+
+def walk_doctor(folder: Path, **judged) -> Walk:
+    """doctor(folder, **judged) (its vllm_dir, settings, memory_gib) under the profiler: its stays and reads (a
+    folder it cannot read at all is a refusal)."""
+    return watched(lambda: doctor(folder, **judged))
+
+
+def watched(check: Callable[[], object]) -> Walk:
+    """The check's stays and reads. After one run unwatched, so that the walk is the check's own calls, not the
+    bodies of the modules it imports first, nor what a module caches once per process."""
     _hooked()
-    _check(folder, dtype)
+    _run(check)
     seen = Walk()
 
     def profile(frame, event, _arg):
@@ -76,46 +91,54 @@ def walk(folder: Path, dtype: str | None = None) -> Walk:
     _active.append(seen)
     sys.setprofile(profile)
     try:
-        seen.refused = _check(folder, dtype)
+        seen.returned = check()
+    except MiniStreamError as e:
+        seen.refused = str(e)
     finally:
         sys.setprofile(None)
         _active.pop()
     return seen
 
 
-def _check(folder: Path, dtype: str | None = None) -> str | None:
+def _run(check: Callable[[], object]) -> str | None:
     try:
-        check_servable(folder, dtype)
+        check()
     except MiniStreamError as e:
         return str(e)
     return None
 
 
-def seconds(folder: Path, times: int = 3) -> float:
+def seconds(check: Callable[[], object], times: int = 3) -> float:
     """The check's best wall time of `times`, without the profiler."""
     best = float("inf")
     for _ in range(times):
         start = time.perf_counter()
-        _check(folder)
+        _run(check)
         best = min(best, time.perf_counter() - start)
     return best
 
 
-def report(folder: Path) -> str:
-    w = walk(folder)
+def report(folder: Path, with_doctor: bool = False) -> str:
+    name, check = (
+        ("doctor", lambda: doctor(folder)) if with_doctor else ("check_servable", lambda: check_servable(folder))
+    )
+    w = watched(check)
     short = lambda m: m.removeprefix("ministream.")  # noqa: E731
     lines = [
-        f"{folder}: {len(w.stays)} stays" + (f" (refused: {w.refused})" if w.refused else ""),
+        f"{folder} ({name}): {len(w.stays)} stays" + (f" (refused: {w.refused})" if w.refused else ""),
         "  " + " > ".join(short(m) for m in w.stays),
         "  entries: " + ", ".join(f"{short(m)} {n}" for m, n in w.entries.most_common()),
         f"  config.json opened {w.config_reads}x; " + ", ".join(f"{f} {w.calls[f]}x" for f in COUNTED),
-        f"  check_servable: {seconds(folder) * 1000:.0f} ms (best of 3, no profiler)",
+        f"  {name}: {seconds(check) * 1000:.0f} ms (best of 3, no profiler)",
     ]
     return "\n".join(lines)
 
 
 if __name__ == "__main__":
-    if len(sys.argv) < 2:
-        sys.exit(f"usage: {sys.argv[0]} FOLDER [FOLDER ...]")
-    for arg in sys.argv[1:]:
-        print(report(Path(arg)))
+    args = sys.argv[1:]
+    with_doctor = "--doctor" in args
+    folders = [a for a in args if a != "--doctor"]
+    if not folders:
+        sys.exit(f"usage: {sys.argv[0]} [--doctor] FOLDER [FOLDER ...]")
+    for arg in folders:
+        print(report(Path(arg), with_doctor))

@@ -48,9 +48,14 @@ class ConfigJson:
 
 def read_config_json(folder: Path) -> ConfigJson:
     """The folder's config.json, read once: FolderError as read_config; the scheme read once too."""
-    values = settings(read_config(folder))
+    return parsed(read_config(folder), Path(folder) / "config.json")
+
+
+def parsed(config: dict, path: Path) -> ConfigJson:
+    """config.json's object, already read from `path`, as every check takes it: its settings and its scheme."""
+    values = settings(config)
     quantized = "quantization_config" in values  # else float weights: no scheme to read
-    return ConfigJson(Path(folder) / "config.json", values, scheme.quantization(values) if quantized else None)
+    return ConfigJson(Path(path), values, scheme.quantization(values) if quantized else None)
 
 
 # --- config.json's keys: what a value may be -----------------------------------------------------

@@ -63,8 +63,9 @@ def write(folder: Path) -> None:
         (Path(folder) / name).write_text(text)
 
 
-def differences(folder: Path) -> list[str]:
-    """How the folder's transformers files and auto_map differ from what this version writes, in words ([]: none)."""
+def differences(folder: Path, config: dict | None = None) -> list[str]:
+    """How the folder's transformers files and auto_map differ from what this version writes, in words ([]: none).
+    `config`: config.json's object where the caller has read it (doctor: the folder check's), else read here."""
     folder = Path(folder)
     found = []
     for name, text in files().items():
@@ -79,7 +80,7 @@ def differences(folder: Path) -> list[str]:
         if have != text:
             found.append(f"{name} is not the one ministream {__version__} writes")
     try:
-        auto_map = read_config(folder).get("auto_map")
+        auto_map = (read_config(folder) if config is None else config).get("auto_map")
     except FolderError:
         auto_map = None  # the folder check names what is wrong with config.json
     if auto_map != spec.HF_AUTO_MAP:
@@ -87,10 +88,11 @@ def differences(folder: Path) -> list[str]:
     return found
 
 
-def finding(folder: Path) -> Finding:
-    """doctor's line: a folder whose files are not this version's opens in vLLM all the same, so a warning."""
+def finding(folder: Path, config: dict | None = None) -> Finding:
+    """doctor's line: a folder whose files are not this version's opens in vLLM all the same, so a warning.
+    `config`: as differences takes it."""
     folder = Path(folder)
-    diffs = differences(folder)
+    diffs = differences(folder, config)
     if not diffs:
         return Finding(
             "ok",

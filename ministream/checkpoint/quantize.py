@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from .. import MiniStreamError, spec
-from ..atomic import check_space, disk_full, new_folder
+from ..atomic import check_output, check_space, disk_full, new_folder
 from ..spec import TrainConfig, hf_shapes, train_config_from_hf
 from . import fingerprint, gptq, hf_files
 from .cast import check_cast
@@ -45,6 +45,7 @@ from .scheme import (
     HEADS,
     LINEAR,
     WEIGHT_FILES,
+    check_scheme,
     check_shapes,
     needs_16_bits,
     quantization_config,
@@ -199,7 +200,7 @@ def quantize(
     (round to nearest, untied); every other file copied as it is. `src` is never written; `out` appears whole
     or not at all (atomic.new_folder)."""
     src, out = Path(src), Path(out)
-    scheme_of(scheme)  # the name first: the cheapest refusal
+    check_scheme(scheme)  # the name first: the cheapest refusal
     if method not in METHODS:
         raise MiniStreamError(f"--method {method}: choose one of {', '.join(METHODS)}")
     if head not in HEADS:
@@ -230,6 +231,7 @@ def quantize(
             f"{src}/config.json: the folder is quantized already ({method}); quantize the converted folder it came "
             "from (rounding twice loses more)"
         )
+    check_output(out, force, [src])  # before compressed-tensors' imports and the check's reads
     checked(src)  # the one folder check: a folder the server would refuse is not quantized either
     cfg = train_config_from_hf(config, str(src / "config.json"))
     check_shapes(cfg, scheme, str(src / "config.json"))

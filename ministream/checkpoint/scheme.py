@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .. import MiniStreamError, spec
+from ..paths import shipped
 from ..spec import EMBEDDING, TrainConfig, hf_names, hf_shapes
 
 if TYPE_CHECKING:
@@ -34,6 +35,8 @@ HEADS = ("float", "quantized")  # --head: as it is (tied to the embedding where 
 # and the fp8 kernels there read LinearBase's attributes, vLLM PR #52543)
 HEAD_SCHEMES = ("w8a8", "w4a16")
 WEIGHT_FILES = re.compile(r"^model(-\d+-of-\d+)?\.safetensors(\.index\.json)?$")
+# the quantization_config each scheme's folder carries, by compressed-tensors version (written_config)
+WRITTEN = shipped("data", "quantization_configs.json")
 
 
 # what read_scheme reads of a config.json: (--scheme, whether the head is quantized: --head quantized)
@@ -43,10 +46,15 @@ Quantization = tuple[str, bool]
 CODE_DTYPES = {"I8": "int8", "I32": "int32", "I64": "int64", "F32": "float32", "F8_E4M3": "float8_e4m3fn"}
 
 
-def scheme_of(name: str):
-    """The compressed-tensors QuantizationScheme of `--scheme name`, and its compressor class."""
+def check_scheme(name: str) -> None:
+    """Refuse a `--scheme` that is none of ours, before compressed-tensors (~7 s of imports) is loaded."""
     if name not in SCHEMES:
         raise MiniStreamError(f"--scheme {name}: choose one of {', '.join(SCHEMES)}")
+
+
+def scheme_of(name: str):
+    """The compressed-tensors QuantizationScheme of `--scheme name`, and its compressor class."""
+    check_scheme(name)
     from compressed_tensors.compressors import (
         FloatQuantizationCompressor,
         IntQuantizationCompressor,
@@ -67,7 +75,7 @@ def stored(shape: tuple[int, ...], name: str) -> dict[str, tuple[tuple[int, ...]
     """What stands for one linear weight of `shape` [out, in] in a `--scheme name` folder: local name -> (shape,
     safetensors code). The scales are float32 whatever the folder's dtype: quantize computes them so."""
     rows, inputs = shape
-    group = scheme_of(name)[0].weights.group_size
+    group = group_size(name)
     if not group:
         return {"weight": ((rows, inputs), WEIGHT_CODES[SCHEMES[name][1]]), "weight_scale": ((rows, 1), "F32")}
     return {
@@ -115,8 +123,7 @@ def is_quantized(name: str, head: bool) -> bool:
 
 def check_shapes(cfg: TrainConfig, name: str, source: str) -> None:
     """Refuse, by tensor and size, a shape the scheme cannot group: every input size a multiple of the group."""
-    scheme, _ = scheme_of(name)
-    group = scheme.weights.group_size
+    group = group_size(name)
     if not group:
         return
     for tensor, shape in hf_shapes(cfg).items():  # the head's inputs are q_proj's: d_model
@@ -192,7 +199,37 @@ def _groups(q: dict) -> str:
     return json.dumps({k: q.get(k) for k in ("format", "config_groups", "ignore")}, sort_keys=True)
 
 
-@functools.cache
 def _our_groups(name: str, head: bool) -> str:
-    """_groups of the config `quantize --scheme name` writes: built by compressed-tensors once per process."""
-    return _groups(quantization_config(name, head))
+    """_groups of the config `quantize --scheme name` writes."""
+    return _groups(written_config(name, head))
+
+
+def group_size(name: str) -> int | None:
+    """How many inputs share one scale in `--scheme name` (None: one scale per row)."""
+    return written_config(name, False)["config_groups"]["group_0"]["weights"].get("group_size")
+
+
+@functools.cache
+def written_config(name: str, head: bool) -> dict:
+    """quantization_config(name, head) as the installed compressed-tensors writes it: from WRITTEN where it holds
+    that version's (building it imports the library, ~7 s of every doctor and serve of a quantized folder),
+    else built by the library. tests/test_quantize.py holds WRITTEN to the library's own output."""
+    from importlib import metadata
+
+    check_scheme(name)
+    table = json.loads(WRITTEN.read_text()).get(metadata.version("compressed-tensors"), {})
+    return table.get(f"{name}+head" if head else name) or quantization_config(name, head)
+
+
+def written_table() -> dict:
+    """WRITTEN's entry for the installed compressed-tensors, built by the library: `python -m
+    ministream.checkpoint.scheme` adds it to WRITTEN (after a vLLM release pins another compressed-tensors)."""
+    return {f"{n}+head" if h else n: quantization_config(n, h) for n in SCHEMES for h in (False, True)}
+
+
+if __name__ == "__main__":
+    from importlib import metadata
+
+    known = json.loads(WRITTEN.read_text())
+    known[metadata.version("compressed-tensors")] = written_table()
+    WRITTEN.write_text(json.dumps(known, indent=1, sort_keys=True) + "\n")

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from .. import MiniStreamError
 from ..checkpoint import hf_files
+from ..checkpoint.config_json import ConfigJson, parsed
 from ..checkpoint.findings import Finding, FolderError
 from ..checkpoint.folder import Folder, examine
 from ..fork import plugin as vllm_plugin, zentorch
@@ -31,11 +32,11 @@ from ..paths import PATCH_SETS
 from ..spec import ARCH, MODEL_FILE_IN_TREE, MODEL_TYPE, TrainConfig
 from . import engine, fingerprint, tuned
 from .engine import SERVE_DEFAULTS, EngineSettings
-from .folder import check_int4_kernel, check_quantized_head, check_runs
+from .folder import int4_kernel, quantized_head, runs
 from .kernels import installed_vllm_dir
 
 # what the checks of the installed vLLM read of a folder, when its own config.json is refused (examine says why)
-FORMAT_NAMES = {"architectures": [ARCH], "model_type": MODEL_TYPE}
+FORMAT_NAMES = ConfigJson(Path("config.json"), {"architectures": [ARCH], "model_type": MODEL_TYPE}, None)
 
 
 # --- what the installed vLLM knows, read from its files (importing vllm costs seconds) -------
@@ -394,24 +395,30 @@ def doctor(
     check_settings(settings, memory_gib)
     seen = examine(folder)  # a folder that cannot be read at all: FolderError, one line (exit 2)
     vllm_dir = vllm_dir or installed_vllm_dir()
-    found = installed_vllm_findings(seen.folder.config if seen.train else FORMAT_NAMES, vllm_dir)
+    # config.json and its scheme as the check read them, once: every finding below takes them from `seen`
+    found = installed_vllm_findings(seen.config if seen.train else FORMAT_NAMES, vllm_dir)
     found += seen.found
     if not seen.errors:  # what serve holds the engine to before it says ready, once the folder passes
         found.append(fingerprint.finding(folder))
-        found.append(hf_files.finding(folder))  # whether transformers opens it without ministream
+        found.append(hf_files.finding(folder, seen.folder.config))  # whether transformers opens it without ministream
     if seen.train:  # the memory a folder needs is known only from settings config.json holds
         found += check_memory(seen.folder, seen.train, settings, memory_gib)
     if not seen.errors:  # and whether this machine's vLLM runs it in that dtype: check_servable's rule
         try:
-            check_runs(seen.folder.config, settings.dtype, str(folder))
+            runs(seen.config.values, seen.config.quantization, settings.dtype, str(folder))
         except FolderError as e:
             found.append(Finding("error", e.topic, e.text, e.fix))
     return found
 
 
-def installed_vllm_findings(config: dict, vllm_dir: Path | None) -> list[Finding]:
+def installed_vllm_findings(config: ConfigJson | dict, vllm_dir: Path | None) -> list[Finding]:
     """Does the vLLM package folder `vllm_dir` (the installed one, or any other, e.g. a patched tree's)
-    know the folder's architecture and model_type, and is it our patched build?"""
+    know the folder's architecture and model_type, is it our patched build, and does it run the folder's quantized
+    weights as they are stored? `config`: config.json as the folder check read it (its scheme read once), or its
+    object alone (then parsed here)."""
+    if isinstance(config, dict):
+        config = parsed(config, Path("config.json"))
+    q, config = config.quantization, config.values
     found, dist = [], vllm_dist_version(vllm_dir) if vllm_dir is not None else None
     # the plugin route: an unpatched vLLM, to which the plugin adds the architecture and the config at run time
     plugin = installed_plugin() if vllm_dir is not None and patch_version(vllm_dir) is None else None
@@ -439,7 +446,7 @@ def installed_vllm_findings(config: dict, vllm_dir: Path | None) -> list[Finding
                 )
             )
     found.append(check_plugin(plugin, dist) if plugin is not None else check_patch(vllm_dir, dist))
-    found += [f for f in (check_quantized_head(config, vllm_dir), check_int4_kernel(config, vllm_dir)) if f]
+    found += [f for f in (quantized_head(q, vllm_dir), int4_kernel(q, vllm_dir)) if f]
     if _cpu_build():  # the CPU build's platform, and the defaults chosen on this machine
         found += [f for f in (check_platform(vllm_dir), check_tuned()) if f]
     return found + [f for f in (check_triton(vllm_dir),) if f]

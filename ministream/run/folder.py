@@ -10,7 +10,7 @@ from pathlib import Path
 
 from ..checkpoint.findings import Finding, FolderError
 from ..checkpoint.folder import checked
-from ..checkpoint.scheme import Quantization, needs_16_bits, quantization, read_scheme
+from ..checkpoint.scheme import Quantization, needs_16_bits, quantization
 from .kernels import (
     CPU_INT4,
     CPU_INT4_W4A8,
@@ -58,7 +58,13 @@ def check_int4_kernel(
 ) -> Finding | None:
     """What a 4-bit folder is computed with where that is not what its name says (w4a8 on an AMX CPU); None
     elsewhere. Not an error: verify holds it to the 4-bit rule all the same (docs/quantize.md)."""
-    q = quantization(config)
+    return int4_kernel(quantization(config), vllm_dir, cpuinfo, env)
+
+
+def int4_kernel(
+    q: Quantization | None, vllm_dir: Path | None, cpuinfo: Path = Path("/proc/cpuinfo"), env=os.environ
+) -> Finding | None:
+    """check_int4_kernel of a scheme already read."""
     if q is None or q[0] != "w4a16" or not int4_runs_w4a8(vllm_dir, cpuinfo, env):
         return None
     return Finding(
@@ -110,14 +116,10 @@ def check_dtype(scheme: str | None, runs_in: str | None, what: str, vllm_dir: Pa
         )
 
 
-def check_runs(config: dict, dtype: str | None, what: str) -> None:
-    """check_dtype for a folder (its config.json) run with the engine's --dtype `dtype`; None or auto: the folder's
-    own, except that float16 is held only when asked for (vLLM's auto takes bfloat16 where float16 cannot run)."""
-    runs(config, read_scheme(config, "config.json") if "quantization_config" in config else None, dtype, what)
-
-
 def runs(config: dict, q: Quantization | None, dtype: str | None, what: str, vllm_dir: Path | None = None) -> None:
-    """check_runs of a scheme already read (a folder the check passed: its quantization_config is one of ours)."""
+    """check_dtype for a folder the check passed (config.json's values, and its scheme `q` as the check read it: one
+    of ours, or None) run with the engine's --dtype `dtype`; None or auto: the folder's own, except that float16 is
+    held only when asked for (vLLM's auto takes bfloat16 where float16 cannot run)."""
     runs_in = dtype if dtype not in (None, "auto") else config.get("dtype") or config.get("torch_dtype")
     if dtype in (None, "auto") and runs_in == "float16":
         runs_in = None
@@ -128,7 +130,7 @@ def check_servable(folder: Path, dtype: str | None = None) -> dict:
     """What `serve`, `generate` and `verify` need of a folder before vLLM spends a minute starting: the one folder
     check (checkpoint/folder.py) without an error, a vLLM that reads its quantized head where it has one, and a
     dtype (the engine's --dtype, else config.json's) this machine's vLLM runs the folder's weights in
-    (check_runs). The config; FolderError naming the file and key otherwise (the first error). config.json and its
+    (runs). The config; FolderError naming the file and key otherwise (the first error). config.json and its
     scheme are read once, by the check."""
     config, vllm_dir = checked(folder).config, installed_vllm_dir()
     head = quantized_head(config.quantization, vllm_dir)

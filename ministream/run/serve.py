@@ -253,7 +253,8 @@ def vllm_command(
         return engine.server_command(model, host, port, name, settings, [*before, *options, *after])
 
     quant = (config or {}).get("quantization_config")
-    vllm_options.check_resolved(command, given, quant.get("quant_method") if isinstance(quant, dict) else None)
+    if any(given.values()):  # serve's own options alone need no check: building vLLM's parser takes ~10 s
+        vllm_options.check_resolved(command, given, quant.get("quant_method") if isinstance(quant, dict) else None)
     return command([a for args in given.values() for a in args])
 
 
