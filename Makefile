@@ -131,6 +131,8 @@ help:
 	@echo "make bench [BENCH_QUICK=1]         patched vLLM vs LLaMA names, reference model, core binding; tooling costs;"
 	@echo "                                   TP=1 vs TP=2 on one node vs over two nodes (-> $(BENCH_OUT)/nodes.json)"
 	@echo "                                   -> $(BENCH_OUT)/bench.json, bench.png (~30 min on 2 cores; not part of test)"
+	@echo "make bench-scale [SCALE_SIZES=a,b] every tool's wall time and peak RSS, vLLM vs llama.cpp, per model size"
+	@echo "                                   (reference,1.2b,3b,7b) -> $(BENCH_OUT)/scale/scale.md (hours at 7b; not in test)"
 	@echo "make bench-serve [BENCH_QUICK=1]   serving load with vLLM's client: make serve vs LLaMA names vs the reference"
 	@echo "                                   model one request at a time -> $(BENCH_OUT)/serve.json, serve.png (not in test)"
 	@echo "make port FROM=a TO=b              patches/vb/ from patches/va/: three-way merge + registrations [no FROM/TO: redo all]"
@@ -165,7 +167,7 @@ convert: setup
 	$(MS) convert '$(RAW)' '$(OUT)' $(if $(DTYPE),--dtype $(DTYPE)) $(CONVERT_ARGS)
 
 # OUT as for convert, but never its default (the base folder itself): out/$(PRESET)/lora unless given
-.PHONY: convert-lora test-models bench-accuracy
+.PHONY: convert-lora test-models bench-accuracy bench-scale
 convert-lora: setup
 	$(MS) convert-lora '$(ADAPTER)' '$(if $(filter command line environment,$(origin OUT)),$(OUT),out/$(PRESET)/lora)' --base '$(BASE)' $(LORA_ARGS)
 
@@ -267,6 +269,13 @@ bench: setup
 bench-accuracy: setup
 	$(MAKE) --no-print-directory install
 	$(MS) bench-accuracy --out '$(BENCH_OUT)/accuracy' $(or $(ACCURACY_ARGS),--presets tiny,tiny-gqa,reference-trained)
+
+# each tool's cost against model size (docs/bench.md, "Scale"): random bf16 checkpoints from the reference shape
+# to a LLaMA-2-7B-like one, each size's files deleted when measured; a size measured is kept unless SCALE_ARGS=--force
+SCALE_SIZES ?= reference,1.2b
+bench-scale: setup
+	$(MAKE) --no-print-directory install
+	$(MS) bench-scale --out '$(BENCH_OUT)/scale' --sizes '$(SCALE_SIZES)' $(if $(BENCH_QUICK),--quick) $(SCALE_ARGS)
 
 # BENCH_ARGS: any `ministream bench-serve` option (--rates, --systems, --num-prompts, ...)
 bench-serve: setup

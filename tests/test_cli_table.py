@@ -713,6 +713,42 @@ CASES: dict[str, list[Case]] = {
             rc=STATUS,
         ),
     ],
+    "bench-scale": [
+        Case(
+            [],
+            [
+                (
+                    "ministream.bench.scale:scale_command",
+                    dict(out=P("build/bench-scale"), sizes=["reference", "1.2b"], quick=False, force=False)
+                    | dict(report_only=False, keep=False, new_tokens=None, repeats=None),
+                )
+            ],
+            rc=STATUS,
+        ),
+        Case(
+            ["--out", "o", "--sizes", "1.2b,7b", "--quick", "--force", "--keep"]
+            + ["--new-tokens", "16", "--repeats", "2"],
+            [
+                (
+                    "ministream.bench.scale:scale_command",
+                    dict(out=P("o"), sizes=["1.2b", "7b"], quick=True, force=True, report_only=False, keep=True)
+                    | dict(new_tokens=16, repeats=2),
+                )
+            ],
+            rc=STATUS,
+        ),
+        Case(
+            ["--report"],
+            [
+                (
+                    "ministream.bench.scale:scale_command",
+                    dict(out=P("build/bench-scale"), sizes=["reference", "1.2b"], quick=False, force=False)
+                    | dict(report_only=True, keep=False, new_tokens=None, repeats=None),
+                )
+            ],
+            rc=STATUS,
+        ),
+    ],
     "bench-accuracy": [
         Case(
             [],

@@ -880,6 +880,25 @@ COMMANDS: tuple[Command, ...] = (
         (Call("bench.accuracy:bench_accuracy", "out folders presets systems text"),),
     ),
     Command(
+        "bench-scale",
+        "every tool's wall time and peak RSS, and vLLM against llama.cpp, per model size (random bf16 weights)",
+        (
+            *smoke(Ref("bench.scale:DEFAULT_OUT"), "fewer new tokens, one repeat"),
+            arg(
+                "--sizes",
+                type=listed(str),
+                default=["reference", "1.2b"],
+                help=Ref("bench.scale:SIZES", lambda s: "of " + ", ".join(s) + " (default: reference,1.2b)"),
+            ),
+            arg("--force", action="store_true", help="measure sizes already measured again"),
+            arg("--report", action="store_true", help="only write OUT/scale.md from the results there"),
+            arg("--keep", action="store_true", help="keep each size's files (OUT/work-SIZE)"),
+            arg("--new-tokens", type=int, help="new tokens per engine request (default: 128, --quick 32)"),
+            arg("--repeats", type=int, help="engine runs per figure, the best kept (default: 3, --quick 1)"),
+        ),
+        (Call("bench.scale:scale_command", "out sizes quick force report_only=report keep new_tokens repeats"),),
+    ),
+    Command(
         "tune",
         "choose this machine's core binding, zentorch and an offline engine's core process by a same-run check "
         "against vLLM's own (make install)",
