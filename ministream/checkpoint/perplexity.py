@@ -19,13 +19,7 @@ import torch
 
 from .. import MiniStreamError
 from ..paths import HELDOUT
-from ..spec import DTYPES
-from .headers import ITEM_SIZE, read_header
-from .scheme import CODE_DTYPES
 
-# safetensors' codes of the tensors a folder holds, as torch dtypes (FolderTensors.read): the float weights' and
-# the quantized schemes' own
-CODE_TORCH = {code: name for name, code in DTYPES.items()} | CODE_DTYPES
 N_CTX = 256  # each chunk, at most the model's context
 
 
@@ -94,6 +88,7 @@ def folder_perplexity(folder: Path, c: Chunks, dtype: torch.dtype = torch.float3
     from .folder import checked
     from .format import read_json
     from .reference import Block, rmsnorm, rope_tables
+    from .weights import FolderTensors
 
     folder = Path(folder)
     checked(folder)  # the one folder check: the perplexities read what the server runs
@@ -126,72 +121,3 @@ def folder_perplexity(folder: Path, c: Chunks, dtype: torch.dtype = torch.float3
             logprobs = torch.log_softmax(logits[0], dim=-1)
             per_chunk.append(logprobs[c.first : -1].gather(1, x[0, c.first + 1 :, None])[:, 0].tolist())
     return from_logprobs(per_chunk)
-
-
-class FolderTensors:
-    """A converted folder's float weights, read when asked from its safetensors files: by HF name, or by training
-    row (the HF tensors concatenated); a quantized folder's linear weights dequantized as vLLM computes with them
-    (scheme.decompress), one weight at a time. Read with plain file reads, not a memory map: a mapped file's
-    pages, once read, stay in the process's resident memory until it is unmapped, which would make a streaming
-    tool's peak the whole file (issue 56)."""
-
-    def __init__(self, folder: Path, cfg, config: dict):
-        from ..spec import hf_shapes
-        from .scheme import is_quantized, read_scheme, stored
-        from .weights import safetensors_files
-
-        self.shapes = {k: tuple(v) for k, v in hf_shapes(cfg).items()}
-        quantized = "quantization_config" in config
-        self.scheme, self.head = read_scheme(config, folder / "config.json") if quantized else ("", False)
-        # the one header reader's checks (sizes, offsets, the file's length) before a byte is read
-        self.where = {k: t for f in safetensors_files(folder) for k, t in read_header(f).items()}
-        self.parts: dict[str, list[str]] = {}  # HF weight name -> the folder's tensors that stand for it
-        for name, shape in self.shapes.items():
-            stem = name.removesuffix(".weight")
-            self.parts[name] = (
-                [f"{stem}.{k}" for k in stored(shape, self.scheme)]
-                if self.scheme and is_quantized(name, self.head)
-                else [name]
-            )
-        expected = {t for names in self.parts.values() for t in names}
-        if set(self.where) != expected:
-            missing, extra = sorted(expected - set(self.where)), sorted(set(self.where) - expected)
-            raise MiniStreamError(
-                f"{folder}: tensors do not match config.json: missing {missing[:3]}, extra {extra[:3]}"
-            )
-        self.folder = folder
-
-    def code(self, name: str) -> str:
-        """The safetensors dtype code the folder stores tensor `name` in."""
-        return self.where[name].dtype
-
-    def read(self, name: str) -> torch.Tensor:
-        """The folder's tensor `name` as it is stored."""
-        t = self.where[name]
-        size = ITEM_SIZE[t.dtype] * math.prod(t.shape)
-        buf = torch.empty(size, dtype=torch.uint8)
-        with open(t.file, "rb") as f:
-            f.seek(t.start)
-            if f.readinto(buf.numpy().data) != size:
-                raise MiniStreamError(f"{t.file}: cut short inside {name}: convert the folder again")
-        return buf.view(getattr(torch, CODE_TORCH[t.dtype])).reshape(t.shape)
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        from .scheme import decompress
-
-        names = self.parts[name]
-        if names == [name]:
-            t = self.read(name)
-        else:
-            stem = name.removesuffix(".weight") + "."
-            t = decompress({k.removeprefix(stem): self.read(k) for k in names}, self.scheme)
-        if tuple(t.shape) != self.shapes[name]:
-            raise MiniStreamError(
-                f"{self.folder}: {name} has shape {list(t.shape)}, config.json implies {list(self.shapes[name])}: "
-                "convert the folder again"
-            )
-        return t
-
-    def raw(self, row) -> torch.Tensor:
-        """The training tensor of a spec.table row."""
-        return torch.cat([self[h] for h in row.hf], dim=0) if row.split else self[row.hf[0]]

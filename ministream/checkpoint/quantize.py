@@ -36,7 +36,6 @@ from .cast import check_cast
 from .convert import llama_twin
 from .folder import checked
 from .format import read_json
-from .perplexity import FolderTensors
 from .scheme import (
     CODE_DTYPES,
     EMBED,
@@ -52,7 +51,7 @@ from .scheme import (
     scheme_of,
     stored,
 )
-from .weights import safetensors_files
+from .weights import FolderTensors, safetensors_files
 
 METHODS = ("rtn", "gptq")  # round to nearest (no data), or GPTQ on a calibration text (gptq.py)
 RECORD = "ministream-quantize.json"  # beside config.json: the scheme, the source, what the rounding cost
@@ -237,7 +236,7 @@ def quantize(
     check_shapes(cfg, scheme, str(src / "config.json"))
     files = safetensors_files(src)
     shapes = hf_shapes(cfg)
-    tensors = FolderTensors(src, cfg, config)  # read one tensor at a time, never mapped: perplexity.py
+    tensors = FolderTensors(src, cfg, config)  # read one tensor at a time, never mapped: weights.py
     what = f"quantizing {src} to {out}"
     check_space(out.parent if out.parent.exists() else Path("."), sum(f.stat().st_size for f in files), what)
     python = gptq.environment(log) if method == "gptq" else None  # made once, before anything is written
