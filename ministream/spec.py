@@ -355,16 +355,6 @@ def raw_to_hf(cfg: TrainConfig, state: dict):
         yield from zip(row.hf, parts)
 
 
-def hf_to_raw(cfg: TrainConfig, hf_state: dict) -> dict:
-    """The inverse of raw_to_hf: concatenating the split rows restores each training tensor."""
-    import torch
-
-    return {
-        row.raw: torch.cat([hf_state[h] for h in row.hf], dim=0) if row.split else hf_state[row.hf[0]]
-        for row in table(cfg)
-    }
-
-
 def gguf_tensors(cfg: TrainConfig, hf_state):
     """Yield (llama.cpp name, tensor) in file order from HF-named tensors (a dict or a lazy mapping), one at a
     time: q and k rows reordered for llama.cpp's RoPE."""

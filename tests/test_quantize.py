@@ -18,10 +18,10 @@ from ministream.checkpoint import fingerprint
 from ministream.checkpoint.folder import FolderError
 from ministream.checkpoint.perplexity import chunks, folder_perplexity
 from ministream.checkpoint.quantize import RECORD
-from ministream.checkpoint.scheme import LINEAR, check_shapes, quantization_config, read_scheme
-from ministream.checkpoint.weights import read_folder
+from ministream.checkpoint.scheme import LINEAR, check_shapes, quantization, quantization_config, read_scheme
+from ministream.checkpoint.weights import FolderTensors, read_folder
 from ministream.paths import HELDOUT
-from ministream.run.folder import check_dtype, check_int4_kernel, check_quantized_head
+from ministream.run.folder import check_dtype, int4_kernel, quantized_head
 from ministream.run.kernels import (
     CPU_INT4,
     CPU_INT8,
@@ -82,10 +82,8 @@ def test_each_linear_weight_is_within_half_a_step_of_its_value_and_nothing_else_
             assert after[f"{stem}.weight_shape"].tolist() == [rows, inputs]
         hf_after[name] = scale.repeat_interleave(GROUP[scheme] or inputs, dim=1)
     # round to nearest: no weight moved more than half its step, and the largest of each group sits on the grid
-    from ministream.checkpoint.scheme import dequantize_state, scheme_name
-
     config = json.loads((out / "config.json").read_text())
-    deq = dequantize_state(after, cfg, scheme_name(config, "config.json"))
+    deq = FolderTensors(out, cfg, config)  # the library's decompression, one HF-named weight at a time
     for name in linears:
         step, err = hf_after[name], (deq[name] - before[name]).abs()
         assert bool((err <= step / 2 + 1e-6).all()), name
@@ -171,22 +169,22 @@ def test_a_quantized_head_is_a_tensor_of_its_own_by_the_same_scheme_and_the_embe
 
 
 def test_a_quantized_head_is_refused_where_vllm_would_read_it_as_float_weights(tmp_path):
-    """check_quantized_head reads the vLLM's compressed-tensors config: without a ParallelLMHead case (vLLM PR
+    """quantized_head reads the vLLM's compressed-tensors config: without a ParallelLMHead case (vLLM PR
     #37291) the head's int8 values would be multiplied as weights, so serve/generate/verify refuse first."""
     config = {"quantization_config": quantization_config("w8a8", True)}
     old, new = tmp_path / "old", tmp_path / "new"
     for root, text in ((old, "if isinstance(layer, LinearBase):"), (new, f"if {CT_HEAD}:")):
         (root / CT_CONFIG).parent.mkdir(parents=True)
         (root / CT_CONFIG).write_text(text)
-    bad = check_quantized_head(config, old)
+    bad = quantized_head(quantization(config), old)
     assert bad is not None and bad.level == "error" and "#37291" in bad.text and "--head float" in bad.fix
-    good = check_quantized_head(config, new)
+    good = quantized_head(quantization(config), new)
     assert good is not None and good.level == "ok"
     float_head = {"quantization_config": config["quantization_config"] | {"ignore": ["lm_head"]}}
     float_head["quantization_config"]["config_groups"] = {
         "group_0": config["quantization_config"]["config_groups"]["group_0"] | {"targets": ["Linear"]}
     }
-    assert check_quantized_head(float_head, old) is None  # a float head: any vLLM reads it
+    assert quantized_head(quantization(float_head), old) is None  # a float head: any vLLM reads it
 
 
 def test_int8_in_float32_is_refused_where_vllm_takes_its_amx_kernel(tmp_path):
@@ -249,14 +247,14 @@ def test_doctor_says_where_vllm_computes_a_4_bit_folder_with_int8_activations(tm
     amx, avx = tmp_path / "amx", tmp_path / "avx"
     amx.write_text("processor\t: 0\nflags\t\t: fpu avx512f amx_bf16 amx_tile amx_int8\n")
     avx.write_text("processor\t: 0\nflags\t\t: fpu avx512f avx512_vnni\n")
-    int4, int8 = ({"quantization_config": quantization_config(s, False)} for s in ("w4a16", "w8a8"))
-    said = check_int4_kernel(int4, vllm, amx, {})
+    int4, int8 = (quantization({"quantization_config": quantization_config(s, False)}) for s in ("w4a16", "w8a8"))
+    said = int4_kernel(int4, vllm, amx, {})
     assert said is not None and said.level == "ok" and "int8 activations" in said.text and W4A8_ENV in said.text
-    assert check_int4_kernel(int4, vllm, amx, {W4A8_ENV: "0"}) is None
-    assert check_int4_kernel(int4, vllm, amx, {W4A8_ENV: "1"}) is not None
-    assert check_int4_kernel(int4, vllm, avx, {}) is None and check_int4_kernel(int4, old, amx, {}) is None
-    assert check_int4_kernel(int8, vllm, amx, {}) is None and check_int4_kernel({}, vllm, amx, {}) is None
-    assert check_int4_kernel(int4, None, amx, {}) is None
+    assert int4_kernel(int4, vllm, amx, {W4A8_ENV: "0"}) is None
+    assert int4_kernel(int4, vllm, amx, {W4A8_ENV: "1"}) is not None
+    assert int4_kernel(int4, vllm, avx, {}) is None and int4_kernel(int4, old, amx, {}) is None
+    assert int4_kernel(int8, vllm, amx, {}) is None and int4_kernel(quantization({}), vllm, amx, {}) is None
+    assert int4_kernel(int4, None, amx, {}) is None
 
 
 def test_a_shape_the_groups_cannot_split_is_refused_naming_the_tensor(tiny_hf):
@@ -341,11 +339,9 @@ def test_fp8_weights_sit_on_the_float8_grid(cli, tiny_gqa_hf, tmp_path):
     float8's spacing there (3 mantissa bits: 2^-4 of it, or of the smallest subnormal step)."""
     out = quantized(cli, tiny_gqa_hf, tmp_path / "fp8", "fp8")
     before, after = load_file(tiny_gqa_hf / "model.safetensors"), load_file(out / "model.safetensors")
-    from ministream.checkpoint.scheme import dequantize_state
-
     cfg, _ = read_folder(out)  # the library reads it back
-    deq = dequantize_state(after, cfg, "fp8")
     config = json.loads((out / "config.json").read_text())
+    deq = FolderTensors(out, cfg, config)
     q = config["quantization_config"]
     assert (q["format"], q["ignore"], config["dtype"]) == ("float-quantized", ["lm_head"], "float32")
     group = q["config_groups"]["group_0"]

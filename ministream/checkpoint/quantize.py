@@ -17,7 +17,7 @@ every step: 24.6 MB instead of 49 in bfloat16 for the reference shape's 32000 x 
 targets it. vLLM reads that from the release with PR #37291 (compressed-tensors gives a ParallelLMHead its
 linear scheme; 0.32.0 has it); an older vLLM would load the int8 values as float weights, so the folder check
 refuses it there.
-`dequantize_state` gives back the weights vLLM computes with, for the reference model to be held to.
+`weights.FolderTensors` gives back the weights vLLM computes with, for the reference model to be held to.
 """
 
 import json

@@ -1,8 +1,8 @@
 """The quantization vocabulary of a folder `ministream quantize` wrote: its schemes, the tensors that stand for one
 linear weight (stored), config.json's quantization_config and how to read the scheme back from it (read_scheme),
-and the float weights vLLM computes with (dequantize_state). The folder check, the reader and the quantizer share
-it; torch and compressed-tensors are imported where a function needs them, so the folder check (doctor) stays
-light.
+and the float weight vLLM computes with (decompress, which weights.FolderTensors calls one weight at a time). The
+folder check, the reader and the quantizer share it; torch and compressed-tensors are imported where a function
+needs them, so the folder check (doctor) stays light.
 """
 
 from __future__ import annotations
@@ -140,22 +140,6 @@ def decompress(local: dict[str, torch.Tensor], name: str) -> torch.Tensor:
     return compressor.decompress(dict(local), scheme)["weight"]
 
 
-def dequantize_state(
-    raw: dict[str, torch.Tensor], cfg: TrainConfig, name: str, head: bool = False
-) -> dict[str, torch.Tensor]:
-    """The HF-named float weights vLLM computes with, from the tensors of a folder `quantize` wrote
-    (convert.read_folder: the reference model of a quantized folder; `head`: its head is quantized too)."""
-    state = {k: v for k, v in raw.items() if not is_quantized(k.rsplit(".", 1)[0] + ".weight", head)}
-    for tensor in hf_shapes(cfg):
-        if is_quantized(tensor, head):
-            stem = tensor.removesuffix(".weight")
-            local = {k.removeprefix(stem + "."): v for k, v in raw.items() if k.startswith(stem + ".")}
-            if not local:
-                raise MiniStreamError(f"the quantized folder has no tensors of {stem}: quantize it again")
-            state[tensor] = decompress(local, name)
-    return state
-
-
 def scheme_name(config: dict, source: Path | str) -> str:
     """The --scheme a quantized config.json was written with, refused by name where it is not one of ours."""
     return read_scheme(config, source)[0]
@@ -214,11 +198,16 @@ def written_config(name: str, head: bool) -> dict:
     """quantization_config(name, head) as the installed compressed-tensors writes it: from WRITTEN where it holds
     that version's (building it imports the library, ~7 s of every doctor and serve of a quantized folder),
     else built by the library. tests/test_quantize.py holds WRITTEN to the library's own output."""
+    check_scheme(name)
+    return _shipped().get(f"{name}+head" if head else name) or quantization_config(name, head)
+
+
+@functools.cache
+def _shipped() -> dict:
+    """WRITTEN's entry for the installed compressed-tensors ({} where it has none), read once per process."""
     from importlib import metadata
 
-    check_scheme(name)
-    table = json.loads(WRITTEN.read_text()).get(metadata.version("compressed-tensors"), {})
-    return table.get(f"{name}+head" if head else name) or quantization_config(name, head)
+    return json.loads(WRITTEN.read_text()).get(metadata.version("compressed-tensors"), {})
 
 
 def written_table() -> dict:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from ..checkpoint.findings import Finding, FolderError
 from ..checkpoint.folder import checked
-from ..checkpoint.scheme import Quantization, needs_16_bits, quantization
+from ..checkpoint.scheme import Quantization, needs_16_bits
 from .kernels import (
     CPU_INT4,
     CPU_INT4_W4A8,
@@ -30,14 +30,10 @@ from .kernels import (
 )
 
 
-def check_quantized_head(config: dict, vllm_dir: Path | None) -> Finding | None:
-    """A folder whose head `quantize --head quantized` wrote, against the vLLM at `vllm_dir` (read, not
-    imported): None where the head is not quantized or no vLLM is there to judge."""
-    return quantized_head(quantization(config), vllm_dir)
-
-
 def quantized_head(q: Quantization | None, vllm_dir: Path | None) -> Finding | None:
-    """check_quantized_head of a scheme already read."""
+    """A folder whose head `quantize --head quantized` wrote (`q`: its scheme as read_scheme reads it), against
+    the vLLM at `vllm_dir` (read, not imported): None where the head is not quantized or no vLLM is there to
+    judge."""
     if q is None or not q[1] or vllm_dir is None:
         return None
     scheme = q[0]
@@ -53,18 +49,12 @@ def quantized_head(q: Quantization | None, vllm_dir: Path | None) -> Finding | N
     )
 
 
-def check_int4_kernel(
-    config: dict, vllm_dir: Path | None, cpuinfo: Path = Path("/proc/cpuinfo"), env=os.environ
-) -> Finding | None:
-    """What a 4-bit folder is computed with where that is not what its name says (w4a8 on an AMX CPU); None
-    elsewhere. Not an error: verify holds it to the 4-bit rule all the same (docs/quantize.md)."""
-    return int4_kernel(quantization(config), vllm_dir, cpuinfo, env)
-
-
 def int4_kernel(
     q: Quantization | None, vllm_dir: Path | None, cpuinfo: Path = Path("/proc/cpuinfo"), env=os.environ
 ) -> Finding | None:
-    """check_int4_kernel of a scheme already read."""
+    """What a 4-bit folder (`q`: its scheme as read_scheme reads it) is computed with where that is not what its
+    name says (w4a8 on an AMX CPU); None elsewhere. Not an error: verify holds it to the 4-bit rule all the same
+    (docs/quantize.md)."""
     if q is None or q[0] != "w4a16" or not int4_runs_w4a8(vllm_dir, cpuinfo, env):
         return None
     return Finding(
