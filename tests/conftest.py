@@ -33,8 +33,23 @@ from ministream.run.kernels import installed_vllm_dir, int4_gemm_missing
 # the tiny models need little KV cache, and the suite shares the machine with whatever else runs.
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 # ... and on the defaults of a machine `ministream tune` never measured (every core to the model), whatever record
-# this environment holds: a test that wants a record names its own (test_tune.py)
+# this environment holds, but for an offline engine's core, which runs in its caller's process as where tune chose
+# it (engine.offline_defaults): two vLLM imports fewer per engine (~25 s of CPU on 2 cores). The servers keep
+# their own processes, as every user's do; a test that wants another record names its own (test_tune.py).
 os.environ[tuned.RECORD_ENV] = "/nonexistent/ministream-tune.json"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def core_in_process(tmp_path_factory):
+    """The session's tune record: the untuned defaults, with the core in process (see above)."""
+    record = tmp_path_factory.mktemp("tune") / "ministream-tune.json"
+    choice = {"binding": "ours", "zentorch": None, "in_process": True}
+    record.write_text(json.dumps({"schema": tuned.SCHEMA, "fingerprint": tuned.fingerprint(), "choice": choice}))
+    os.environ[tuned.RECORD_ENV] = str(record)
+    yield
+    os.environ[tuned.RECORD_ENV] = "/nonexistent/ministream-tune.json"
+
+
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # make test's workers share the cores: each one's own torch work (training the test models, the reference
     # model) gets its share, or two workers' threads contend and each runs at a third of its speed
@@ -248,6 +263,20 @@ def start_serve():
         return proc, f"http://127.0.0.1:{port}"
 
     return start
+
+
+@pytest.fixture(scope="session")
+def tiny_server(tiny_hf, start_serve, tmp_path_factory):
+    """`ministream serve` on the tiny test folder in float32, shared by the modules whose subject is a running
+    server, not its settings (test_serve_faults, test_fingerprint): one engine start for both. Eager: the server
+    is the subject (test_vllm.py proves the compiled default's tokens); vLLM's request log on, where a vanished
+    client's request is seen aborted. Not waited for here: each module waits for it as its subject says."""
+    log = tmp_path_factory.mktemp("tiny-server") / "server.log"
+    proc, url = start_serve(tiny_hf, log, "--dtype", "float32", "--enforce-eager", "--vllm-args=--enable-log-requests")
+    try:
+        yield {"proc": proc, "url": url, "name": tiny_hf.name, "log": log, "folder": tiny_hf}
+    finally:
+        server.stop(proc)
 
 
 @pytest.fixture(scope="session")

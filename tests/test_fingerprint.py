@@ -1,11 +1,12 @@
 """The fingerprint: what a folder's model computes for one fixed prompt, recorded when the folder is written, and
 serve's "ready" (and `ministream ready`) only once a running server computes it.
 
-Engines: three `ministream serve` started together (one engine start's wait for all): the test folder in float32
-and in bfloat16, both of which must say ready, and in bfloat16 a folder whose config.json changed after its
-fingerprint was recorded, which must stop with one line. The check itself is run against the float32 server with
-fingerprints planted from other models (a fingerprint of another model is what an engine computing another model
-gives), and against real HTTP servers on 127.0.0.1 that answer /v1/models and then fail.
+Engines: `ministream serve` of the test folder in float32 (the session's tiny server, test_serve_faults.py's too)
+and in bfloat16 (make test-full), both of which must say ready, and in bfloat16 a folder whose config.json changed
+after its fingerprint was recorded, which must stop with one line; started together (one engine start's wait).
+The check itself is run against the float32 server with fingerprints planted from other models (a fingerprint of
+another model is what an engine computing another model gives), and against real HTTP servers on 127.0.0.1 that
+answer /v1/models and then fail.
 """
 
 import http.server
@@ -192,13 +193,13 @@ def test_a_kernel_that_fails_on_the_first_request_is_not_ready(cli, tiny_hf):
 
 
 @pytest.fixture(scope="module")
-def servers(tiny_hf, start_serve, tmp_path_factory):
-    """Servers by name: float32 and bfloat16 of the test folder, and a bfloat16 one of a folder whose RoPE base
-    changed after its fingerprint was recorded. float32 and rope start together at once; bfloat16 (make
-    test-full) when a test first asks for it."""
+def servers(tiny_hf, tiny_server, start_serve, tmp_path_factory):
+    """Servers by name: float32 (the session's tiny server, conftest.py; test_serve_faults.py's too) and bfloat16
+    of the test folder, and a bfloat16 one of a folder whose RoPE base changed after its fingerprint was
+    recorded. float32 and rope start together at once; bfloat16 (make test-full) when a test first asks for it."""
     root = tmp_path_factory.mktemp("fingerprint")
     rope = planted(tiny_hf, root / "rope", WRONG["a wrong RoPE base"])
-    kinds = {"float32": (tiny_hf, "float32"), "bfloat16": (tiny_hf, "bfloat16"), "rope": (rope, "bfloat16")}
+    kinds = {"bfloat16": (tiny_hf, "bfloat16"), "rope": (rope, "bfloat16")}
 
     class Started(dict):
         def __missing__(self, name: str) -> dict:
@@ -209,12 +210,12 @@ def servers(tiny_hf, start_serve, tmp_path_factory):
             self[name] = {"proc": proc, "url": url, "log": log, "name": folder.name, "folder": folder}
             return self[name]
 
-    started = Started()
+    started = Started(float32=tiny_server)
     try:
-        started["float32"], started["rope"]
+        started["rope"]
         yield started
     finally:
-        stop_all(s["proc"] for s in started.values())
+        stop_all(s["proc"] for name, s in started.items() if name != "float32")  # the session's: it stops it
 
 
 def said(server, text: str) -> bool:

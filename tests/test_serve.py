@@ -1,7 +1,8 @@
 """`ministream serve`: vLLM's OpenAI server on a converted folder, as a user starts it, on loopback.
 
-One real server for the whole module (started while the offline engine of `ministream generate` runs
-beside it, ~1-2 min on 2 cores), stopped by SIGTERM in the last test. Every request has a timeout.
+One real server for the whole module (~1 min on 2 cores), stopped by SIGTERM in the last test; its greedy
+answers are held to the reference model's in float32 (test_vllm.py holds `generate --engine vllm` to the same).
+Every request has a timeout.
 """
 
 import functools
@@ -176,7 +177,7 @@ def chat_hf(tiny, tmp_path_factory) -> Path:
 def booting(chat_hf, start_serve, tmp_path_factory):
     """`ministream serve` on the chat model, with an API key."""
     log = tmp_path_factory.mktemp("serve-log") / "server.log"
-    # eager here and in `offline`: the server is the subject; test_vllm.py proves the compiled default's tokens
+    # eager: the server is the subject; test_vllm.py proves the compiled default's tokens
     # --max-num-seqs is vLLM's own option, given as a recipe for vLLM's server gives it: serve passes it on
     proc, url = start_serve(
         chat_hf,
@@ -189,30 +190,19 @@ def booting(chat_hf, start_serve, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def offline(booting, chat_hf, cli, tmp_path_factory) -> dict:
-    """LLM.generate's greedy tokens for DEFAULT_PROMPTS (`ministream generate --engine vllm`) while the server boots."""
-    out = tmp_path_factory.mktemp("offline") / "vllm.json"
+def reference(booting, chat_hf, cli, tmp_path_factory) -> dict:
+    """The reference model's greedy tokens for DEFAULT_PROMPTS in float32 (`ministream generate --engine
+    reference`), while the server boots."""
+    out = tmp_path_factory.mktemp("reference") / "reference.json"
     args = [a for p in DEFAULT_PROMPTS for a in ("--prompt", p)]
-    r = cli(
-        "generate",
-        chat_hf,
-        "--engine",
-        "vllm",
-        "--dtype",
-        "float32",
-        "--max-tokens",
-        MAX_TOKENS,
-        *args,
-        "--json",
-        out,
-        "--enforce-eager",
-    )
+    r = cli("generate", chat_hf, "--engine", "reference", "--dtype", "float32", "--max-tokens", MAX_TOKENS, *args,
+            "--json", out)  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(out.read_text())
 
 
 @pytest.fixture(scope="module")
-def server(booting, offline, chat_hf):
+def server(booting, reference, chat_hf):
     proc, url, log = booting
     wait_ready(url, proc, log, START_TIMEOUT, key=API_KEY)
     return {"proc": proc, "url": url, "name": chat_hf.name, "log": log}
@@ -245,8 +235,9 @@ def test_models_lists_the_folder_under_its_name(server):
 
 
 @pytest.mark.vllm
-def test_completion_at_temperature_0_equals_offline_generate(server, offline, chat_hf):
-    for prompt, want_prompt_ids, want in zip(DEFAULT_PROMPTS, tokenize(chat_hf, DEFAULT_PROMPTS), offline["vllm"]):
+def test_completion_at_temperature_0_equals_the_reference_models_greedy_tokens(server, reference, chat_hf):
+    wants = reference["reference"]
+    for prompt, want_prompt_ids, want in zip(DEFAULT_PROMPTS, tokenize(chat_hf, DEFAULT_PROMPTS), wants, strict=True):
         status, body = complete(server, prompt)
         assert status == 200, body
         choice = body["choices"][0]

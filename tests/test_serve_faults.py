@@ -1,12 +1,12 @@
 """Nothing lost, nothing trusted blindly (issue 13): faults and hostile inputs, end to end.
 
 A real `ministream serve` on loopback (real vLLM, the tiny model at its own context of 512 tokens, no
---max-model-len) answers each hostile request with a 4xx and a message and goes on serving; survives a
-client that vanishes mid-stream; streams 64 requests at once. A second server has its engine core
-killed and must exit non-zero, promptly, leaving no process behind. Both boot together (~1-2 min on
-2 cores). Without an engine: `serve`, `generate` and `verify` refuse a machine or folder they cannot
-use in one line before vLLM starts. (That `verify --out` and `wheel --dist` never write into an input is
-tested with their jobs, in test_verify.py and test_wheel.py.)
+--max-model-len; the session's, which test_fingerprint.py holds to the folder's fingerprint) answers each
+hostile request with a 4xx and a message and goes on serving; survives a client that vanishes mid-stream;
+streams 64 requests at once. A second server has its engine core killed and must exit non-zero, promptly,
+leaving no process behind (~1 min on 2 cores). Without an engine: `serve`, `generate` and `verify` refuse a
+machine or folder they cannot use in one line before vLLM starts. (That `verify --out` and `wheel --dist` never
+write into an input is tested with their jobs, in test_verify.py and test_wheel.py.)
 """
 
 import json
@@ -47,7 +47,8 @@ KILL_DEADLINE = 60  # seconds from the engine's SIGKILL to the server's exit
 
 @pytest.fixture(scope="module")
 def doomed(tiny_hf, start_serve, tmp_path_factory):
-    """The server whose engine gets killed: started first, so that it boots while the other does."""
+    """The server whose engine gets killed: started first, so that it boots while the other does where that one
+    is not up yet."""
     log = tmp_path_factory.mktemp("doomed") / "server.log"
     proc, url = start_serve(tiny_hf, log, "--dtype", "float32", "--enforce-eager")  # the faults are the subject
     yield proc, url, log
@@ -55,15 +56,11 @@ def doomed(tiny_hf, start_serve, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(doomed, tiny_hf, start_serve, tmp_path_factory):
-    log = tmp_path_factory.mktemp("faults") / "server.log"
-    # the faults are the subject; request logging tells when a vanished client's request was aborted
-    proc, url = start_serve(tiny_hf, log, "--dtype", "float32", "--enforce-eager", "--vllm-args=--enable-log-requests")
-    try:
-        wait_ready(url, proc, log, START_TIMEOUT)
-        yield {"proc": proc, "url": url, "name": tiny_hf.name, "log": log, "model": tiny_hf}
-    finally:
-        stop(proc)
+def server(doomed, tiny_server):
+    """The session's tiny float32 server (conftest.py; test_fingerprint.py's too), with request logging: it tells
+    when a vanished client's request was aborted."""
+    wait_ready(tiny_server["url"], tiny_server["proc"], tiny_server["log"], START_TIMEOUT)
+    return {**tiny_server, "model": tiny_server["folder"]}
 
 
 def complete(server, prompt, max_tokens=16, **extra) -> tuple[int, dict]:

@@ -278,3 +278,11 @@ def test_the_core_in_process_is_named_where_offline_engines_take_it_and_not_on_s
     assert "an offline engine's core in its caller's process" in tuned.describe(choice)
     assert "core in its caller's process" not in tuned.describe(choice, offline=False)
     assert "core in its caller's process" not in tuned.describe({**choice, "in_process": False})
+
+
+def test_the_suites_offline_engines_run_with_the_core_in_process_and_its_servers_do_not():
+    """conftest.py's record holds on this machine (a fingerprint that no longer matched would silently give the
+    suite vLLM's own layout back, and two vLLM imports more per engine)."""
+    assert tuned.chosen() == {"binding": "ours", "zentorch": None, "in_process": True}
+    assert engine.offline_defaults(1) == {engine.IN_PROCESS: "0"} and engine.offline_defaults(2) == {}
+    assert engine.IN_PROCESS not in engine.defaults(1)  # what a server's environment gets

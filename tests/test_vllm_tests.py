@@ -11,7 +11,8 @@ import pytest
 
 from ministream import MiniStreamError
 from ministream.checks import vllm_tests
-from ministream.checks.vllm_tests import example_models, hf_cache, outcomes
+from ministream.checks.vllm_tests import _environment, example_models, hf_cache, outcomes
+from ministream.run.engine import IN_PROCESS
 
 ENTRY = """
     "MiniMaxM3SparseForCausalLM": _HfExamplesInfo(
@@ -30,6 +31,14 @@ def examples_tree(where: Path, extra: str = "ministream/ministream-tiny") -> Pat
     (where / "tests" / "models").mkdir(parents=True)
     (where / "tests" / "models" / "registry.py").write_text(ENTRY.format(extra=extra))
     return where
+
+
+def test_the_quick_run_puts_each_engine_in_the_tests_process_unless_the_user_said_otherwise(tmp_path, monkeypatch):
+    monkeypatch.delenv(IN_PROCESS, raising=False)
+    assert _environment(tmp_path, "cpu", quick=True)[IN_PROCESS] == "0"
+    assert IN_PROCESS not in _environment(tmp_path, "cpu")  # the full run: vLLM's own layout
+    monkeypatch.setenv(IN_PROCESS, "1")
+    assert _environment(tmp_path, "cpu", quick=True)[IN_PROCESS] == "1"
 
 
 def test_example_models_are_read_from_the_trees_registry(tmp_path):
