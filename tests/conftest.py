@@ -36,7 +36,8 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 # this environment holds, but for an offline engine's core, which runs in its caller's process as where tune chose
 # it (engine.offline_defaults): two vLLM imports fewer per engine (~25 s of CPU on 2 cores). The servers keep
 # their own processes, as every user's do; a test that wants another record names its own (test_tune.py).
-os.environ[tuned.RECORD_ENV] = "/nonexistent/ministream-tune.json"
+NO_RECORD = "/nonexistent/ministream-tune.json"
+os.environ[tuned.RECORD_ENV] = NO_RECORD
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -47,7 +48,7 @@ def core_in_process(tmp_path_factory):
     record.write_text(json.dumps({"schema": tuned.SCHEMA, "fingerprint": tuned.fingerprint(), "choice": choice}))
     os.environ[tuned.RECORD_ENV] = str(record)
     yield
-    os.environ[tuned.RECORD_ENV] = "/nonexistent/ministream-tune.json"
+    os.environ[tuned.RECORD_ENV] = NO_RECORD
 
 
 if os.environ.get("PYTEST_XDIST_WORKER"):

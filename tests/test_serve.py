@@ -195,8 +195,8 @@ def reference(booting, chat_hf, cli, tmp_path_factory) -> dict:
     reference`), while the server boots."""
     out = tmp_path_factory.mktemp("reference") / "reference.json"
     args = [a for p in DEFAULT_PROMPTS for a in ("--prompt", p)]
-    r = cli("generate", chat_hf, "--engine", "reference", "--dtype", "float32", "--max-tokens", MAX_TOKENS, *args,
-            "--json", out)  # fmt: skip
+    options = ("--engine", "reference", "--dtype", "float32", "--max-tokens", MAX_TOKENS, "--json", out)
+    r = cli("generate", chat_hf, *options, *args)
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(out.read_text())
 
