@@ -168,6 +168,33 @@ def test_a_quantized_head_is_a_tensor_of_its_own_by_the_same_scheme_and_the_embe
     assert not (tmp_path / "f").exists()
 
 
+@pytest.mark.parametrize("scheme,head", [("w8a8", "quantized"), ("w4a16", "float")])
+def test_the_reference_model_on_the_folders_stored_weights_computes_what_it_does_on_them_dequantized(
+    scheme, head, tiny_gqa_hf, tmp_path
+):
+    """read_folder(packed=True) keeps each quantized weight as the folder stores it (weights.Packed), dequantized
+    while its product runs (fingerprint, verify's and generate's reference): the same logits, bit for bit, as the
+    model on the dequantized state, in float32 and bfloat16, the quantized head's included."""
+    from ministream.checkpoint.quantize import quantize
+    from ministream.checkpoint.reference import MiniStream
+    from ministream.checkpoint.weights import Packed
+
+    out = quantize(tiny_gqa_hf, tmp_path / scheme, scheme, log=lambda *a: None, head=head)
+    cfg, packed = read_folder(out, packed=True)
+    _, state = read_folder(out)
+    kept = {k for k, v in packed.items() if isinstance(v, Packed)}
+    assert kept == {k for k in state if k.endswith(("Wqkv.weight", "out_proj.weight", "w12.weight", "w3.weight"))} | (
+        {"lm_head.weight"} if head == "quantized" else set()
+    )
+    ids = torch.tensor([[1, 5, 9, 2, 7, 3], [4, 4, 8, 1, 0, 6]])
+    for dtype in (torch.float32, torch.bfloat16):
+        got = MiniStream.from_state(cfg, packed, dtype, stream=True)(ids)
+        want = MiniStream.from_state(cfg, state, dtype, stream=True)(ids)
+        assert torch.equal(got, want), dtype
+    whole = MiniStream.from_state(cfg, packed, torch.float32)  # cast whole: dequantized once, up front
+    assert torch.equal(whole(ids), MiniStream.from_state(cfg, state, torch.float32)(ids))
+
+
 def test_a_quantized_head_is_refused_where_vllm_would_read_it_as_float_weights(tmp_path):
     """quantized_head reads the vLLM's compressed-tensors config: without a ParallelLMHead case (vLLM PR
     #37291) the head's int8 values would be multiplied as weights, so serve/generate/verify refuse first."""

@@ -22,6 +22,7 @@ from torch import nn
 from ..spec import TrainConfig
 from .format import load
 from .lora import load_for, updates
+from .weights import Packed
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -66,9 +67,15 @@ class KVCache:
 
 
 def linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
+    return F.linear(x, weight(x, layer))
+
+
+def weight(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
     # the weight in x's dtype for this product only (a no-op where it is stored so): the same values as a model
-    # cast whole up front, with one weight's copy alive at a time
-    return F.linear(x, layer.weight.to(x.dtype))
+    # cast whole up front, with one weight's copy alive at a time; a quantized one dequantized from the folder's
+    # bytes (weights.Packed, set by from_state)
+    packed = getattr(layer, "packed", None)
+    return (layer.weight if packed is None else packed.dequantize()).to(x.dtype)
 
 
 def norm_weight(x: torch.Tensor, norm: "NormWeight") -> torch.Tensor:
@@ -170,7 +177,15 @@ class MiniStream(nn.Module):
         used), each cast while its layer runs: memory near the stored weights', the same outputs."""
         with torch.device("meta"):  # no initial weights: the state's replace them (a float32 model's worth)
             model = cls(cfg)
-        model.load_state_dict(state, strict=True, assign=True)
+        packed = {k: v for k, v in state.items() if isinstance(v, Packed)}
+        if not stream:  # cast whole: a quantized weight dequantized once, here
+            state = {k: v.dequantize() if k in packed else v for k, v in state.items()}
+            packed = {}
+        # a packed weight's parameter is a shape on the meta device; its layer computes from the Packed (weight())
+        meta = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in packed.items()}
+        model.load_state_dict({**state, **meta}, strict=True, assign=True)
+        for k, v in packed.items():
+            model.get_submodule(k.removesuffix(".weight")).packed = v  # type: ignore[assignment]  # not a Parameter
         model.compute_dtype = dtype
         return model.eval() if stream else model.cast(dtype)
 
@@ -231,8 +246,8 @@ class MiniStream(nn.Module):
         if cache is not None:
             cache.length += T
         x = rmsnorm(x, norm_weight(x, self.norm_f), self.cfg.norm_eps)
-        head = self.embedding.weight if self.lm_head is None else self.lm_head.weight
-        return (x @ head.to(x.dtype).T).float()  # (B, T, V)
+        head = self.embedding.weight.to(x.dtype) if self.lm_head is None else weight(x, self.lm_head)
+        return (x @ head.T).float()  # (B, T, V)
 
     @torch.no_grad()
     def generate(

@@ -25,17 +25,19 @@ from .scheme import CODE_DTYPES, decompress, is_quantized, read_scheme, stored
 CODE_TORCH = {code: name for name, code in DTYPES.items()} | CODE_DTYPES
 
 
-def read_folder(folder: str | Path) -> tuple[TrainConfig, dict]:
+def read_folder(folder: str | Path, packed: bool = False) -> tuple[TrainConfig, dict]:
     """Read a converted folder back into the train config and training-named tensors; a quantized one's
     linear weights dequantized, as vLLM computes with them. One training tensor at a time (FolderTensors): the
     peak is the state it returns and one tensor's parts, where reading every file whole, dequantizing every
-    weight and then concatenating held three copies (9.8 GB for a 1.2B w8a8 folder's fingerprint, issue 56)."""
+    weight and then concatenating held three copies (9.8 GB for a 1.2B w8a8 folder's fingerprint, issue 56).
+    packed: a quantized weight stays as the folder stores it (Packed), dequantized only when its layer runs
+    (MiniStream.from_state): memory near the folder's bytes, not a float32 copy of every weight."""
     folder = Path(folder)
     checked(folder)  # the one folder check: the reference model and the perplexities read what the server runs
     config = read_json(folder / "config.json")
     cfg = train_config_from_hf(config, f"{folder / 'config.json'}")
     tensors = FolderTensors(folder, cfg, config)
-    state = {row.raw: tensors.raw(row) for row in table(cfg)}
+    state = {row.raw: Packed(tensors, row) if packed and tensors.packs(row) else tensors.raw(row) for row in table(cfg)}
     check_state(state, cfg, str(folder))
     return cfg, state
 
@@ -78,6 +80,7 @@ class FolderTensors:
                 f"{folder}: tensors do not match config.json: missing {missing[:3]}, extra {extra[:3]}"
             )
         self.folder = folder
+        self._unpacked_dtype: torch.dtype | None = None
 
     def code(self, name: str) -> str:
         """The safetensors dtype code the folder stores tensor `name` in."""
@@ -94,13 +97,14 @@ class FolderTensors:
                 raise MiniStreamError(f"{t.file}: cut short inside {name}: convert the folder again")
         return buf.view(getattr(torch, CODE_TORCH[t.dtype])).reshape(t.shape)
 
-    def __getitem__(self, name: str) -> torch.Tensor:
-        names = self.parts[name]
-        if names == [name]:
-            t = self.read(name)
-        else:
-            stem = name.removesuffix(".weight") + "."
-            t = decompress({k.removeprefix(stem): self.read(k) for k in names}, self.scheme)
+    def stored(self, name: str) -> dict[str, torch.Tensor]:
+        """The tensors that stand for HF weight `name`, as the folder stores them, by their local names."""
+        stem = name.removesuffix(".weight") + "."
+        return {k.removeprefix(stem): self.read(k) for k in self.parts[name]}
+
+    def unpack(self, name: str, stored: dict[str, torch.Tensor]) -> torch.Tensor:
+        """HF weight `name` as vLLM computes with it, from stored(name): dequantized where the folder quantized it."""
+        t = decompress(stored, self.scheme) if self.parts[name] != [name] else stored["weight"]
         if tuple(t.shape) != self.shapes[name]:
             raise MiniStreamError(
                 f"{self.folder}: {name} has shape {list(t.shape)}, config.json implies {list(self.shapes[name])}: "
@@ -108,9 +112,42 @@ class FolderTensors:
             )
         return t
 
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.unpack(name, self.stored(name))
+
+    def unpacked_dtype(self, name: str, stored: dict[str, torch.Tensor]) -> torch.dtype:
+        """The dtype unpack gives a quantized weight (the scheme's: its scales'), found by unpacking one, once."""
+        if self._unpacked_dtype is None:
+            self._unpacked_dtype = self.unpack(name, stored).dtype
+        return self._unpacked_dtype
+
+    def packs(self, row) -> bool:
+        """Whether the training tensor of a spec.table row is stored quantized (all its HF weights are)."""
+        return all(self.parts[h] != [h] for h in row.hf)
+
     def raw(self, row) -> torch.Tensor:
         """The training tensor of a spec.table row."""
-        return torch.cat([self[h] for h in row.hf], dim=0) if row.split else self[row.hf[0]]
+        return joined(row, [self[h] for h in row.hf])
+
+
+def joined(row, parts: list[torch.Tensor]) -> torch.Tensor:
+    """A spec.table row's training tensor from its HF weights, in its order (fused rows: concatenated)."""
+    return torch.cat(parts, dim=0) if row.split else parts[0]
+
+
+class Packed:
+    """A quantized training tensor as its folder stores it (a row's HF weights' int8, int4 or fp8 values and their
+    scales), dequantized as vLLM computes with it only when asked: the reference model's weight while one product
+    runs (reference.linear), so a quantized folder's model holds about the folder's bytes (issue 56)."""
+
+    def __init__(self, tensors: FolderTensors, row):
+        self.tensors, self.row = tensors, row
+        self.stored = {h: tensors.stored(h) for h in row.hf}
+        self.shape = row.shape
+        self.dtype = tensors.unpacked_dtype(row.hf[0], self.stored[row.hf[0]])
+
+    def dequantize(self) -> torch.Tensor:
+        return joined(self.row, [self.tensors.unpack(h, stored) for h, stored in self.stored.items()])
 
 
 class LazyFolder:
