@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
@@ -17,6 +18,7 @@ import psutil
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
+from launcher import Launcher
 from packaging.utils import canonicalize_name, parse_sdist_filename, parse_wheel_filename
 from packaging.version import Version
 
@@ -238,15 +240,31 @@ def tiny_gqa_hf(tiny_gqa, tmp_path_factory) -> Path:
     return made_once(tmp_path_factory, "hf", "tiny-gqa", lambda out: convert(tiny_gqa, out, log=quiet))
 
 
+FORK_ENV = "MINISTREAM_TEST_FORK"  # "0": every command in a fresh interpreter, to measure the launcher or rule it out
+
+
 @pytest.fixture(scope="session")
 def cli():
-    """Run the `ministream` console command as a user would: cli("convert", raw, out) -> CompletedProcess."""
+    """Run the `ministream` console command as a user would: cli("convert", raw, out) -> CompletedProcess. Each
+    command is a process of its own, forked from one that imported torch and the package once (launcher.py: the
+    quick tier's few hundred commands each paid ~2.5 s of imports and teardown, quantize ~10 s); one whose
+    environment differs in what those imports read starts a fresh interpreter."""
     exe = Path(sys.executable).parent / "ministream"
+    launcher = Launcher() if os.environ.get(FORK_ENV) != "0" else None
 
     def run(*args, env=None, timeout=900) -> subprocess.CompletedProcess:
-        return subprocess.run([str(exe), *map(str, args)], capture_output=True, text=True, env=env, timeout=timeout)
+        argv = [str(exe), *map(str, args)]
+        if launcher and launcher.takes(env):
+            return launcher.run(argv, env, timeout)
+        if launcher and env is None and (drift := launcher.read_at_import(None)):  # seen, not silent
+            warnings.warn(
+                f"os.environ changed {', '.join(drift)} in this session: `ministream` runs fresh", stacklevel=2
+            )
+        return subprocess.run(argv, capture_output=True, text=True, env=env, timeout=timeout)
 
-    return run
+    yield run
+    if launcher:
+        launcher.close()
 
 
 @pytest.fixture(scope="session")
