@@ -167,7 +167,7 @@ convert: setup
 	$(MS) convert '$(RAW)' '$(OUT)' $(if $(DTYPE),--dtype $(DTYPE)) $(CONVERT_ARGS)
 
 # OUT as for convert, but never its default (the base folder itself): out/$(PRESET)/lora unless given
-.PHONY: convert-lora test-models test-warm bench-accuracy bench-scale
+.PHONY: convert-lora test-models bench-accuracy bench-scale
 convert-lora: setup
 	$(MS) convert-lora '$(ADAPTER)' '$(if $(filter command line environment,$(origin OUT)),$(OUT),out/$(PRESET)/lora)' --base '$(BASE)' $(LORA_ARGS)
 
@@ -287,14 +287,9 @@ bench-serve: setup
 # demo.py's cache). Not the test models beside the install: pip replaces numpy there, and torch imported half of
 # it (ImportError: NP_SUPPORTED_MODULES; seen once in four fresh clones)
 test: setup
-	$(MAKE) --no-print-directory -j2 --output-sync=target lint install test-warm DEVICE=cpu TUNE=0
+	$(MAKE) --no-print-directory -j2 --output-sync=target lint install DEVICE=cpu TUNE=0
 	$(PY) -m pytest -ra -m "not full" -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 	$(MAKE) --no-print-directory vllm-tests DEVICE=cpu QUICK=1 TUNE=0
-
-# make test's own step, on the core lint leaves beside the install: the test models trained and the release files
-# the release checks read fetched into build/cache, which pytest would otherwise make and fetch (tests/warm.py)
-test-warm: setup
-	$(PY) tests/warm.py
 
 # the two test models (presets tiny, tiny-gqa) trained into build/cache/trained, where the suite's fixtures and
 # `make vllm-tests` take them from (demo.trained_file: named by all a training run depends on)

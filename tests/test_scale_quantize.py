@@ -83,9 +83,9 @@ print(json.dumps({"grown": grown, "largest": largest}))
 @pytest.mark.full
 def test_the_fingerprint_of_a_quantized_folder_holds_the_folders_bytes_not_a_dequantized_copy(large, tmp_path):
     """The reference model keeps a quantized folder's weights as stored (weights.Packed) and dequantizes each while
-    its product runs, as it casts bfloat16 ones. Measured on the 134M model's w8a8 folder (146 MB): XXX grown,
-    where holding the dequantized float32 state grew ~600 MB for its 537 MB (and 1.2 GB reading every file whole,
-    dequantizing every weight and then concatenating: at 1.2B, quantize's 9.8 GB peak, bench-scale)."""
+    its product runs, as it casts bfloat16 ones. Holding the dequantized float32 state grew ~600 MB on the 134M
+    model's w8a8 folder, for its 537 MB (and 1.2 GB reading every file whole, dequantizing every weight and then
+    concatenating: at 1.2B, quantize's 9.8 GB peak, bench-scale)."""
     from ministream.checkpoint.quantize import quantize
 
     out = tmp_path / "w8a8"
