@@ -61,22 +61,21 @@ def test_quantize_never_holds_a_copy_of_the_model(large, tmp_path, scheme):
     assert seen["written"] - seen["baseline"] < 1.25 * weights, (seen, weights)
 
 
-# fingerprint.compute in a fresh process: its peak over the imports' baseline, the bytes of the folder's weights,
-# and the largest float32 training tensor a product dequantizes (a fused row's parts and their concatenation)
+# fingerprint.compute in a fresh process: its peak over the imports' baseline, and the bytes of the quantized
+# weights dequantized to float32 (what the reference model held before it kept them as stored)
 FINGERPRINT_PROBE = """
 import json, sys
 from pathlib import Path
 import compressed_tensors.compressors, compressed_tensors.quantization
 from ministream.checkpoint import fingerprint, scheme, weights
-from ministream.spec import table
 scheme.scheme_of("w8a8")
 peak = lambda: int(Path("/proc/self/status").read_text().split("VmHWM:")[1].split()[0]) * 1024
 base = peak()
 fingerprint.compute(Path(sys.argv[1]))
 grown = peak() - base
-cfg, _ = weights.read_folder(Path(sys.argv[1]), packed=True)
-largest = max(4 * r.shape[0] * r.shape[-1] for r in table(cfg))
-print(json.dumps({"grown": grown, "largest": largest}))
+cfg, state = weights.read_folder(Path(sys.argv[1]), packed=True)
+dequantized = sum(4 * v.shape[0] * v.shape[-1] for v in state.values() if isinstance(v, weights.Packed))
+print(json.dumps({"grown": grown, "dequantized": dequantized}))
 """
 
 
@@ -94,4 +93,6 @@ def test_the_fingerprint_of_a_quantized_folder_holds_the_folders_bytes_not_a_deq
     assert run.returncode == 0, run.stderr[-2000:]
     seen = json.loads(run.stdout.strip().splitlines()[-1])
     folder = sum(f.stat().st_size for f in out.glob("*.safetensors"))
-    assert seen["grown"] < 1.25 * folder + 2 * seen["largest"], (seen, folder)
+    # measured here: 299 MB grown for a 136 MB folder (its weights as stored, the float32 head and the dequantizing
+    # products' temporaries), where holding the 537 MB of dequantized float32 state grew ~600 MB
+    assert seen["grown"] < folder + seen["dequantized"] / 2, (seen, folder)
