@@ -3,11 +3,11 @@ multiprocessing's "forkserver" start method): each command is still a process of
 status, signals, working directory and file descriptors, but without the ~2.5 s of imports a fresh interpreter
 pays first (torch alone is ~2 s on 2 cores), which the quick tier's few hundred commands paid again and again.
 
-The server is single-threaded when it forks (each child's waiter is a thread of the server's parent side, never
-running Python while a fork happens: see _Server) and has run no torch operation, so no OpenMP pool is copied.
-What it imports is what the commands would import anyway (PRELOAD). A command whose environment differs from the
-server's in anything but the names the package reads at call time (not at import) gets a fresh interpreter:
-conftest.cli decides (Launcher.takes).
+The server forks from its main thread; its other threads (one watching stdin, one waiting on each child, numpy's
+BLAS pool, which registers its own fork handlers) hold no lock a child needs, and it has run no torch operation,
+so no OpenMP pool is copied. What it imports is what the commands would import anyway (PRELOAD). A command whose
+environment differs from the server's in a name those imports read gets a fresh interpreter: conftest.cli
+decides (Launcher.takes).
 """
 
 import atexit
@@ -87,20 +87,18 @@ def _send(conn: socket.socket, obj) -> None:
 
 
 def _recv(conn: socket.socket):
-    head = b""
-    while len(head) < 4:
-        chunk = conn.recv(4 - len(head))
-        if not chunk:
-            raise EOFError
-        head += chunk
-    (size,) = struct.unpack("!I", head)
+    (size,) = struct.unpack("!I", _exactly(conn, 4))
+    return json.loads(_exactly(conn, size))
+
+
+def _exactly(conn: socket.socket, size: int) -> bytes:
     data = b""
     while len(data) < size:
         chunk = conn.recv(size - len(data))
         if not chunk:
             raise EOFError
         data += chunk
-    return json.loads(data)
+    return data
 
 
 def _child(request: dict, fds: list[int]) -> None:

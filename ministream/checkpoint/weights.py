@@ -80,7 +80,6 @@ class FolderTensors:
                 f"{folder}: tensors do not match config.json: missing {missing[:3]}, extra {extra[:3]}"
             )
         self.folder = folder
-        self._unpacked_dtype: torch.dtype | None = None
 
     def code(self, name: str) -> str:
         """The safetensors dtype code the folder stores tensor `name` in."""
@@ -115,12 +114,6 @@ class FolderTensors:
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.unpack(name, self.stored(name))
 
-    def unpacked_dtype(self, name: str, stored: dict[str, torch.Tensor]) -> torch.dtype:
-        """The dtype unpack gives a quantized weight (the scheme's: its scales'), found by unpacking one, once."""
-        if self._unpacked_dtype is None:
-            self._unpacked_dtype = self.unpack(name, stored).dtype
-        return self._unpacked_dtype
-
     def packs(self, row) -> bool:
         """Whether the training tensor of a spec.table row is stored quantized (all its HF weights are)."""
         return all(self.parts[h] != [h] for h in row.hf)
@@ -144,7 +137,8 @@ class Packed:
         self.tensors, self.row = tensors, row
         self.stored = {h: tensors.stored(h) for h in row.hf}
         self.shape = row.shape
-        self.dtype = tensors.unpacked_dtype(row.hf[0], self.stored[row.hf[0]])
+        # what dequantize returns: compressed-tensors dequantizes in the scales' dtype (float32, scheme.stored)
+        self.dtype = self.stored[row.hf[0]]["weight_scale"].dtype
 
     def dequantize(self) -> torch.Tensor:
         return joined(self.row, [self.tensors.unpack(h, stored) for h, stored in self.stored.items()])
