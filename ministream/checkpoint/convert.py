@@ -66,6 +66,7 @@ def write_folder(
     chat_template: str | None,
     max_shard_size: int | str,
     allow_nonfinite: bool = False,
+    release=None,
 ) -> None:
     tok_config = tokenizer_config(raw_dir / "tokenizer.json", cfg, chat_template)  # before the heavy part
     torch_dtype = TORCH_DTYPES[dtype]
@@ -76,7 +77,7 @@ def write_folder(
         total=total, unit="B", unit_scale=True, desc="convert", file=sys.stderr, disable=None, mininterval=0.5
     ) as progress:
         for name, part in files.items():
-            write_safetensors(tmp / name, part, torch_dtype, progress, allow_nonfinite)
+            write_safetensors(tmp / name, part, torch_dtype, progress, allow_nonfinite, release)
             pause_point("convert:weights")
     if len(files) > 1:
         weight_map = {k: name for name, part in files.items() for k, _ in part}
@@ -172,7 +173,17 @@ def convert(
     check_space(out.parent, weights + (tok.stat().st_size if tok.is_file() else 0), what)
     try:
         with new_folder(out, force, inputs) as tmp:
-            write_folder(tmp, ckpt.path.parent, cfg, ckpt.state, dtype, chat_template, max_shard_size, allow_nonfinite)
+            write_folder(
+                tmp,
+                ckpt.path.parent,
+                cfg,
+                ckpt.state,
+                dtype,
+                chat_template,
+                max_shard_size,
+                allow_nonfinite,
+                release=ckpt.release,
+            )
             # the fingerprint's reference model reads the folder just written: the checkpoint's weights (read into
             # memory from a sharded one, mapped from model.pt) go first, so the two are never held together
             ckpt.state.clear()

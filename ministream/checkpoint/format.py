@@ -10,9 +10,11 @@ Everything that reads a user's training checkpoint (the converter, the GGUF expo
 verify --raw) goes through `load_checkpoint` and `resolve_config`; what the tensors must be is ministream.spec's.
 """
 
+import ctypes
 import dataclasses
 import io
 import json
+import mmap
 import pickle
 import re
 import struct
@@ -43,6 +45,38 @@ class Checkpoint:
     state: dict[str, torch.Tensor]  # canonical keys: no prefixes, blocks numbered from 0
     config: dict | None  # the raw train config from the file, if it had one
     notes: list[str]  # what loading and resolving changed (prefixes stripped, blocks renumbered, ignored entries)
+    mapped: bool = False  # the state's tensors are views of model.pt mapped into memory (read_pt)
+
+    def release(self, t: torch.Tensor) -> None:
+        """`t`, a tensor of the state (or a view of one), read for the last time by a command that streams: its
+        pages leave this process's resident memory (page_out). Mapped pages, once read, stay resident until the
+        file is unmapped, so convert's peak was the whole model's bytes (issue 56). Anything else (a copy made
+        from a view, a sharded checkpoint's tensors, read into memory) is left alone."""
+        if not self.mapped:
+            return
+        if not hasattr(self, "_ranges"):  # each storage of the state: a slice of the one mapping of the file
+            storages = [v.untyped_storage() for v in self.state.values() if isinstance(v, torch.Tensor)]
+            self._ranges = {(s.data_ptr(), s.data_ptr() + s.nbytes()) for s in storages}
+        start = t.data_ptr()
+        if t.numel() and any(lo <= start < hi for lo, hi in self._ranges):
+            last = sum((n - 1) * step for n, step in zip(t.shape, t.stride()))  # the view's last element
+            page_out(start, start + (last + 1) * t.element_size())
+
+
+_MADV_PAGEOUT = 21  # <linux/mman.h>, Linux 5.4 on
+
+
+def page_out(start: int, end: int) -> None:
+    """Ask the kernel to reclaim the pages of addresses [start, end) from this process (madvise MADV_PAGEOUT). It
+    never changes what memory holds: a clean page of a mapped file is read again from the file when next touched,
+    an anonymous one could only go to swap. Where the call is missing or refused, the pages just stay."""
+    page = mmap.PAGESIZE
+    first = start // page * page
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(-(-end // page) * page - first), _MADV_PAGEOUT)
+    except (OSError, AttributeError):  # not Linux's libc
+        pass
 
 
 _PREFIXES = ("module.", "_orig_mod.")  # DistributedDataParallel, torch.compile
@@ -96,7 +130,7 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
             f"or a sharded checkpoint: {SHARDED_DIR}/ (torch.distributed.checkpoint's), config.json and tokenizer.json"
         )
     notes: list[str] = []
-    obj = read_pt(path, notes)
+    obj, mapped = read_pt_mapped(path, notes)
 
     if isinstance(obj, dict) and "model" in obj and isinstance(obj["model"], dict):
         state, config = obj["model"], obj.get("config")
@@ -114,7 +148,7 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
             f"{path}: holds a {type(obj).__name__}, not a MiniStream checkpoint "
             "(expected a state dict or {'model': state dict, 'config': ...})"
         )
-    return Checkpoint(path, named_tensors(path, state, notes), config, notes)
+    return Checkpoint(path, named_tensors(path, state, notes), config, notes, mapped)
 
 
 def _load_sharded(folder: Path) -> Checkpoint:
@@ -159,13 +193,18 @@ def named_tensors(path: Path, state: dict, notes: list[str], what: str = "the st
 def read_pt(path: Path, notes: list[str]):
     """The object a format-1 `.pt` file holds (model.pt, adapter.pt), read with torch's weights-only loader
     after its zip is proven to hold what its pickle names (`_check_zip`); never unpickled in full."""
+    return read_pt_mapped(path, notes)[0]
+
+
+def read_pt_mapped(path: Path, notes: list[str]) -> tuple[object, bool]:
+    """read_pt's object, and whether its tensors are views of the file mapped into memory."""
     if path.stat().st_size == 0:
         raise MiniStreamError(f"{path}: the file is empty")
     # mmap keeps the tensors on disk until they are read: converting streams instead of copying. It maps a
     # member's bytes as they lie in the file, so only a zip whose every member is stored may be mapped.
     mmap = zipfile.is_zipfile(path) and _check_zip(path, notes)
     try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap), mmap
     except pickle.UnpicklingError as e:
         raise _refused_pickle(path, e) from None
     except Exception as e:  # torch raises many kinds (RuntimeError, EOFError, IndexError, ...) for a bad file

@@ -24,7 +24,7 @@ from ..spec import TrainConfig, gguf_tensors, hf_shapes, raw_to_hf, train_config
 from .cast import check_cast
 from .folder import checked
 from .format import is_training_checkpoint, load_checkpoint, read_json, resolve_config
-from .weights import LazyFolder, safetensors_files
+from .weights import FolderTensors
 
 # --dtype -> (torch dtype of the matrices, gguf file type); 1-D tensors (the norms) stay f32, as llama.cpp's
 # converter keeps them: its CPU kernels want f32 norm weights.
@@ -157,7 +157,7 @@ def _read(src: Path, ignore_config_keys: Iterable[str] = (), log=print):
             )
         checked(src)  # the one folder check: what the server would run is what is exported, or nothing
         cfg = train_config_from_hf(config, str(src / "config.json"))
-        tensors: Any = LazyFolder(safetensors_files(src), hf_shapes(cfg))
+        tensors: Any = FolderTensors(src, cfg, config)  # read one at a time, never mapped
         settings = src / "tokenizer_config.json"
         template = read_json(settings).get("chat_template") if settings.is_file() else None
         tok = src / "tokenizer.json"
@@ -177,7 +177,7 @@ def _read(src: Path, ignore_config_keys: Iterable[str] = (), log=print):
         cfg = resolve_config(ckpt, ignore_keys=ignore_config_keys)
         for note in ckpt.notes:  # what loading and resolving changed
             log(f"note: {note}")
-        tensors = dict(raw_to_hf(cfg, ckpt.state))  # views of the one loaded copy
+        tensors = ReadOnce(raw_to_hf(cfg, ckpt.state), ckpt.release)  # views of the one loaded copy
         template, tok = None, ckpt.path.parent / "tokenizer.json"
     else:
         raise MiniStreamError(
@@ -187,6 +187,21 @@ def _read(src: Path, ignore_config_keys: Iterable[str] = (), log=print):
     if not tok.is_file():
         raise MiniStreamError(f"{tok}: no such file; the GGUF file carries the tokenizer, so the folder must hold it")
     return cfg, tensors, tok, template
+
+
+class ReadOnce(dict):
+    """HF name -> a view of a training checkpoint's tensor, each read once, in order (spec.gguf_tensors): reading
+    one releases the one read before (Checkpoint.release: a mapped model.pt's pages leave memory)."""
+
+    def __init__(self, items, release):
+        super().__init__(items)
+        self.release, self.last = release, None
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if self.last is not None:
+            self.release(self.last)
+        self.last = super().__getitem__(name)
+        return self.last
 
 
 def _file_dtype(t: torch.Tensor, matrices: torch.dtype) -> torch.dtype:

@@ -1,7 +1,7 @@
-"""A converted folder's weights, read and written: the safetensors files it holds, memory-mapped one tensor at a
-time (LazyFolder) or read back into training names (read_folder: the reference model's input, a quantized
-folder's linear weights dequantized as vLLM computes with them), and the streaming writer convert, quantize and
-convert-lora share (write_safetensors).
+"""A converted folder's weights, read and written: the safetensors files it holds, read one tensor at a time
+(FolderTensors: by HF name or training row, plain reads) or read back into training names (read_folder: the
+reference model's input, a quantized folder's linear weights dequantized as vLLM computes with them), and the
+streaming writer convert, quantize and convert-lora share (write_safetensors).
 """
 
 import json
@@ -144,36 +144,18 @@ class Packed:
         return joined(self.row, [self.tensors.unpack(h, stored) for h, stored in self.stored.items()])
 
 
-class LazyFolder:
-    """HF name -> tensor, read from the folder's safetensors files when asked (memory-mapped, one at a time)."""
-
-    def __init__(self, files: list[Path], shapes: dict):
-        from safetensors import safe_open
-
-        self.shapes, self.where = shapes, {}
-        for f in files:
-            handle = safe_open(str(f), framework="pt")
-            self.where.update({k: (f, handle) for k in handle.keys()})
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        if name not in self.where:
-            raise MiniStreamError(f"the folder's safetensors files have no tensor {name!r}: convert it again")
-        file, handle = self.where[name]
-        t = handle.get_tensor(name)
-        if tuple(t.shape) != self.shapes[name]:
-            raise MiniStreamError(
-                f"{file}: {name} has shape {list(t.shape)}, config.json implies {list(self.shapes[name])}: "
-                "convert the folder again"
-            )
-        return t
-
-
 def write_safetensors(
-    path: Path, tensors: list[tuple[str, torch.Tensor]], dtype: torch.dtype, progress, allow_nonfinite: bool = False
+    path: Path,
+    tensors: list[tuple[str, torch.Tensor]],
+    dtype: torch.dtype,
+    progress,
+    allow_nonfinite: bool = False,
+    release=None,
 ) -> None:
     """Stream tensors into one safetensors file: the header is planned from shapes, then each tensor is
     converted and written on its own, so memory holds one tensor at a time, not the model. (safetensors'
-    own save_file takes the whole state dict at once: a second copy of the model in memory.)"""
+    own save_file takes the whole state dict at once: a second copy of the model in memory.) release(t): called
+    with each source tensor once written (Checkpoint.release: a mapped model.pt's pages leave memory)."""
     header: dict[str, dict[str, Any]] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for name, t in tensors:
@@ -201,3 +183,6 @@ def write_safetensors(
             if out.numel():
                 f.write(out.reshape(-1).view(torch.uint8).numpy().data)  # the buffer itself, no bytes copy
             progress.update(out.numel() * dtype.itemsize)
+            del out
+            if release:
+                release(t)
