@@ -96,3 +96,20 @@ def test_the_fingerprint_of_a_quantized_folder_holds_the_folders_bytes_not_a_deq
     # measured here: 299 MB grown for a 136 MB folder (its weights as stored, the float32 head and the dequantizing
     # products' temporaries), where holding the 537 MB of dequantized float32 state grew ~600 MB
     assert seen["grown"] < folder + seen["dequantized"] / 2, (seen, folder)
+
+
+@pytest.mark.full
+def test_gptq_holds_a_bfloat16_model_in_bfloat16(large, tmp_path):
+    """GPTQ's worker (llm-compressor, its own environment) loads the folder in its own dtype, where it loaded every
+    folder in float32: twice a bfloat16 model's bytes before calibration began. Its record says what it held."""
+    from ministream.checkpoint.quantize import RECORD, quantize
+
+    out = tmp_path / "gptq"
+    quantize(large, out, "w4a16", method="gptq", samples=8, log=lambda *a: None)
+    cal = json.loads((out / RECORD).read_text())["method"]["calibration"]
+    weights = (large / "model.safetensors").stat().st_size
+    assert cal["dtype"] == "bfloat16", cal
+    loaded, peak = cal["peak_rss_loaded"] - cal["peak_rss_imported"], cal["peak_rss"] - cal["peak_rss_imported"]
+    # measured here: ...
+    assert loaded < 1.25 * weights, (cal, weights)
+    assert peak < 2 * weights, (cal, weights)

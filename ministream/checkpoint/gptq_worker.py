@@ -14,14 +14,19 @@ import time
 from pathlib import Path
 
 
+def peak() -> int:
+    """This process's peak resident memory so far, in bytes (VmHWM)."""
+    return int(Path("/proc/self/status").read_text().split("VmHWM:")[1].split()[0]) * 1024
+
+
 def main(spec_file: str) -> int:
-    import torch
     from datasets import Dataset
     from llmcompressor import oneshot
     from llmcompressor.modifiers.gptq import GPTQModifier
     from tokenizers import Tokenizer
     from transformers import AutoModelForCausalLM
 
+    imported = peak()
     spec = json.loads(Path(spec_file).read_text())
     ids = Tokenizer.from_file(str(Path(spec["model"]) / "tokenizer.json")).encode(Path(spec["text"]).read_text()).ids
     seq = spec["seq_len"]
@@ -30,12 +35,18 @@ def main(spec_file: str) -> int:
         print(f"error: {spec['text']} has {len(ids)} tokens, fewer than one window of {seq}", file=sys.stderr)
         return 2
     data = Dataset.from_dict({"input_ids": windows, "attention_mask": [[1] * seq for _ in windows]})
-    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
+    # the folder's own dtype (a bfloat16 folder stays bfloat16: half the memory of float32, and the activations
+    # vLLM computes); GPTQ's own arithmetic, the Hessians and the rounding, is float32 whatever it is
+    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype="auto")
+    loaded = peak()
     t = time.perf_counter()
     recipe = GPTQModifier(targets="Linear", scheme=spec["scheme"], ignore=["lm_head"])
     oneshot(model=model, dataset=data, recipe=recipe, max_seq_length=seq, num_calibration_samples=len(windows))
     model.save_pretrained(spec["out"], save_compressed=True)
     done = {"samples": len(windows), "seq_len": seq, "text_tokens": len(ids), "seconds": time.perf_counter() - t}
+    # the peak resident memory after the imports, with the model loaded, and at the end (bytes)
+    done |= {"dtype": str(model.dtype).removeprefix("torch.")}
+    done |= {"peak_rss_imported": imported, "peak_rss_loaded": loaded, "peak_rss": peak()}
     (Path(spec["out"]) / "gptq.json").write_text(json.dumps(done))
     return 0
 

@@ -124,6 +124,8 @@ def calibrate(src: Path, tmp: Path, cfg: TrainConfig, scheme: str, python, text,
             parts[stem] = {}
             for local, (want, code) in stored(tuple(shape), scheme).items():
                 got = produced.get(f"{stem}.{local}")
+                if got is not None and got.is_floating_point() and CODE_DTYPES[code] == "float32":
+                    got = got.float()  # a bfloat16 model's scales, in the float32 quantize stores (exact)
                 if got is None or tuple(got.shape) != want or got.dtype != getattr(torch, CODE_DTYPES[code]):
                     found = "nothing" if got is None else f"{list(got.shape)} {got.dtype}"
                     raise MiniStreamError(
