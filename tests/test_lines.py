@@ -226,6 +226,68 @@ def test_the_held_kv_cache_halves_are_vllm_s_views_of_the_cache_the_layer_holds_
     assert f'environ.get("{cpu.ATTN_ENV}", "1") != "0"' in cpu.ATTN_HELPER.decode()
 
 
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_the_cpu_parts_int8_product_is_the_exact_int8_product_where_onednns_saturates(symmetric):
+    """vLLM's W8A8 product on CPU (oneDNN's, through its own ops) against the exact one: int8 activations quantized
+    by vLLM's op times the int8 weights, summed in int64, then scaled. On an x86 CPU without VNNI oneDNN's pair sums
+    saturate (vLLM's product is far off); the CPU part's split product is exact on every CPU."""
+    import torch
+    from vllm import _custom_ops as ops
+    from vllm.platforms import current_platform
+    from vllm.platforms.interface import CpuArchEnum
+
+    from ministream.fork import cpu
+
+    scope: dict = {"torch": torch, "ops": ops, "current_platform": current_platform, "CpuArchEnum": CpuArchEnum}
+    exec(cpu.INT8_HELPER.decode(), scope)
+    flags = next(line.split() for line in open("/proc/cpuinfo") if line.startswith("flags"))
+    saturates = not {"avx512_vnni", "avx_vnni", "amx_int8"} & set(flags)
+    assert scope["_MINISTREAM_INT8_SPLIT"] == saturates
+
+    torch.manual_seed(0)
+    n, k = 256, 512
+    weight = torch.randint(-127, 128, (n, k), dtype=torch.int8)  # a folder's: every row's scale maps its max to 127
+    weight[:, 0] = 127
+    scale = torch.rand(n) * 0.01 + 0.001
+    x = torch.randn(4, k) * 3
+    x_q, x_s, x_zp = ops.onednn_scaled_int8_quant(x, None, None, symmetric)
+    exact = (x_q.long() - (0 if symmetric else x_zp.long())) @ weight.long().T
+    want = exact.double() * x_s.double() * scale.double()
+    adj = None if symmetric else weight.T.sum(dim=0, keepdim=True, dtype=torch.float32) * scale
+
+    def product(create, apply):
+        handler = create(weight.T, scale, torch.float32, True, not symmetric, 32)
+        out = torch.empty(4, n)
+        apply(handler, x_q, out, x_s, x_zp, adj, None)
+        return (out.double() - want).abs().max() / want.abs().max()
+
+    scope["_MINISTREAM_INT8_SPLIT"] = True  # the split, on any CPU
+    split = product(scope["_ministream_create_onednn_scaled_mm"], scope["_ministream_onednn_scaled_mm"])
+    assert split < 1e-5, float(split)
+    vllms = product(ops.create_onednn_scaled_mm, ops.onednn_scaled_mm)
+    if saturates:  # the fault the split mends, seen here
+        assert vllms > 1e-2, float(vllms)
+    else:
+        assert vllms < 1e-5, float(vllms)
+
+
+def test_the_int8_fix_applies_once_and_only_where_vllm_makes_both_onednn_calls():
+    from ministream.fork import cpu
+
+    head = (
+        b"import torch\n\nfrom vllm import _custom_ops as ops\nfrom vllm.platforms import current_platform\n"
+        b"from vllm.platforms.interface import CpuArchEnum\n\n"
+    )
+    create = b"h = ops.create_onednn_scaled_mm(w, s, torch.float32, True, False, 32)\n"
+    apply = b"ops.onednn_scaled_mm(h, x, out, x_s, None, None, None)\n"
+    fixed = cpu.int8_fix(head + create + apply)
+    assert fixed is not None and b"ops.create_onednn" not in fixed.split(b"# MiniStream's CPU part")[0]
+    assert b"h = _ministream_create_onednn_scaled_mm(" in fixed and b"_ministream_onednn_scaled_mm(h, x" in fixed
+    ast.parse(fixed)
+    assert cpu.int8_fix(fixed) is None  # applied once
+    assert cpu.int8_fix(head + create) is None and cpu.int8_fix(create + apply) is None
+
+
 def test_the_kv_cache_fix_leaves_a_function_that_reads_the_viewed_cache_again_as_vllm_wrote_it():
     from ministream.fork import cpu
 

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from ministream import MiniStreamError
-from ministream.fork.cpu import ATTN_FILE, CLI_FILES, PLATFORM_FILE, attn_fix
+from ministream.fork.cpu import ATTN_FILE, CLI_FILES, INT8_FILE, PLATFORM_FILE, attn_fix, int8_fix
 from ministream.fork.patch import DEVICE_TRAILER, LLAMA, MINISTREAM, SUBJECT, applied_hash, default_device, patch_tree
 from ministream.fork.patchset import (
     added_files,
@@ -329,12 +329,13 @@ def test_a_tree_patched_for_cuda_is_remade_for_cpu_and_back(built, tmp_path, cap
     assert sorted(own) == ["vllm/_version.py", "vllm/platforms/__init__.py", "vllm/utils/cpu_triton_utils.py"]
     assert f"\n{DEVICE_TRAILER}: cpu\n" in head.message and applied_hash(head) != patch_set_hash(PATCH_SET)
     # 0.32's CPU part: vLLM's command line takes its version from the package, its CPU attention makes each KV
-    # cache's halves once (cpu.attn_fix), nothing else
+    # cache's halves once (cpu.attn_fix), its int8 products split where they would saturate (cpu.int8_fix)
     assert sorted(repo.git.diff("--name-only", "HEAD~1", "HEAD").split()) == sorted(
-        {*cuda_files, *CLI_FILES, ATTN_FILE}
+        {*cuda_files, *CLI_FILES, ATTN_FILE, INT8_FILE}
     )
-    pristine_attn = repo.git.show(f"HEAD~1:{ATTN_FILE}", strip_newline_in_stdout=False).encode()
-    assert (Path(repo.working_tree_dir) / ATTN_FILE).read_bytes() == attn_fix(pristine_attn)
+    for rel, fix in ((ATTN_FILE, attn_fix), (INT8_FILE, int8_fix)):
+        pristine = repo.git.show(f"HEAD~1:{rel}", strip_newline_in_stdout=False).encode()
+        assert (Path(repo.working_tree_dir) / rel).read_bytes() == fix(pristine)
     assert repo.git.diff("HEAD~1", "HEAD", "--", *cuda_files) == cuda_patch
     cli = repo.git.diff("-U0", "HEAD~1", "HEAD", "--", *CLI_FILES)
     assert [line for line in cli.splitlines() if line[:1] in "+-" and line[:3] not in ("+++", "---")] == [

@@ -21,7 +21,7 @@ from ministream.checkpoint.quantize import RECORD
 from ministream.checkpoint.scheme import LINEAR, check_shapes, quantization, quantization_config, read_scheme
 from ministream.checkpoint.weights import FolderTensors, read_folder
 from ministream.paths import HELDOUT
-from ministream.run.folder import check_dtype, int4_kernel, quantized_head
+from ministream.run.folder import check_dtype, int4_kernel, int8_split, quantized_head
 from ministream.run.kernels import (
     CPU_INT4,
     CPU_INT8,
@@ -46,6 +46,12 @@ def quantized(cli, src, out, scheme, head="float"):
     r = cli("quantize", src, out, "--scheme", scheme, "--head", head)
     assert r.returncode == 0, r.stderr
     return out
+
+
+# oneDNN's int8 products saturate on this CPU (x86 without VNNI): stock vLLM computes a w8a8 folder wrongly here, and
+# check_dtype refuses it on the plugin route; the patched wheel splits them (fork/cpu.py INT8_HELPER)
+FLAGS = next((line.split() for line in open("/proc/cpuinfo") if line.startswith("flags")), [])
+INT8_SATURATES = "avx2" in FLAGS and not {"avx512_vnni", "avx_vnni", "amx_int8"} & set(FLAGS)
 
 
 def int8_dtype() -> str:
@@ -284,6 +290,46 @@ def test_doctor_says_where_vllm_computes_a_4_bit_folder_with_int8_activations(tm
     assert int4_kernel(int4, None, amx, {}) is None
 
 
+def test_an_int8_folder_is_refused_where_vllms_int8_products_saturate_and_said_where_the_cpu_part_splits_them(
+    tmp_path, monkeypatch
+):
+    """oneDNN's int8 GEMM on an x86 CPU without VNNI saturates with 8-bit weights (tests/test_lines.py measures it):
+    the one rule of what this machine runs refuses a w8a8 folder on a vLLM whose kernel file calls it unsplit (stock
+    vLLM, or MINISTREAM_CPU_INT8_SPLIT=0), and doctor says the split where the patched wheel's CPU part has it. Judged
+    from the CPU's flags and the vLLM's own kernel file."""
+    from ministream.run import kernels
+
+    stock, patched, amx = tmp_path / "stock", tmp_path / "patched", tmp_path / "amx-vllm"
+    for root, text in (
+        (stock, "ops.onednn_scaled_mm(self.dnnl_handler, x_q"),
+        (patched, "_ministream_create_onednn_scaled_mm(w)\n_ministream_onednn_scaled_mm(h)\nops.onednn_scaled_mm(h"),
+    ):
+        (root / kernels.CPU_INT8).parent.mkdir(parents=True)
+        (root / kernels.CPU_INT8).write_text(text)
+    avx2, vnni, arm = tmp_path / "avx2", tmp_path / "vnni", tmp_path / "arm"
+    avx2.write_text("processor\t: 0\nflags\t\t: fpu avx avx2 fma\n")
+    vnni.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_vnni\n")
+    arm.write_text("processor\t: 0\nFeatures\t: fp asimd\n")
+    assert kernels.int8_kernel(stock, avx2, {}) == "saturates" and kernels.int8_kernel(patched, avx2, {}) == "split"
+    assert kernels.int8_kernel(patched, avx2, {kernels.INT8_SPLIT_ENV: "0"}) == "saturates"
+    assert kernels.int8_kernel(stock, vnni, {}) is None and kernels.int8_kernel(stock, arm, {}) is None
+    assert kernels.int8_kernel(amx, avx2, {}) is None and kernels.int8_kernel(None, avx2, {}) is None
+
+    int8, int4 = (quantization({"quantization_config": quantization_config(s, False)}) for s in ("w8a8", "w4a16"))
+    said = int8_split(int8, patched, avx2)
+    assert said is not None and said.level == "ok" and "splits each in two" in said.text
+    assert int8_split(int8, stock, avx2) is None and int8_split(int8, patched, vnni) is None
+    assert int8_split(int4, patched, avx2) is None and int8_split(None, patched, avx2) is None
+
+    real = kernels.int8_kernel
+    monkeypatch.setattr("ministream.run.folder.int8_kernel", lambda vllm_dir: real(vllm_dir, avx2, {}))
+    with pytest.raises(FolderError, match="saturate") as e:
+        check_dtype("w8a8", "float32", "the folder", stock)
+    assert "make install" in e.value.fix and kernels.INT8_SPLIT_ENV in e.value.fix
+    check_dtype("w8a8", "float32", "the folder", patched)
+    check_dtype(None, "float32", "the folder", stock)  # float weights: oneDNN's int8 is not asked
+
+
 def test_a_shape_the_groups_cannot_split_is_refused_naming_the_tensor(tiny_hf):
     cfg = train_config_from_hf(json.loads((tiny_hf / "config.json").read_text()))
     check_shapes(cfg, "w4a16", "config.json")  # 128 and 384 inputs: whole groups
@@ -328,6 +374,10 @@ def test_vllm_computes_the_quantized_folder_as_the_reference_model_on_its_weight
     python, env = route_python(route)
     command = [python, "-m", "ministream.cli", "verify", out, "--dtype", dtype, "--out", tmp_path / "verify"]
     r = subprocess.run([str(c) for c in command], capture_output=True, text=True, env=env, timeout=1800)
+    if route == "plugin" and scheme == "w8a8" and INT8_SATURATES:  # stock vLLM's int8 products: refused by name
+        line = one_line_error(r, rc=2)
+        assert "saturate" in line and "make install" in line, line
+        return
     assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
     text = r.stdout + r.stderr
     assert f"quantized {scheme}" in text and f"rule for {dtype} {scheme}" in text and "PASS" in text, text[-2000:]

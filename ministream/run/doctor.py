@@ -32,7 +32,7 @@ from ..paths import PATCH_SETS
 from ..spec import ARCH, MODEL_FILE_IN_TREE, MODEL_TYPE, TrainConfig
 from . import engine, fingerprint, tuned
 from .engine import SERVE_DEFAULTS, EngineSettings
-from .folder import int4_kernel, quantized_head, runs
+from .folder import int4_kernel, int8_split, quantized_head, runs
 from .kernels import installed_vllm_dir
 
 # what the checks of the installed vLLM read of a folder, when its own config.json is refused (examine says why)
@@ -446,7 +446,7 @@ def installed_vllm_findings(config: ConfigJson | dict, vllm_dir: Path | None) ->
                 )
             )
     found.append(check_plugin(plugin, dist) if plugin is not None else check_patch(vllm_dir, dist))
-    found += [f for f in (quantized_head(q, vllm_dir), int4_kernel(q, vllm_dir)) if f]
+    found += [f for f in (quantized_head(q, vllm_dir), int4_kernel(q, vllm_dir), int8_split(q, vllm_dir)) if f]
     if _cpu_build():  # the CPU build's platform, and the defaults chosen on this machine
         found += [f for f in (check_platform(vllm_dir), check_tuned()) if f]
     return found + [f for f in (check_triton(vllm_dir),) if f]

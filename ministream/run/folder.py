@@ -19,12 +19,14 @@ from .kernels import (
     CT_CONFIG,
     FP16_FLAG,
     INT4_GEMM,
+    INT8_SPLIT_ENV,
     W4A8_ENV,
     cpu_kernels,
     float16_fails,
     installed_vllm_dir,
     int4_gemm_missing,
     int4_runs_w4a8,
+    int8_kernel,
     int8_needs_16_bits,
     reads_quantized_head,
 )
@@ -66,6 +68,20 @@ def int4_kernel(
     )
 
 
+def int8_split(q: Quantization | None, vllm_dir: Path | None, cpuinfo: Path = Path("/proc/cpuinfo")) -> Finding | None:
+    """What an int8 folder is computed with where oneDNN's int8 products would saturate (an x86 CPU without VNNI)
+    and the CPU part splits them; None elsewhere (where they saturate, check_dtype refuses)."""
+    if q is None or q[0] != "w8a8" or int8_kernel(vllm_dir, cpuinfo) != "split":
+        return None
+    return Finding(
+        "ok",
+        "int8 kernel",
+        f"on this CPU (x86 without VNNI) oneDNN's int8 products sum pairs in int16 and would saturate; the patched "
+        f"wheel's CPU part splits each in two that cannot ({CPU_INT8}): exact, for twice the weight bytes read "
+        "(docs/quantize.md)",
+    )
+
+
 def check_dtype(scheme: str | None, runs_in: str | None, what: str, vllm_dir: Path | None = None) -> None:
     """FolderError where this machine's vLLM cannot run weights quantized `scheme` (None: float weights)
     computing in `runs_in` (`what`: the folder or width named in the error). The one rule of what this machine
@@ -96,6 +112,15 @@ def check_dtype(scheme: str | None, runs_in: str | None, what: str, vllm_dir: Pa
             f"{what} is quantized {scheme}, and the kernels vLLM loads on this CPU ({lib.name if lib else '?'}: no "
             f"AVX-512) have no 4-bit GEMM ({INT4_GEMM}): the engine would start and fail its first step",
             "serve the bfloat16 or w8a8 folder on this machine, or the 4-bit one on a CPU with AVX-512",
+        )
+    if scheme == "w8a8" and int8_kernel(vllm_dir) == "saturates":
+        raise FolderError(
+            "kernel",
+            f"{what} is quantized {scheme}, and on this CPU (x86 without VNNI) the vLLM here computes int8 products "
+            f"with oneDNN's kernel ({CPU_INT8}), whose int16 pair sums saturate with 8-bit weights (PyTorch issue "
+            f"#103646): the model would compute wrongly",
+            f"serve it with the patched wheel (make install; its CPU part splits the products, unless {INT8_SPLIT_ENV}"
+            "=0), or the bfloat16 folder on this machine",
         )
     if runs_in == "float32" and scheme == "w8a8" and int8_needs_16_bits(vllm_dir):
         raise FolderError(

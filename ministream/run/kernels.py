@@ -51,6 +51,32 @@ def int8_needs_16_bits(vllm_dir: Path | None, cpuinfo: Path = Path("/proc/cpuinf
     return takes_amx_kernel(vllm_dir, CPU_INT8, CPU_INT8_AMX, cpuinfo)
 
 
+# Elsewhere the int8 GEMM is oneDNN's (onednn_scaled_mm), which on an x86 CPU without VNNI sums pairs of u8 x s8
+# products in int16 and saturates with 8-bit weights (oneDNN's "int8 computations" guide; PyTorch issue #103646): a
+# w8a8 folder computes wrongly there, silently. The patched wheel's CPU part splits each product in two that cannot
+# saturate (fork/cpu.py INT8_HELPER) unless MINISTREAM_CPU_INT8_SPLIT=0.
+CPU_INT8_ONEDNN = "onednn_scaled_mm("
+CPU_INT8_SPLIT = "_ministream_create_onednn_scaled_mm("
+INT8_SPLIT_ENV = "MINISTREAM_CPU_INT8_SPLIT"  # fork/cpu.py INT8_ENV (run/ reads files, never imports fork/)
+VNNI = ("avx512_vnni", "avx_vnni", "amx_int8")  # int8 dot products summed in int32: nothing saturates
+
+
+def int8_kernel(vllm_dir: Path | None, cpuinfo: Path = Path("/proc/cpuinfo"), env=os.environ) -> str | None:
+    """How the vLLM at `vllm_dir` computes int8 products on this CPU where oneDNN's would saturate (x86 without VNNI
+    or AMX): "split" (the CPU part's two products: exact), "saturates" (oneDNN's own); None where they cannot
+    saturate, or this vLLM has no such kernel file."""
+    from .tuned import cpu_flags
+
+    flags = cpu_flags(cpuinfo)
+    if vllm_dir is None or "avx2" not in flags or any(f in flags for f in VNNI):
+        return None
+    path = vllm_dir / CPU_INT8
+    source = path.read_text() if path.is_file() else ""
+    if CPU_INT8_ONEDNN not in source:
+        return None
+    return "split" if CPU_INT8_SPLIT in source and env.get(INT8_SPLIT_ENV, "1") != "0" else "saturates"
+
+
 # and its CPU 4-bit GEMM (mixed_precision/cpu.py) on a CPU with AMX, computing in bf16, is int4_scaled_mm_cpu unless
 # VLLM_CPU_INT4_W4A8=0: the activations quantized per token to int8 (w4a8), elsewhere cpu_gemm_wna16 in bf16
 CPU_INT4 = "model_executor/kernels/linear/mixed_precision/cpu.py"
