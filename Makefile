@@ -133,6 +133,8 @@ help:
 	@echo "                                   -> $(BENCH_OUT)/bench.json, bench.png (~30 min on 2 cores; not part of test)"
 	@echo "make bench-scale [SCALE_SIZES=a,b] every tool's wall time and peak RSS, vLLM vs llama.cpp, per model size"
 	@echo "                                   (reference,1.2b,3b,7b) -> $(BENCH_OUT)/scale/scale.md (hours at 7b; not in test)"
+	@echo "make bench-kernels [KERNEL_SIZE=1.2b]  a decode step's batch-1 products by vLLM's CPU kernels: GB/s against the"
+	@echo "                                   machine's read bandwidth -> $(BENCH_OUT)/kernels/kernels-SIZE.md (minutes)"
 	@echo "make bench-serve [BENCH_QUICK=1]   serving load with vLLM's client: make serve vs LLaMA names vs the reference"
 	@echo "                                   model one request at a time -> $(BENCH_OUT)/serve.json, serve.png (not in test)"
 	@echo "make port FROM=a TO=b              patches/vb/ from patches/va/: three-way merge + registrations [no FROM/TO: redo all]"
@@ -167,7 +169,7 @@ convert: setup
 	$(MS) convert '$(RAW)' '$(OUT)' $(if $(DTYPE),--dtype $(DTYPE)) $(CONVERT_ARGS)
 
 # OUT as for convert, but never its default (the base folder itself): out/$(PRESET)/lora unless given
-.PHONY: convert-lora test-models bench-accuracy bench-scale
+.PHONY: convert-lora test-models bench-accuracy bench-scale bench-kernels
 convert-lora: setup
 	$(MS) convert-lora '$(ADAPTER)' '$(if $(filter command line environment,$(origin OUT)),$(OUT),out/$(PRESET)/lora)' --base '$(BASE)' $(LORA_ARGS)
 
@@ -276,6 +278,11 @@ SCALE_SIZES ?= reference,1.2b
 bench-scale: setup
 	$(MAKE) --no-print-directory install
 	$(MS) bench-scale --out '$(BENCH_OUT)/scale' --sizes '$(SCALE_SIZES)' $(if $(BENCH_QUICK),--quick) $(SCALE_ARGS)
+
+# the batch-1 products of a size's decode step by vLLM's CPU kernels, against the read bandwidth (docs/bench.md, "Scale")
+bench-kernels: setup
+	$(MAKE) --no-print-directory install
+	$(MS) bench-kernels --out '$(BENCH_OUT)/kernels' --size $(or $(KERNEL_SIZE),1.2b)
 
 # BENCH_ARGS: any `ministream bench-serve` option (--rates, --systems, --num-prompts, ...)
 bench-serve: setup

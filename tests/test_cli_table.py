@@ -749,6 +749,29 @@ CASES: dict[str, list[Case]] = {
             rc=STATUS,
         ),
     ],
+    "bench-kernels": [
+        Case(
+            [],
+            [
+                (
+                    "ministream.bench.kernels:bench_kernels",
+                    dict(out=P("build/bench/kernels"), size="1.2b", layers=None)
+                    | {"widths": list(importlib.import_module("ministream.bench.kernels").WIDTHS)},
+                )
+            ],
+            rc=STATUS,
+        ),
+        Case(
+            ["--out", "o", "--size", "7b", "--widths", "w8a8,bfloat16", "--layers", "2"],
+            [
+                (
+                    "ministream.bench.kernels:bench_kernels",
+                    dict(out=P("o"), size="7b", widths=["w8a8", "bfloat16"], layers=2),
+                )
+            ],
+            rc=STATUS,
+        ),
+    ],
     "bench-accuracy": [
         Case(
             [],

@@ -899,6 +899,27 @@ COMMANDS: tuple[Command, ...] = (
         (Call("bench.scale:scale_command", "out sizes quick force report_only=report keep new_tokens repeats"),),
     ),
     Command(
+        "bench-kernels",
+        "a decode step's batch-1 products by the kernels vLLM's CPU build runs them with: GB/s of weights read "
+        "against this machine's read bandwidth",
+        (
+            out(Ref("bench.kernels:DEFAULT_OUT")),
+            arg(
+                "--size",
+                default="1.2b",
+                help=Ref("bench.scale:SIZES", lambda s: "of " + ", ".join(s) + " (default: 1.2b)"),
+            ),
+            arg(
+                "--widths",
+                type=listed(str),
+                default=Ref("bench.kernels:WIDTHS", list),
+                help=Ref("bench.kernels:WIDTHS", ", ".join),
+            ),
+            arg("--layers", type=int, help="copies of each layer's weights (default: the size's layers)"),
+        ),
+        (Call("bench.kernels:bench_kernels", "out size widths layers"),),
+    ),
+    Command(
         "tune",
         "choose this machine's core binding, zentorch and an offline engine's core process by a same-run check "
         "against vLLM's own (make install)",
