@@ -82,7 +82,7 @@ def kernels(width: str, weight: torch.Tensor) -> dict:
             ),
         }
 
-        def exact(x):  # vLLM's own activation quantization, then int8 arithmetic without overflow
+        def int8_exact(x):  # vLLM's own activation quantization, then int8 arithmetic without overflow
             x_q, x_s, _ = ops.onednn_scaled_int8_quant(x, None, None, True)
             return (x_q.long() @ q.long().T).double() * x_s.double() * scale.double()
 
@@ -95,7 +95,7 @@ def kernels(width: str, weight: torch.Tensor) -> dict:
                 return run(handler, x_q, torch.empty((x.shape[0], handler.n), dtype=x.dtype), x_s, None, None, None)
 
             reads = q.numel() * (2 if "split" in name else 1) + 4 * scale.numel()
-            out[name] = (int8_mm, reads, exact)
+            out[name] = (int8_mm, reads, int8_exact)
         return out
     w = weight.to(getattr(torch, width))
     nbytes = w.numel() * w.element_size()
@@ -203,7 +203,7 @@ def bench_kernels(out: Path, size: str = "1.2b", widths=WIDTHS, layers: int | No
         raise MiniStreamError(f"--widths {','.join(widths)}: choose of {', '.join(WIDTHS)}")
     layers = layers or train_config(size).n_layers
     started = time.time()
-    result = {"size": size, "machine": machine(), "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    result: dict = {"size": size, "machine": machine(), "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     result["read_bandwidth"] = read_bandwidth()
     rows = [r for w in widths for r in measure(size, w, layers, batches)]
     result |= {"rows": rows, "steps": step_rows(rows, size), "seconds": time.time() - started}

@@ -125,10 +125,12 @@ _MINISTREAM_INT8_SPLIT = _ministream_int8_pairs_saturate()
 
 class _MinistreamSplitHandler:
     """A weight's product as two oneDNN products that cannot saturate: its high 7
-    bits (floor(w / 2), scaled by twice the weight's scale) and its lowest bit."""
+    bits (floor(w / 2), scaled by twice the weight's scale) and its lowest bit.
+    oneDNN's handler keeps a pointer to the scales it was given, not a copy: the
+    doubled scales live as long as the handler (`held`)."""
 
-    def __init__(self, high, low):
-        self.high, self.low = high, low
+    def __init__(self, high, low, held):
+        self.high, self.low, self.held = high, low, held
         self.k, self.n = high.k, high.n
 
 
@@ -141,14 +143,16 @@ def _ministream_create_onednn_scaled_mm(
         )
     high = torch.div(weight, 2, rounding_mode="floor")  # -64 .. 63
     low = weight - 2 * high  # 0 or 1
+    doubled = weight_scales * 2
     return _MinistreamSplitHandler(
         ops.create_onednn_scaled_mm(
-            high, weight_scales * 2, output_type, dynamic_quant, use_azp, primitive_cache_size
+            high, doubled, output_type, dynamic_quant, use_azp, primitive_cache_size
         ),
         # the activations' zero point is corrected once, in the high product, by the whole weight's sums
         ops.create_onednn_scaled_mm(
             low, weight_scales, output_type, dynamic_quant, False, primitive_cache_size
         ),
+        (high, low, doubled),
     )
 
 
@@ -175,8 +179,8 @@ def int8_fix(source: bytes) -> bytes | None:
         rb"^import torch$",
         rb"^from vllm import _custom_ops as ops$",
         rb"^from vllm\.platforms import current_platform$",
+        rb"^from vllm\.platforms\.interface import CpuArchEnum$",
     )
-    needs += (rb"^from vllm\.platforms\.interface import CpuArchEnum$",)
     calls = {m.group(1) for m in INT8_CALLS.finditer(source)}
     if calls != {b"create_onednn_scaled_mm", b"onednn_scaled_mm"} or b"_ministream_" in source:
         return None
