@@ -79,6 +79,9 @@ VLLM_SETS = frozenset(
         "TILELANG_CLEANUP_TEMP_FILES",
     }
 )
+# and what scikit-learn's import sets (sklearn/__init__.py, setdefault), imported by some tests' libraries: for Intel's
+# OpenMP, which torch's CPU wheel does not load; without them here every command after it in that worker ran fresh
+LIBRARY_SETS = VLLM_SETS | {"KMP_DUPLICATE_LIB_OK", "KMP_INIT_AT_FORK"}
 
 
 def _send(conn: socket.socket, obj) -> None:
@@ -207,13 +210,13 @@ class Launcher:
 
     def takes(self, env: dict | None) -> bool:
         """Whether a command with `env` (None: this process's) can be a fork: it differs from the server's, whose
-        imports read it, in no name those imports read (READ_AT_IMPORT), vLLM's own aside (VLLM_SETS)."""
+        imports read it, in no name those imports read (READ_AT_IMPORT), what libraries set aside (LIBRARY_SETS)."""
         return not self.read_at_import(env) and self.proc.poll() is None
 
     def read_at_import(self, env: dict | None) -> list[str]:
         """The names `env` (None: this process's) changed since the server started that its imports read."""
         env = dict(os.environ) if env is None else env
-        changed = {k for k in set(env) | set(self.env) if env.get(k) != self.env.get(k)} - VLLM_SETS
+        changed = {k for k in set(env) | set(self.env) if env.get(k) != self.env.get(k)} - LIBRARY_SETS
         return sorted(k for k in changed if READ_AT_IMPORT.match(k))
 
     def run(

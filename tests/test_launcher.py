@@ -60,8 +60,10 @@ def test_an_environment_that_the_preloaded_imports_read_starts_a_fresh_interpret
 def test_what_vllm_leaves_in_the_environment_of_the_suites_in_process_engines_keeps_commands_forked(
     launcher, monkeypatch
 ):
-    """vLLM's import and its CPU platform's engine settings write into the caller's environment (VLLM_SETS); the
-    suite starts engines in its own processes, so without this every later command ran fresh (seen: 0.32.0)."""
+    """vLLM's import and its CPU platform's engine settings write into the caller's environment (VLLM_SETS), and so
+    does scikit-learn's import (LIBRARY_SETS); the suite starts engines in its own processes and imports libraries
+    that import sklearn, so without this every later command ran fresh (seen: 0.32.0; sklearn in test_serve_checks)."""
+    import sklearn  # noqa: F401  # KMP_DUPLICATE_LIB_OK, KMP_INIT_AT_FORK
     import vllm  # noqa: F401  # env_override's writes, whatever this vLLM's are
 
     for name in ("LD_PRELOAD", "NUMEXPR_MAX_THREADS", "TORCHINDUCTOR_COMPILE_THREADS", "LOCAL_WORLD_SIZE"):

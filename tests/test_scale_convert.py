@@ -65,6 +65,7 @@ def grown(tool: str, src, out) -> int:
 def test_convert_and_gguf_hold_about_one_tensor_not_the_model(large, tool, src, out):
     weights = (large / "hf" / "model.safetensors").stat().st_size
     largest = VOCAB * D * 2  # the embedding, in bfloat16
-    # measured here: ... MB over the baseline for 269 MB of weights; without releasing the mapped pages, convert and
-    # the export of model.pt grew by the weights' bytes, and so did the export of a folder read through a memory map
+    # measured here (269 MB of weights, bound 197 MB): convert 138 MB, gguf bf16 of model.pt 93 MB, of the folder
+    # 47 MB, q8_0 of the folder 122 MB; with Checkpoint.release planted away, convert 345 MB and gguf of model.pt
+    # 303 MB (every page of the mapped file read stays resident)
     assert grown(tool, large / src, large / out) < 3 * largest, weights

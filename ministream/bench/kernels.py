@@ -5,8 +5,9 @@ each is from the exact product.
 At batch 1 a step reads every weight once and does two flops a weight, so a kernel that reads at the machine's
 bandwidth is as fast as the step can be; llama.cpp's decode comes near that (issue 56: at 1.2B in bf16 vLLM's step
 read the weights at about half llama.cpp's rate). Per size (bench/scale.py's shapes) and width, every layer's
-linear weights are allocated (random: a kernel's cost does not depend on the values) and each product is run over
-all layers in turn, so the weights come from memory as in a step, not from a cache that holds one matrix:
+linear weights are allocated (random: a kernel's cost does not depend on the values; 8 layers' worth, --layers)
+and each product is run over them in turn, so the weights come from memory as in a step, not from a cache that
+holds one matrix:
 
     bfloat16    oneDNN's matmul through vLLM's handler (ops.create_onednn_mm) where oneDNN makes one (AVX512-BF16,
                 AMX), else torch's F.linear: dispatch_cpu_unquantized_gemm's choice without zentorch
@@ -33,6 +34,7 @@ DEFAULT_OUT = BUILD / "bench" / "kernels"
 WIDTHS = ("bfloat16", "float32", "w8a8")
 STEPS, ROUNDS = 5, 3  # passes over every layer per round; the best round's median kept
 BATCHES = (1, 32)  # decode at batch 1, and at the bench's batch
+LAYERS = 8  # copies of a layer's weights cycled: far beyond any cache, and a third of 1.2B's memory and time
 SLOW_PASS_S = 2.0  # a kernel whose first pass over the layers takes longer is timed over one more pass
 
 
@@ -201,7 +203,7 @@ def bench_kernels(out: Path, size: str = "1.2b", widths=WIDTHS, layers: int | No
         raise MiniStreamError(f"--size {size}: choose one of {', '.join(SIZES)}")
     if set(widths) - set(WIDTHS):
         raise MiniStreamError(f"--widths {','.join(widths)}: choose of {', '.join(WIDTHS)}")
-    layers = layers or train_config(size).n_layers
+    layers = layers or min(LAYERS, train_config(size).n_layers)
     started = time.time()
     result: dict = {"size": size, "machine": machine(), "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     result["read_bandwidth"] = read_bandwidth()

@@ -35,9 +35,9 @@ def main(spec_file: str) -> int:
         print(f"error: {spec['text']} has {len(ids)} tokens, fewer than one window of {seq}", file=sys.stderr)
         return 2
     data = Dataset.from_dict({"input_ids": windows, "attention_mask": [[1] * seq for _ in windows]})
-    # the folder's own dtype (a bfloat16 folder stays bfloat16: half the memory of float32, and the activations
-    # vLLM computes); GPTQ's own arithmetic, the Hessians and the rounding, is float32 whatever it is
-    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype="auto")
+    # float32, or the folder's own ("auto") where float32 would not fit or the CPU multiplies bfloat16 natively
+    # (gptq.load_dtype); GPTQ's own arithmetic, the Hessians and the rounding, is float32 whatever it is
+    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=spec.get("dtype", "float32"))
     loaded = peak()
     t = time.perf_counter()
     recipe = GPTQModifier(targets="Linear", scheme=spec["scheme"], ignore=["lm_head"])

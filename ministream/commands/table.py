@@ -915,7 +915,7 @@ COMMANDS: tuple[Command, ...] = (
                 default=Ref("bench.kernels:WIDTHS", list),
                 help=Ref("bench.kernels:WIDTHS", ", ".join),
             ),
-            arg("--layers", type=int, help="copies of each layer's weights (default: the size's layers)"),
+            arg("--layers", type=int, help="copies of each layer's weights cycled (default: 8, or the size's layers)"),
         ),
         (Call("bench.kernels:bench_kernels", "out size widths layers"),),
     ),
