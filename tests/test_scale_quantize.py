@@ -106,15 +106,17 @@ def test_gptq_holds_a_bfloat16_model_in_bfloat16_where_float32_would_not_fit(lar
     from ministream.checkpoint import gptq
     from ministream.checkpoint.quantize import RECORD, quantize
 
-    monkeypatch.setattr(gptq, "load_dtype", lambda folder: gptq.load_dtype(folder, available=2**30))
+    load_dtype = gptq.load_dtype
+    monkeypatch.setattr(gptq, "load_dtype", lambda folder: load_dtype(folder, available=2**30))
     out = tmp_path / "gptq"
     quantize(large, out, "w4a16", method="gptq", samples=2, log=lambda *a: None)
     cal = json.loads((out / RECORD).read_text())["method"]["calibration"]
     weights = (large / "model.safetensors").stat().st_size
     assert cal["dtype"] == "bfloat16", cal
-    loaded = cal["peak_rss_loaded"] - cal["peak_rss_imported"]
-    # measured here: ...
-    assert loaded < 1.25 * weights, (cal, weights)
+    grown = cal["peak_rss"] - cal["peak_rss_imported"]
+    # measured here (269 MB of bfloat16 weights, 2 windows): 622 MB grown in 113 s; loaded in float32 (what fits,
+    # load_dtype's own choice here) 983 MB in 51 s: the bound holds the first and not the second
+    assert grown < 2.5 * weights, (cal, weights)
 
 
 def test_gptq_loads_float32_unless_it_would_not_fit_or_the_cpu_multiplies_bfloat16(tmp_path):
