@@ -110,6 +110,7 @@ IMPORTS_SINCE = {
     "bench/workers.py": "0.6.3",  # vllm.platforms.current_platform
     "bench/decode_step.py": BENCH_STEP,
     "run/vllm_cli.py": "0.7.3",  # vLLM's own command line (vllm/entrypoints/cli/main.py)
+    "bench/kernels.py": "0.20.0",  # vllm._custom_ops' oneDNN handlers (onednn_mm, onednn_scaled_mm), CpuArchEnum
     "bench/vllm_client.py": "0.11.2",  # `vllm bench serve`'s client (vllm.utils.argparse_utils from 0.11)
     "run/vllm_options.py": "0.11.2",  # vLLM's server parser (FlexibleArgumentParser); below it the string check
     "fork/plugin_files/ministream_vllm/__init__.py": "0.6.3",  # the plugin route (fork/plugin.py)
