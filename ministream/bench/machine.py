@@ -10,6 +10,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from .. import cpuinfo
+
 # The CPU features that decide which kernels PyTorch and vLLM run (AMX and AVX512-BF16: bf16 matmuls
 # several times faster), as /proc/cpuinfo names them.
 ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
@@ -18,22 +20,13 @@ ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
 def instruction_sets() -> dict:
     import torch
 
-    flags = set()
-    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").is_file() else ():
-        if line.startswith("flags"):
-            flags = set(line.split(":", 1)[1].split())
-            break
+    flags = set(cpuinfo.flags())
     return {**{f: f in flags for f in ISA_FLAGS}, "torch_capability": torch.backends.cpu.get_cpu_capability()}
-
-
-def _cpuinfo() -> dict:
-    lines = Path("/proc/cpuinfo").read_text().splitlines()[:30] if Path("/proc/cpuinfo").is_file() else []
-    return {k.strip(): v.strip() for k, v in (line.split(":", 1) for line in lines if ":" in line)}
 
 
 def cpu_model() -> str:
     """The CPU's model name and the instruction sets that decide its kernels (what -march=native builds for)."""
-    info = _cpuinfo()
+    info = cpuinfo.fields()
     flags = set(info.get("flags", "").split())
     return " ".join([info.get("model name") or platform.processor(), *(f for f in ISA_FLAGS if f in flags)])
 
@@ -44,7 +37,7 @@ def machine() -> dict:
     import psutil
     import torch
 
-    info = _cpuinfo()
+    info = cpuinfo.fields()
     cpu = info.get("model name") or platform.processor()
     # "AMD EPYC" alone names several machines, whose figures differ severalfold (docs/bench.md)
     detail = {

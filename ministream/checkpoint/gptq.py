@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 from .. import MiniStreamError
+from ..cpuinfo import BF16, CPUINFO, has_any
 from ..paths import BUILD, CORPUS
 
 LLMCOMPRESSOR = "0.14.0.1"
@@ -64,7 +65,7 @@ def environment(log=print) -> Path:
     return python
 
 
-def load_dtype(folder: Path, cpuinfo: Path = Path("/proc/cpuinfo"), available: int | None = None) -> str:
+def load_dtype(folder: Path, cpuinfo: Path = CPUINFO, available: int | None = None) -> str:
     """The dtype GPTQ's worker loads the folder's model in: its own ("auto") where the CPU multiplies bfloat16
     natively (AVX512-BF16, AMX) or where a float32 copy would not fit beside the calibration; float32 elsewhere, as
     it always loaded: on a CPU without them torch's bfloat16 products run at a fraction of float32's (bench-kernels:
@@ -73,9 +74,7 @@ def load_dtype(folder: Path, cpuinfo: Path = Path("/proc/cpuinfo"), available: i
 
     config = json.loads((folder / "config.json").read_text())
     own = config.get("dtype") or config.get("torch_dtype") or "float32"
-    lines = cpuinfo.read_text().splitlines() if cpuinfo.is_file() else []
-    flags = next((set(ln.split(":", 1)[1].split()) for ln in lines if ln.startswith("flags")), set())
-    if own == "float32" or {"avx512_bf16", "amx_bf16"} & flags:
+    if own == "float32" or has_any(BF16, cpuinfo):
         return "auto"
     weights = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
     free = psutil.virtual_memory().available if available is None else available

@@ -32,6 +32,7 @@ import zipfile
 from pathlib import Path, PurePosixPath
 
 from .. import MiniStreamError
+from ..cpuinfo import VNNI
 from ..paths import CPU_LINES
 from .release import cpu_lines, device_release
 
@@ -117,7 +118,7 @@ def _ministream_int8_pairs_saturate() -> bool:
             flags = next((set(line.split()) for line in f if line.startswith("flags")), set())
     except OSError:
         return False
-    return not flags & {"avx512_vnni", "avx_vnni", "amx_int8"}
+    return not flags & {%s}
 
 
 _MINISTREAM_INT8_SPLIT = _ministream_int8_pairs_saturate()
@@ -169,7 +170,7 @@ def _ministream_onednn_scaled_mm(
     low = torch.empty_like(output)
     ops.onednn_scaled_mm(handler.low, x, low, input_scale, None, None, None)
     return output.add_(low)
-''' % (INT8_ENV.encode(), INT8_ENV.encode())
+''' % (INT8_ENV.encode(), INT8_ENV.encode(), ", ".join(f'"{f}"' for f in VNNI).encode())
 
 
 def int8_fix(source: bytes) -> bytes | None:

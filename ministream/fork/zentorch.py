@@ -12,6 +12,8 @@ import json
 import subprocess
 from pathlib import Path
 
+from ..cpuinfo import CPUINFO, fields
+
 # torch release -> the zentorch release built against it (zentorch numbers itself after torch); tried here.
 # PyPI also has 2.11.0.x, 2.12.x and 2.14.0.x, untried: the lines on torch 2.10/2.11 (0.18.1-0.26.0) run
 # PyPI's CUDA torch builds, not the +cpu build zentorch is made against
@@ -35,10 +37,10 @@ print(json.dumps({"torch": torch, "zen_platform": os.path.isfile(os.path.join(pl
 """
 
 
-def zen_cpu(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
+def zen_cpu(cpuinfo: Path = CPUINFO) -> bool:
     """vLLM's own test (platforms/__init__.py, _is_amd_zen_cpu): an AMD CPU with AVX-512."""
-    text = cpuinfo.read_text() if cpuinfo.is_file() else ""
-    return "AuthenticAMD" in text and "avx512" in text
+    info = fields(cpuinfo)
+    return info.get("vendor_id") == "AuthenticAMD" and "avx512" in info.get("flags", "")
 
 
 def plan(python: str) -> tuple[str | None, str]:

