@@ -720,19 +720,19 @@ CASES: dict[str, list[Case]] = {
                 (
                     "ministream.bench.scale:scale_command",
                     dict(out=P("build/bench-scale"), sizes=["reference", "1.2b"], quick=False, force=False)
-                    | dict(report_only=False, keep=False, new_tokens=None, repeats=None),
+                    | dict(report_only=False, keep=False, new_tokens=None, repeats=None, tools=None),
                 )
             ],
             rc=STATUS,
         ),
         Case(
             ["--out", "o", "--sizes", "1.2b,7b", "--quick", "--force", "--keep"]
-            + ["--new-tokens", "16", "--repeats", "2"],
+            + ["--new-tokens", "16", "--repeats", "2", "--tools", "quantize,fingerprint"],
             [
                 (
                     "ministream.bench.scale:scale_command",
                     dict(out=P("o"), sizes=["1.2b", "7b"], quick=True, force=True, report_only=False, keep=True)
-                    | dict(new_tokens=16, repeats=2),
+                    | dict(new_tokens=16, repeats=2, tools=["quantize", "fingerprint"]),
                 )
             ],
             rc=STATUS,
@@ -743,7 +743,7 @@ CASES: dict[str, list[Case]] = {
                 (
                     "ministream.bench.scale:scale_command",
                     dict(out=P("build/bench-scale"), sizes=["reference", "1.2b"], quick=False, force=False)
-                    | dict(report_only=True, keep=False, new_tokens=None, repeats=None),
+                    | dict(report_only=True, keep=False, new_tokens=None, repeats=None, tools=None),
                 )
             ],
             rc=STATUS,

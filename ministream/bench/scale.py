@@ -87,6 +87,8 @@ TOOLS: list[tuple[str, str, list[str]]] = [
     ("verify --raw", "weights", ["verify", "{hf}", "--raw", "{raw}", "--out", "{work}/verify"]),
     ("fingerprint", "weights", ["fingerprint", "{hf}"]),
 ]
+# --tools names them by their first word; convert always runs (every other tool and engine reads its folder)
+TOOL_NAMES = tuple(dict.fromkeys(name.split()[0] for name, _, _ in TOOLS))[1:]
 # the engines at each width: vLLM on the folder of the width (the quantize tool's for w8a8), llama.cpp on its GGUF
 SYSTEMS = ("vllm", "llamacpp")
 
@@ -224,7 +226,7 @@ def run_tool(name: str, holds: str, command: list[str], sizes: dict) -> dict:
 def engine_rows(hf: Path, settings: dict, logs: Path, vocab: int, kv_gib: int) -> Iterator[dict]:
     """vLLM and llama.cpp at each width: start, first token, decode tok/s at each batch (run_worker, its log under
     LOGS/logs), or why not."""
-    for name in settings["widths"]:
+    for name in map(widths.runnable, settings["widths"]):  # the int8 width this machine's vLLM runs
         w = widths.width(name)
         folder = hf if w.scheme is None else hf.parent / f"{hf.name}-{w.scheme}"
         base = {k: settings[k] for k in ("batches", "new_tokens", "prompt_len", "repeats")}
@@ -232,7 +234,7 @@ def engine_rows(hf: Path, settings: dict, logs: Path, vocab: int, kv_gib: int) -
         for system in SYSTEMS:
             row: dict[str, Any] = {"system": system, "width": name}
             why = widths.refusal(name) if system == "vllm" else None
-            why = why or (None if folder.is_dir() else f"no folder {folder}: its quantize row failed")
+            why = why or (None if folder.is_dir() else f"no folder {folder}: its quantize row failed or did not run")
             why = why or would_not_fit(folder, w.dtype, kv_gib)
             if why:
                 yield {**row, "error": why}
@@ -307,6 +309,8 @@ def measure_size(size: str, out: Path, settings: dict, keep: bool = False) -> di
         result["checkpoint"]["model_pt_bytes"] = (raw / "model.pt").stat().st_size
         places = {"raw": raw, "hf": hf, "work": work}
         for name, holds, args in TOOLS:
+            if name != "convert" and name.split()[0] not in settings.get("tools", TOOL_NAMES):
+                continue
             sizes = {"weights": result["weights_bytes"]}
             row = run_tool(name, holds, tool_command(args, places), sizes)
             if holds == "written" and "error" not in row:  # the ratio to the file it wrote
@@ -359,15 +363,23 @@ def scale_command(
     force: bool = False,
     report_only: bool = False,
     keep: bool = False,
+    tools: list[str] | None = None,
     **overrides,
 ) -> int:
     """Measure each size not yet measured in OUT (or every size, --force), then write OUT/scale.md from all of
-    OUT's results. Exit 1 where a tool or engine failed (its row says why), 0 where every row has figures."""
+    OUT's results. Exit 1 where a tool or engine failed (its row says why), 0 where every row has figures.
+    tools: the tools after convert to run (TOOL_NAMES, all by default); a size's result records them."""
     sizes = sizes or ["reference", "1.2b"]
     unknown = [s for s in sizes if s not in SIZES]
     if unknown:
         raise MiniStreamError(f"--sizes {','.join(unknown)}: unknown size; choose from {', '.join(SIZES)}")
+    unknown = [t for t in tools or () if t not in TOOL_NAMES]
+    if unknown:
+        raise MiniStreamError(
+            f"--tools {','.join(unknown)}: no such tool; choose from {', '.join(TOOL_NAMES)} (convert always runs)"
+        )
     settings = {**(QUICK if quick else FULL), **{k: v for k, v in overrides.items() if v is not None}}
+    settings["tools"] = list(TOOL_NAMES if tools is None else tools)
     out.mkdir(parents=True, exist_ok=True)
     for size in [] if report_only else to_measure(out, sizes, force):
         measure_size(size, out, settings, keep)

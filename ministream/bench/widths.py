@@ -65,6 +65,17 @@ def refusal(name: str) -> str | None:
     return f"{e.text}; use {' or '.join(others)} here" if others else f"{e.text}; {e.fix}"
 
 
+def runnable(name: str) -> str:
+    """The width itself where this machine's vLLM runs it, else the first width of the same weights it runs (w8a8
+    on a CPU with AMX: w8a8-bf16, its int8 kernel taking 16-bit activations only); the width itself where none runs
+    (its row then says why)."""
+    w = width(name)
+    if _kernels_refuse(name) is None:
+        return name
+    same = [n for n, o in WIDTHS.items() if (o.scheme, o.method, o.head) == (w.scheme, w.method, w.head)]
+    return next((n for n in same if _kernels_refuse(n) is None), name)
+
+
 def _kernels_refuse(name: str):
     """check_dtype's FolderError for the width on this machine, None where it runs."""
     from ..run.folder import FolderError, check_dtype

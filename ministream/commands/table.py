@@ -895,8 +895,20 @@ COMMANDS: tuple[Command, ...] = (
             arg("--keep", action="store_true", help="keep each size's files (OUT/work-SIZE)"),
             arg("--new-tokens", type=int, help="new tokens per engine request (default: 128, --quick 32)"),
             arg("--repeats", type=int, help="engine runs per figure, the best kept (default: 3, --quick 1)"),
+            arg(
+                "--tools",
+                type=listed(str),
+                help=Ref(
+                    "bench.scale:TOOL_NAMES",
+                    lambda t: (
+                        "the tools to run after convert (default: all): "
+                        + ", ".join(t)
+                        + "; vLLM's w8a8 engine runs on quantize's folder"
+                    ),
+                ),
+            ),
         ),
-        (Call("bench.scale:scale_command", "out sizes quick force report_only=report keep new_tokens repeats"),),
+        (Call("bench.scale:scale_command", "out sizes quick force report_only=report keep new_tokens repeats tools"),),
     ),
     Command(
         "bench-kernels",
