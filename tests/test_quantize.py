@@ -178,7 +178,7 @@ def test_a_quantized_head_is_a_tensor_of_its_own_by_the_same_scheme_and_the_embe
 def test_the_reference_model_on_the_folders_stored_weights_computes_what_it_does_on_them_dequantized(
     scheme, head, tiny_gqa_hf, tmp_path
 ):
-    """read_folder(packed=True) keeps each quantized weight as the folder stores it (weights.Packed), dequantized
+    """read_folder(stream=True) keeps each quantized weight as the folder stores it (weights.Packed), dequantized
     while its product runs (fingerprint, verify's and generate's reference): the same logits, bit for bit, as the
     model on the dequantized state, in float32 and bfloat16, the quantized head's included."""
     from ministream.checkpoint.quantize import quantize
@@ -186,7 +186,7 @@ def test_the_reference_model_on_the_folders_stored_weights_computes_what_it_does
     from ministream.checkpoint.weights import Packed
 
     out = quantize(tiny_gqa_hf, tmp_path / scheme, scheme, log=lambda *a: None, head=head)
-    cfg, packed = read_folder(out, packed=True)
+    cfg, packed = read_folder(out, stream=True)
     _, state = read_folder(out)
     kept = {k for k, v in packed.items() if isinstance(v, Packed)}
     assert kept == {k for k in state if k.endswith(("Wqkv.weight", "out_proj.weight", "w12.weight", "w3.weight"))} | (

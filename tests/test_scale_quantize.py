@@ -73,7 +73,7 @@ peak = lambda: int(Path("/proc/self/status").read_text().split("VmHWM:")[1].spli
 base = peak()
 fingerprint.compute(Path(sys.argv[1]))
 grown = peak() - base
-cfg, state = weights.read_folder(Path(sys.argv[1]), packed=True)
+cfg, state = weights.read_folder(Path(sys.argv[1]), stream=True)
 dequantized = sum(4 * v.shape[0] * v.shape[-1] for v in state.values() if isinstance(v, weights.Packed))
 print(json.dumps({"grown": grown, "dequantized": dequantized}))
 """

@@ -86,7 +86,7 @@ def compute(folder: Path) -> dict:
 
     folder = Path(folder)
     config = json.loads((folder / "config.json").read_text())
-    cfg, state = read_folder(folder, packed=True)  # a quantized folder's linear weights dequantized as they run
+    cfg, state = read_folder(folder, stream=True)  # the linear weights read (and dequantized) as they run
     ids = prompt_ids(folder)
     if len(ids) + NEW_TOKENS > cfg.max_seq_len:
         raise ContextTooShort(

@@ -22,7 +22,7 @@ from torch import nn
 from ..spec import TrainConfig
 from .format import load
 from .lora import load_for, updates
-from .weights import Packed
+from .weights import OnDisk, Packed
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -72,10 +72,24 @@ def linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
 
 def weight(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
     # the weight in x's dtype for this product only (a no-op where it is stored so): the same values as a model
-    # cast whole up front, with one weight's copy alive at a time; a quantized one dequantized from the folder's
-    # bytes (weights.Packed, set by from_state)
-    packed = getattr(layer, "packed", None)
-    return (layer.weight if packed is None else packed.dequantize()).to(x.dtype)
+    # cast whole up front, with one weight's copy alive at a time; one kept with its folder (weights.Packed: the
+    # folder's bytes, dequantized; weights.OnDisk: read from its file; set by from_state) made now
+    kept = getattr(layer, "kept", None)
+    return (layer.weight if kept is None else kept.tensor()).to(x.dtype)
+
+
+HEAD_SLICE = 4096  # vocabulary rows of the head cast at a time
+
+
+def head_logits(x: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
+    """x @ head.T in float32 (B, T, V), the head cast to x's dtype a slice of the vocabulary at a time, whatever its
+    dtype, so that a streamed model and one cast whole compute alike: the head is the largest tensor, and its float32
+    copy at every step (twice a bfloat16 embedding's bytes) was the streamed reference model's largest allocation."""
+    logits = torch.empty((*x.shape[:-1], head.shape[0]), dtype=torch.float32)
+    for start in range(0, head.shape[0], HEAD_SLICE):
+        part = head[start : start + HEAD_SLICE].to(x.dtype)
+        logits[..., start : start + HEAD_SLICE] = x @ part.T
+    return logits
 
 
 def norm_weight(x: torch.Tensor, norm: "NormWeight") -> torch.Tensor:
@@ -174,18 +188,19 @@ class MiniStream(nn.Module):
     def from_state(cls, cfg: TrainConfig, state: dict, dtype: torch.dtype, stream: bool = False) -> "MiniStream":
         """The model on `state`'s tensors themselves (training names), computing in `dtype`. stream=False: the
         weights cast to `dtype` whole; stream=True: kept as they are (model.pt's stay mmap'd, read as they are
-        used), each cast while its layer runs: memory near the stored weights', the same outputs."""
+        used; a folder's linear weights in its files, read_folder's stream), each cast while its layer runs: the
+        same outputs, one weight's copy at a time."""
         with torch.device("meta"):  # no initial weights: the state's replace them (a float32 model's worth)
             model = cls(cfg)
-        packed = {k: v for k, v in state.items() if isinstance(v, Packed)}
-        if not stream:  # cast whole: a quantized weight dequantized once, here
-            state = {k: v.dequantize() if k in packed else v for k, v in state.items()}
-            packed = {}
-        # a packed weight's parameter is a shape on the meta device; its layer computes from the Packed (weight())
-        meta = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in packed.items()}
+        kept = {k: v for k, v in state.items() if isinstance(v, Packed | OnDisk)}
+        if not stream:  # cast whole: a weight kept with its folder read (and dequantized) once, here
+            state = {k: v.tensor() if k in kept else v for k, v in state.items()}
+            kept = {}
+        # a kept weight's parameter is a shape on the meta device; its layer computes from what keeps it (weight())
+        meta = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in kept.items()}
         model.load_state_dict({**state, **meta}, strict=True, assign=True)
-        for k, v in packed.items():
-            model.get_submodule(k.removesuffix(".weight")).packed = v  # type: ignore[assignment]  # not a Parameter
+        for k, v in kept.items():
+            model.get_submodule(k.removesuffix(".weight")).kept = v  # type: ignore[assignment]  # not a Parameter
         model.compute_dtype = dtype
         return model.eval() if stream else model.cast(dtype)
 
@@ -246,8 +261,9 @@ class MiniStream(nn.Module):
         if cache is not None:
             cache.length += T
         x = rmsnorm(x, norm_weight(x, self.norm_f), self.cfg.norm_eps)
-        head = self.embedding.weight.to(x.dtype) if self.lm_head is None else weight(x, self.lm_head)
-        return (x @ head.T).float()  # (B, T, V)
+        kept = None if self.lm_head is None else getattr(self.lm_head, "kept", None)
+        head = self.embedding.weight if self.lm_head is None else self.lm_head.weight if kept is None else kept.tensor()
+        return head_logits(x, head)  # (B, T, V)
 
     @torch.no_grad()
     def generate(

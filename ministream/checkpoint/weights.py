@@ -13,7 +13,16 @@ from typing import Any
 import torch
 
 from .. import MiniStreamError
-from ..spec import DTYPES, SAFETENSORS_CODES, TrainConfig, check_state, hf_shapes, table, train_config_from_hf
+from ..spec import (
+    DTYPES,
+    EMBEDDING,
+    SAFETENSORS_CODES,
+    TrainConfig,
+    check_state,
+    hf_shapes,
+    table,
+    train_config_from_hf,
+)
 from .cast import check_cast
 from .folder import checked
 from .format import read_json
@@ -25,19 +34,20 @@ from .scheme import CODE_DTYPES, decompress, is_quantized, read_scheme, stored
 CODE_TORCH = {code: name for name, code in DTYPES.items()} | CODE_DTYPES
 
 
-def read_folder(folder: str | Path, packed: bool = False) -> tuple[TrainConfig, dict]:
+def read_folder(folder: str | Path, stream: bool = False) -> tuple[TrainConfig, dict]:
     """Read a converted folder back into the train config and training-named tensors; a quantized one's
     linear weights dequantized, as vLLM computes with them. One training tensor at a time (FolderTensors): the
     peak is the state it returns and one tensor's parts, where reading every file whole, dequantizing every
     weight and then concatenating held three copies (9.8 GB for a 1.2B w8a8 folder's fingerprint, issue 56).
-    packed: a quantized weight stays as the folder stores it (Packed), dequantized only when its layer runs
-    (MiniStream.from_state): memory near the folder's bytes, not a float32 copy of every weight."""
+    stream: the linear weights stay with the folder, each read when its layer runs (MiniStream.from_state): a
+    quantized one as the folder stores it (Packed: the folder's bytes, not a float32 copy), a float one in its
+    file (OnDisk: one weight at a time). The embedding and the norms are read."""
     folder = Path(folder)
     checked(folder)  # the one folder check: the reference model and the perplexities read what the server runs
     config = read_json(folder / "config.json")
     cfg = train_config_from_hf(config, f"{folder / 'config.json'}")
     tensors = FolderTensors(folder, cfg, config)
-    state = {row.raw: Packed(tensors, row) if packed and tensors.packs(row) else tensors.raw(row) for row in table(cfg)}
+    state = {row.raw: _kept(tensors, row) if stream else tensors.raw(row) for row in table(cfg)}
     check_state(state, cfg, str(folder))
     return cfg, state
 
@@ -123,6 +133,13 @@ class FolderTensors:
         return joined(row, [self[h] for h in row.hf])
 
 
+def _kept(tensors: "FolderTensors", row) -> "torch.Tensor | Packed | OnDisk":
+    """A row's tensor as a streaming reference model keeps it (read_folder's stream)."""
+    if tensors.packs(row):
+        return Packed(tensors, row)
+    return OnDisk(tensors, row) if len(row.shape) == 2 and row.raw != EMBEDDING else tensors.raw(row)
+
+
 def joined(row, parts: list[torch.Tensor]) -> torch.Tensor:
     """A spec.table row's training tensor from its HF weights, in its order (fused rows: concatenated)."""
     return torch.cat(parts, dim=0) if row.split else parts[0]
@@ -140,8 +157,24 @@ class Packed:
         # what dequantize returns: compressed-tensors dequantizes in the scales' dtype (float32, scheme.stored)
         self.dtype = self.stored[row.hf[0]]["weight_scale"].dtype
 
-    def dequantize(self) -> torch.Tensor:
+    def tensor(self) -> torch.Tensor:
+        """The weight as vLLM computes with it: dequantized."""
         return joined(self.row, [self.tensors.unpack(h, stored) for h, stored in self.stored.items()])
+
+
+class OnDisk:
+    """A float linear weight left in its folder's file, read (FolderTensors' plain reads, no map that would stay
+    resident) each time its layer runs: a streaming reference model on a folder holds one such weight at a time
+    beside the embedding and the norms, where holding the state was the folder's bytes again (convert's and
+    fingerprint's peak at 1.2B, issue 56). A step reads the folder from the page cache once."""
+
+    def __init__(self, tensors: FolderTensors, row):
+        self.tensors, self.row = tensors, row
+        self.shape = row.shape
+        self.dtype = getattr(torch, CODE_TORCH[tensors.code(row.hf[0])])
+
+    def tensor(self) -> torch.Tensor:
+        return self.tensors.raw(self.row)
 
 
 def write_safetensors(

@@ -59,7 +59,7 @@ def load_reference(source: Path, dtype: str, stream: bool = False):
 
     source = Path(source)
     if (source / "config.json").is_file() and not is_training_checkpoint(source):  # a sharded one has config.json
-        cfg, state = read_folder(source, packed=stream)  # streamed: a quantized weight dequantized as it runs
+        cfg, state = read_folder(source, stream=stream)  # streamed: each linear weight read as its layer runs
         return MiniStream.from_state(cfg, state, TORCH_DTYPES[dtype], stream)
     return MiniStream.from_checkpoint(source, TORCH_DTYPES[dtype], stream=stream)
 
