@@ -114,9 +114,13 @@ def test_gptq_holds_a_bfloat16_model_in_bfloat16_where_float32_would_not_fit(lar
     weights = (large / "model.safetensors").stat().st_size
     assert cal["dtype"] == "bfloat16", cal
     grown = cal["peak_rss"] - cal["peak_rss_imported"]
-    # measured here (269 MB of bfloat16 weights, 2 windows): 622 MB grown in 113 s; loaded in float32 (what fits,
-    # load_dtype's own choice here) 983 MB in 51 s: the bound holds the first and not the second
-    assert grown < 2.5 * weights, (cal, weights)
+    # the load itself holds no float32 copy: measured on a Xeon with AMX, 26 MB in bfloat16 (the mapped files as
+    # they are touched), 829 MB in float32
+    assert cal["peak_rss_loaded"] - cal["peak_rss_imported"] < weights, (cal, weights)
+    # and the whole run's peak (269 MB of bfloat16 weights, 2 windows): on the AVX2 EPYC 622 MB in bfloat16 (113 s),
+    # 983 MB in float32 (51 s); on the Xeon 805 MB (32 s) and 948 MB (35 s): the bound holds both bfloat16 runs and
+    # neither float32 one
+    assert grown < 3.25 * weights, (cal, weights)
 
 
 def test_gptq_loads_float32_unless_it_would_not_fit_or_the_cpu_multiplies_bfloat16(tmp_path):
