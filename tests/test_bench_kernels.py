@@ -52,3 +52,19 @@ def test_an_unknown_size_or_width_is_refused_before_anything_runs(tmp_path):
     with pytest.raises(MiniStreamError, match="--widths int3"):
         kernels.bench_kernels(tmp_path, "1.2b", ["int3"])
     assert not list(tmp_path.iterdir())
+
+
+def test_the_table_says_where_vllm_runs_int8_through_another_kernel_than_the_one_timed():
+    from ministream.run.kernels import installed_vllm_dir, int8_needs_16_bits
+
+    amx = int8_needs_16_bits(installed_vllm_dir())  # vLLM's AMX int8 kernel, not oneDNN's, runs w8a8 here
+    assert bool(kernels.notes(["w8a8"])) == amx and kernels.notes(["bfloat16", "float32"]) == []
+    result = {
+        "size": "1.2b",
+        "machine": {"cpu": "a CPU", "cores": 2, "memory_gib": 24},
+        "read_bandwidth": {"gb_per_s": 20.0, "threads": 2},
+        "steps": [],
+        "rows": [],
+        "notes": ["w8a8: planted note"],
+    }
+    assert "\nw8a8: planted note\n" in kernels.table(result)
