@@ -154,7 +154,7 @@ class Packed:
         self.tensors, self.row = tensors, row
         self.stored = {h: tensors.stored(h) for h in row.hf}
         self.shape = row.shape
-        # what dequantize returns: compressed-tensors dequantizes in the scales' dtype (float32, scheme.stored)
+        # what tensor() returns: compressed-tensors dequantizes in the scales' dtype (float32, scheme.stored)
         self.dtype = self.stored[row.hf[0]]["weight_scale"].dtype
 
     def tensor(self) -> torch.Tensor:
