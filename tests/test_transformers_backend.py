@@ -28,6 +28,7 @@ from ministream.checkpoint.reference import rmsnorm
 from ministream.checks import environments
 from ministream.fork.release import cpu_lines, release_files, release_wheel, wheel_names
 from ministream.run.generate import DEFAULT_PROMPTS, detokenize, load_reference, reference_generate, tokenize
+from ministream.run.kernels import installed_vllm_dir, int8_needs_16_bits
 from ministream.run.server import call, free_port, start as start_process, stop, wait_ready
 from ministream.run.verify import STEP_TOKENS, builtin_prompts, compare, make_golden
 
@@ -312,6 +313,10 @@ def test_what_the_transformers_backend_runs_of_the_native_models_features(
     env = plugin_env_vars(HF_HUB_OFFLINE="1", **({"VLLM_CPU_OMP_THREADS_BIND": "0|1"} if feature == "pp2" else {}))
     answer, log = run_backend(stock_python, req | {"llm": {"dtype": dtype, **llm}}, tmp_path / "run", env)
     outcome = FEATURES[feature]
+    if feature == "w8a8" and int8_needs_16_bits(installed_vllm_dir()):
+        # vLLM's AMX int8 kernel (int8_scaled_mm_with_quant) takes 2-D activations; LLaMA's modules in the backend
+        # pass 3-D ones (batch, tokens, hidden), and the native model 2-D: measured on a Xeon with AMX
+        outcome = "mat1 must be a 2D tensor"
     print(f"{feature}: {answer.get('error') or 'ran'}")
     if outcome != "works":
         assert outcome in log + answer.get("error", ""), (answer, log[-6000:])
