@@ -59,9 +59,7 @@ def refusal(name: str) -> str | None:
     e = _kernels_refuse(name)
     if e is None:
         return None
-    w = width(name)
-    same = [n for n, o in WIDTHS.items() if (o.scheme, o.method, o.head) == (w.scheme, w.method, w.head)]
-    others = [n for n in same if n != name and _kernels_refuse(n) is None]
+    others = _runnable_twins(name)
     return f"{e.text}; use {' or '.join(others)} here" if others else f"{e.text}; {e.fix}"
 
 
@@ -69,11 +67,16 @@ def runnable(name: str) -> str:
     """The width itself where this machine's vLLM runs it, else the first width of the same weights it runs (w8a8
     on a CPU with AMX: w8a8-bf16, its int8 kernel taking 16-bit activations only); the width itself where none runs
     (its row then says why)."""
-    w = width(name)
     if _kernels_refuse(name) is None:
         return name
+    return next(iter(_runnable_twins(name)), name)
+
+
+def _runnable_twins(name: str) -> list[str]:
+    """The other widths of the same weights (scheme, method, head) that this machine's vLLM runs."""
+    w = width(name)
     same = [n for n, o in WIDTHS.items() if (o.scheme, o.method, o.head) == (w.scheme, w.method, w.head)]
-    return next((n for n in same if _kernels_refuse(n) is None), name)
+    return [n for n in same if n != name and _kernels_refuse(n) is None]
 
 
 def _kernels_refuse(name: str):

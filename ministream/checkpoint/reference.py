@@ -74,8 +74,13 @@ def weight(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
     # the weight in x's dtype for this product only (a no-op where it is stored so): the same values as a model
     # cast whole up front, with one weight's copy alive at a time; one kept with its folder (weights.Packed: the
     # folder's bytes, dequantized; weights.OnDisk: read from its file; set by from_state) made now
+    return stored_weight(layer).to(x.dtype)
+
+
+def stored_weight(layer: nn.Linear) -> torch.Tensor:
+    """The layer's weight as stored: its parameter, or made now from what keeps it with its folder."""
     kept = getattr(layer, "kept", None)
-    return (layer.weight if kept is None else kept.tensor()).to(x.dtype)
+    return layer.weight if kept is None else kept.tensor()
 
 
 HEAD_SLICE = 4096  # vocabulary rows of the head cast at a time
@@ -261,8 +266,7 @@ class MiniStream(nn.Module):
         if cache is not None:
             cache.length += T
         x = rmsnorm(x, norm_weight(x, self.norm_f), self.cfg.norm_eps)
-        kept = None if self.lm_head is None else getattr(self.lm_head, "kept", None)
-        head = self.embedding.weight if self.lm_head is None else self.lm_head.weight if kept is None else kept.tensor()
+        head = self.embedding.weight if self.lm_head is None else stored_weight(self.lm_head)
         return head_logits(x, head)  # (B, T, V)
 
     @torch.no_grad()

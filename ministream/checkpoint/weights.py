@@ -95,6 +95,10 @@ class FolderTensors:
         """The safetensors dtype code the folder stores tensor `name` in."""
         return self.where[name].dtype
 
+    def dtype(self, name: str) -> torch.dtype:
+        """The torch dtype the folder stores tensor `name` in."""
+        return getattr(torch, CODE_TORCH[self.code(name)])
+
     def read(self, name: str) -> torch.Tensor:
         """The folder's tensor `name` as it is stored."""
         t = self.where[name]
@@ -104,7 +108,7 @@ class FolderTensors:
             f.seek(t.start)
             if f.readinto(buf.numpy().data) != size:
                 raise MiniStreamError(f"{t.file}: cut short inside {name}: convert the folder again")
-        return buf.view(getattr(torch, CODE_TORCH[t.dtype])).reshape(t.shape)
+        return buf.view(self.dtype(name)).reshape(t.shape)
 
     def stored(self, name: str) -> dict[str, torch.Tensor]:
         """The tensors that stand for HF weight `name`, as the folder stores them, by their local names."""
@@ -171,7 +175,7 @@ class OnDisk:
     def __init__(self, tensors: FolderTensors, row):
         self.tensors, self.row = tensors, row
         self.shape = row.shape
-        self.dtype = getattr(torch, CODE_TORCH[tensors.code(row.hf[0])])
+        self.dtype = tensors.dtype(row.hf[0])
 
     def tensor(self) -> torch.Tensor:
         return self.tensors.raw(self.row)
