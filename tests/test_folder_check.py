@@ -19,10 +19,12 @@ from safetensors.torch import load_file, save_file
 from walk import walk, walk_doctor
 
 from ministream import MiniStreamError
+from ministream.checkpoint.folder import checked
+from ministream.checkpoint.headers import read_headers
 from ministream.checkpoint.quantize import quantize
 from ministream.run.doctor import doctor
 from ministream.run.engine import EngineSettings
-from ministream.run.folder import check_servable
+from ministream.run.folder import check_memory, check_servable
 
 from conftest import fuzz_settings, made_once, quiet
 
@@ -214,6 +216,32 @@ def test_doctor_reads_config_json_its_train_config_and_a_quantized_folders_schem
     assert seen.config_reads == 1 and seen.calls["read_config"] == 1, seen
     assert seen.calls["train_config_from_hf"] == 1, seen
     assert seen.calls["read_scheme"] == 1 and not seen.calls["scheme_name"], seen
+
+
+def test_an_engine_that_could_not_fit_the_memory_is_refused_naming_the_folder_and_what_to_do(tiny_hf, tiny_w8a8):
+    """check_memory (check_servable's, before any engine starts): the weights in the dtype the engine computes in
+    (a float tensor at that dtype's size, a packed int8 one as stored) and each rank's KV cache, against the memory
+    available; refused by one byte short, with the smaller ways named: bfloat16 where it asked float32, quantize
+    where the folder is not quantized."""
+    kv = {"VLLM_CPU_KVCACHE_SPACE": "1"}
+    for folder, quantized in ((tiny_hf, False), (tiny_w8a8, True)):
+        stored = read_headers(folder)
+        parameters = {name: torch.Size(t.shape).numel() for name, t in stored.items()}
+        ints = {name for name, t in stored.items() if t.dtype == "I8"}
+        assert bool(ints) == quantized
+        f32 = sum(n * (1 if name in ints else 4) for name, n in parameters.items())  # the packed ones are I8
+        seen = checked(folder).folder
+        assert seen.held_bytes("float32") == f32
+        assert seen.held_bytes("bfloat16") == f32 - sum(2 * n for name, n in parameters.items() if name not in ints)
+        need = f32 + 2 * 2**30  # two ranks' KV caches of 1 GiB each
+        check_memory(seen, "float32", ranks=2, environ=kv, available=need)
+        with pytest.raises(MiniStreamError) as refused:
+            check_memory(seen, "float32", ranks=2, environ=kv, available=need - 1)
+        said = str(refused.value)
+        assert str(folder) in said and "float32" in said and "could not start" in said, said
+        assert "--dtype bfloat16" in said and ("ministream quantize" in said) != quantized, said
+        # half of the weights on another node: this node's share
+        check_memory(seen, "float32", share=0.5, environ=kv, available=f32 // 2 + 2**30)
 
 
 # --- the property: doctor has an error exactly when serve's check refuses ----------------------------------

@@ -298,6 +298,8 @@ FAULTS = {  # fault: what the one-line error must hold
     "config_not_json": "config.json cannot be read",
     "config_wrong_type": "hidden_size='128': must be a number, not str",
     "no_tokenizer": "tokenizer.json: no such file",
+    # a KV cache no machine has: the engine could not start (run/folder.check_memory)
+    "kv_beyond_the_memory": "the engine could not start",
 }
 COMMANDS = ["serve", "generate", "verify"]
 
@@ -309,6 +311,8 @@ def test_command_refuses_in_one_line_before_vllm_starts(cli, tiny_hf, tree, tmp_
         if command == "verify":
             pytest.skip("verify has no --tp: it runs one rank")
         model, extra = tiny_hf, ["--tp", len(os.sched_getaffinity(0)) + 1]
+    elif fault == "kv_beyond_the_memory":
+        model, extra = tiny_hf, []
     else:
         model, extra = broken_copy(tiny_hf, tmp_path, fault), []
     extra += {
@@ -317,7 +321,8 @@ def test_command_refuses_in_one_line_before_vllm_starts(cli, tiny_hf, tree, tmp_
         "verify": ["--out", tmp_path / "verify"],
     }[command]
     before = tree(model)
-    r = cli(command, model, *extra, timeout=300)
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(2**20)} if fault == "kv_beyond_the_memory" else None
+    r = cli(command, model, *extra, env=env, timeout=300)
     assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and FAULTS[fault] in lines[0], r.stderr

@@ -9,6 +9,7 @@ checkpoint floor so that the writers there (quantize, gguf, lora) run the same c
 """
 
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,7 +17,7 @@ from pathlib import Path
 from .. import MiniStreamError, spec
 from .config_json import ConfigJson, config_findings, read_config, read_config_json
 from .findings import Finding, FolderError
-from .headers import Tensor, read_headers
+from .headers import ITEM_SIZE, Tensor, read_headers
 from .scheme import Quantization, stored_weights
 from .tokenizer import check_chat_template as check_chat_template_text
 
@@ -34,6 +35,9 @@ class Folder:
     tensors: dict[str, Tensor]
     tokenizer_size: int | None  # tokens in tokenizer.json, added ones included; None without the file
     _loaded: dict = field(default_factory=dict, repr=False)
+    # the tensors as the files store them: a quantized folder's packed weights and scales, which `tensors` shows
+    # as one tensor of each weight's own shape (quantized_view); None: the same as `tensors`
+    stored: dict[str, Tensor] | None = field(default=None, repr=False)
 
     @property
     def parameters(self) -> int:
@@ -44,6 +48,16 @@ class Folder:
                 n *= s
             total += n
         return total
+
+    def held_bytes(self, dtype: str) -> int:
+        """The bytes an engine computing in `dtype` holds of the folder's weights: each float tensor at the dtype's
+        size, each integer one (packed quantized weights) as stored."""
+        size = ITEM_SIZE[spec.DTYPES[dtype]]
+        floats = set(spec.DTYPES.values())
+        return sum(
+            math.prod(t.shape) * (size if t.dtype in floats else ITEM_SIZE[t.dtype])
+            for t in (self.stored or self.tensors).values()
+        )
 
     def load(self, name: str):
         """One tensor's values (the only place this module reads weights)."""
@@ -86,7 +100,7 @@ def examine(folder: Path) -> Examined:
     folder = Path(folder)
     config = read_config_json(folder)
     cfg, found = config_findings(config)  # findings, never a FolderError: the headers' come first all the same
-    tensors = read_headers(folder)
+    tensors = stored = read_headers(folder)
     if not tensors:
         raise FolderError("weights", f"no *.safetensors in {folder}", "convert again (make convert)")
     want = _shapes(cfg, config.values)
@@ -94,7 +108,7 @@ def examine(folder: Path) -> Examined:
         tensors, quantized = quantized_view(config.quantization, want, tensors)
         found += quantized
     size, tok = tokenizer_findings(folder)
-    f = Folder(folder, config.values, tensors, size)
+    f = Folder(folder, config.values, tensors, size, stored=stored)
     if cfg is not None and want is not None:  # the tensors are compared with settings only when config.json holds them
         found.append(check_head_dim(cfg, tensors))
         found.append(check_head(f, config.quantization))

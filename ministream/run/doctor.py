@@ -313,7 +313,7 @@ def check_memory(folder: Folder, cfg: TrainConfig, settings: EngineSettings, mem
         )
         dtype = "bfloat16"
     size = TORCH_DTYPES[dtype].itemsize
-    weights = folder.parameters * size
+    weights = folder.held_bytes(str(dtype))
     per_token = kv_bytes_per_token(cfg, size)
     length = settings.max_model_len or cfg.max_seq_len
     gpu = _gpu_memory()
@@ -377,7 +377,7 @@ def check_settings(settings: EngineSettings, memory_gib: float | None) -> None:
 
 
 def _gpu_memory() -> int | None:
-    if not os.path.exists("/dev/nvidiactl"):
+    if not engine.gpu_visible():
         return None
     import torch
 

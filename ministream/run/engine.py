@@ -140,6 +140,15 @@ def has_gpu() -> bool:
     return torch.cuda.is_available()
 
 
+GPU_DEVICES = ("/dev/nvidiactl", "/dev/kfd")  # NVIDIA's and AMD's driver devices
+
+
+def gpu_visible() -> bool:
+    """Whether a GPU's driver device is here: has_gpu's question without importing torch, for the checks that
+    run before a command needs torch."""
+    return any(os.path.exists(p) for p in GPU_DEVICES)
+
+
 def eager(asked: bool = False) -> bool:
     """Whether an engine runs eager (enforce_eager): only when asked (the hidden-state dump needs Python in
     forward; a user's --enforce-eager). Else compiled: CUDA graphs on a GPU; on the CPU vLLM's torch.compile
@@ -254,10 +263,11 @@ def engine_env(tp: int = 1, environ: dict | None = None) -> dict:
     return env
 
 
-def kv_cache_bytes(environ: dict | None = None) -> int:
-    """The CPU KV cache an engine started now gets: the user's VLLM_CPU_KVCACHE_SPACE, else ours."""
+def kv_cache_bytes(environ: dict | None = None, tp: int = 1) -> int:
+    """The CPU KV cache each rank of an engine of `tp` ranks started now gets: the user's VLLM_CPU_KVCACHE_SPACE,
+    else ours."""
     said = (os.environ if environ is None else environ).get(KV_CACHE)
-    return int(float(said) * GiB) if said else kv_cache_gib() * GiB
+    return int(float(said) * GiB) if said else kv_cache_gib(tp=tp) * GiB
 
 
 # --- the offline engine (LLM) ---------------------------------------------------------------

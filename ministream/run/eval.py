@@ -265,7 +265,10 @@ def evaluate(
         raise MiniStreamError(f"{folder}: no such folder; give a converted folder (make convert)")
     if include is not None and not Path(include).is_dir():
         raise MiniStreamError(f"--include-path {include}: no such folder; give the folder holding your task YAMLs")
-    config = checked(folder).folder.config if route == "transformers" else check_servable(folder, dtype)
+    # an engine's memory where one starts here (a server at --url has its own)
+    config = (
+        checked(folder).folder.config if route == "transformers" else check_servable(folder, dtype, memory=url is None)
+    )
     max_length = int(config["max_position_embeddings"])
     _lm_eval()
     tasks = tasks or list(OURS)

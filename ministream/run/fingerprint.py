@@ -162,7 +162,7 @@ def refresh(folder: Path, log=print) -> int:
     from .folder import check_servable
 
     folder = Path(folder)
-    check_servable(folder)  # what serve would refuse has no fingerprint to record
+    check_servable(folder, memory=False)  # what serve would refuse has no fingerprint to record (memory: no engine)
     started = time.monotonic()
     fp = fingerprint.compute(folder)
     if not all(math.isfinite(v) for step in fp["logprobs"] for v in step.values()):

@@ -9,8 +9,10 @@ import os
 from pathlib import Path
 
 from ..checkpoint.findings import Finding, FolderError
-from ..checkpoint.folder import checked
+from ..checkpoint.folder import Folder, checked
 from ..checkpoint.scheme import Quantization, needs_16_bits
+from ..spec import DTYPES
+from . import engine
 from .kernels import (
     CPU_INT4,
     CPU_INT4_W4A8,
@@ -30,6 +32,8 @@ from .kernels import (
     int8_needs_16_bits,
     reads_quantized_head,
 )
+
+GB = 1e9
 
 
 def quantized_head(q: Quantization | None, vllm_dir: Path | None) -> Finding | None:
@@ -131,25 +135,80 @@ def check_dtype(scheme: str | None, runs_in: str | None, what: str, vllm_dir: Pa
         )
 
 
+def runs_in(config: dict, dtype: str | None) -> str | None:
+    """The dtype an engine run with --dtype `dtype` computes the folder in: the asked one; None or auto: the
+    folder's own, except float16, held only when asked for (vLLM's auto takes bfloat16 where float16 cannot
+    run), which is None here, as is a folder that names none."""
+    own = config.get("dtype") or config.get("torch_dtype")
+    return dtype if dtype not in (None, "auto") else None if own == "float16" else own
+
+
 def runs(config: dict, q: Quantization | None, dtype: str | None, what: str, vllm_dir: Path | None = None) -> None:
     """check_dtype for a folder the check passed (config.json's values, and its scheme `q` as the check read it: one
-    of ours, or None) run with the engine's --dtype `dtype`; None or auto: the folder's own, except that float16 is
-    held only when asked for (vLLM's auto takes bfloat16 where float16 cannot run)."""
-    runs_in = dtype if dtype not in (None, "auto") else config.get("dtype") or config.get("torch_dtype")
-    if dtype in (None, "auto") and runs_in == "float16":
-        runs_in = None
-    check_dtype(q[0] if q else None, runs_in, what, vllm_dir)
+    of ours, or None) run with the engine's --dtype `dtype` (runs_in)."""
+    check_dtype(q[0] if q else None, runs_in(config, dtype), what, vllm_dir)
 
 
-def check_servable(folder: Path, dtype: str | None = None) -> dict:
+def check_memory(
+    folder: Folder,
+    dtype: str | None,
+    ranks: int = 1,
+    share: float = 1.0,
+    environ: dict | None = None,
+    available: int | None = None,
+) -> None:
+    """FolderError where an engine on the folder, computing in `dtype` (runs_in's; None: 16 bits), could not fit
+    this machine's memory now: the weights it holds in that dtype (Folder.held_bytes; `share` of them, where other
+    machines hold the rest) and the KV cache each of its `ranks` here allocates whole at start
+    (VLLM_CPU_KVCACHE_SPACE in `environ`, else ours), against the memory available (engine.memory_available, or
+    `available`). Both are what vLLM takes before its first step, its own runtime on top: a refusal here is an
+    engine that could not start, said before the minutes it would take to load and be killed. Not where a GPU
+    is: the weights go to its memory, which vLLM checks itself."""
+    if engine.gpu_visible():
+        return
+    dtype = dtype if dtype in DTYPES else "bfloat16"  # the least an engine of a 16-bit auto can hold
+    weights = int(folder.held_bytes(dtype) * share)
+    kv = engine.kv_cache_bytes(environ, ranks) * ranks
+    have = engine.memory_available() if available is None else available
+    if weights + kv <= have:
+        return
+    half = folder.held_bytes("bfloat16") * share
+    smaller = [f"in bfloat16 (--dtype bfloat16: {half / GB:.1f} GB; verify holds it to bfloat16's rule)"]
+    quantize = [] if "quantization_config" in folder.config else ["quantized (`ministream quantize`)"]
+    ways = [*(smaller if dtype == "float32" else []), *quantize]
+    kv_said = f"{kv / GB:.1f} GB of KV cache" + (f" ({ranks} ranks)" if ranks > 1 else "")
+    raise FolderError(
+        "memory",
+        f"{folder.path}: vLLM computing in {dtype} holds {weights / GB:.1f} GB of its weights and {kv_said} "
+        f"({engine.KV_CACHE}), {(weights + kv) / GB:.1f} GB, and {have / GB:.1f} GB of memory is available now: "
+        "the engine could not start",
+        "run it "
+        + ", or ".join([*ways, f"with a smaller {engine.KV_CACHE} (GiB)"])
+        + ", or on a machine with more memory",
+    )
+
+
+def check_servable(
+    folder: Path,
+    dtype: str | None = None,
+    ranks: int = 1,
+    share: float = 1.0,
+    environ: dict | None = None,
+    memory: bool = True,
+) -> dict:
     """What `serve`, `generate` and `verify` need of a folder before vLLM spends a minute starting: the one folder
-    check (checkpoint/folder.py) without an error, a vLLM that reads its quantized head where it has one, and a
-    dtype (the engine's --dtype, else config.json's) this machine's vLLM runs the folder's weights in
-    (runs). The config; FolderError naming the file and key otherwise (the first error). config.json and its
-    scheme are read once, by the check."""
-    config, vllm_dir = checked(folder).config, installed_vllm_dir()
+    check (checkpoint/folder.py) without an error, a vLLM that reads its quantized head where it has one, a
+    dtype (the engine's --dtype, else config.json's) this machine's vLLM runs the folder's weights in (runs),
+    and, unless `memory` is False (no engine starts here), the memory its engine takes at start (check_memory:
+    `ranks` here holding `share` of the weights, `environ` the engine's environment). The
+    config; FolderError naming the file and key otherwise (the first error). config.json and its scheme are read
+    once, by the check."""
+    seen, vllm_dir = checked(folder), installed_vllm_dir()
+    config = seen.config
     head = quantized_head(config.quantization, vllm_dir)
     if head is not None and head.level == "error":
         raise FolderError(head.topic, head.text, head.fix)
     runs(config.values, config.quantization, dtype, str(folder), vllm_dir)
+    if memory:
+        check_memory(seen.folder, runs_in(config.values, dtype), ranks, share, environ)
     return config.values

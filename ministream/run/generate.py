@@ -138,7 +138,8 @@ def generate(
     """`ministream generate`: the same prompt ids through the reference model and/or vLLM, printed side by
     side; engines is "both", "reference" or "vllm". Both run in settings.dtype."""
     dtype = settings.dtype or engine.OFFLINE_DTYPE  # the reference model has no "auto"
-    config = check_servable(model, dtype)  # before the reference model loads or vLLM starts (a minute)
+    # before the reference model loads or vLLM starts (a minute); its memory only where vLLM runs
+    config = check_servable(model, dtype, settings.tp, memory=engines != "reference")
     if engines in ("both", "vllm"):
         engine.check_tp(settings.tp)
     prompts = prompts or DEFAULT_PROMPTS

@@ -411,11 +411,6 @@ def serve(
     headless. api_key goes to vLLM through its environment (VLLM_API_KEY), never on a command line `ps` shows.
     loras: NAME=DIR, PEFT adapters served beside the model under their names. extra: vLLM's own options, or
     by where they were given ("the command line", "--vllm-args"), which a refusal names."""
-    # a folder vLLM can read in this dtype, and what this machine has, before minutes of start
-    config = check_servable(model, settings.dtype)
-    check_max_model_len(settings.max_model_len, config, model)
-    adapters = check_loras(loras, config, model, name or served_name(model))
-    held = fingerprint.for_serving(model)  # another folder's fingerprint is refused here, before vLLM starts
     if not stop_timeout > 0:  # NaN too
         raise MiniStreamError(f"--stop-timeout {stop_timeout}: give a number of seconds above 0 (default 30)")
     nnodes, tp, pp = cluster.nnodes if cluster else 1, settings.tp, settings.pp
@@ -426,6 +421,12 @@ def serve(
         )
     local = tp * pp // nnodes  # the ranks this node runs
     engine.check_tp(local)
+    # a folder vLLM can read in this dtype, and what this machine has (this node's share of the weights and its
+    # ranks' KV caches), before minutes of start
+    config = check_servable(model, settings.dtype, local, 1 / nnodes)
+    check_max_model_len(settings.max_model_len, config, model)
+    adapters = check_loras(loras, config, model, name or served_name(model))
+    held = fingerprint.for_serving(model)  # another folder's fingerprint is refused here, before vLLM starts
     if importlib.util.find_spec("vllm") is None:
         raise MiniStreamError(f"vllm is not installed in {sys.prefix}: run `make install` first") from None
     name = name or served_name(model)

@@ -764,7 +764,8 @@ def run_verify(
     threshold: float | None = None,
 ) -> int:
     """`ministream verify`: 0 if the rule for the dtype passes, else 1 (after the diagnosis)."""
-    check_servable(model, settings.dtype or OFFLINE_DTYPE)  # a folder to verify, before the reference model runs
+    # a folder to verify, and its engine's memory, before the reference model runs
+    check_servable(model, settings.dtype or OFFLINE_DTYPE, settings.tp)
     prompts, context = (read_prompts(prompts_file), None) if prompts_file else builtin_prompts(model, max_tokens)
     out = out or Path("out/verify") / Path(model).resolve().name
     # verify rewrites its files in `out` run after run (so a full one is fine) and empties out/dump:
