@@ -8,7 +8,9 @@ values column by column against the calibration set's activations. The calibrati
 the model's own kind: the training corpus by default. What it stores is the W4A16 layout round-to-nearest writes
 (int4 packed into int32, one scale per 128 inputs, no group index: actorder "static" keeps the columns in place),
 so quantize keeps its own tensors' names and shapes and config.json's quantization_config, which vLLM reads
-with its compressed-tensors release.
+with its compressed-tensors release. Layer by layer: the worker loads the model to disk (a scratch folder beside
+its output) and llm-compressor's sequential pipeline brings one layer at a time into memory, so its peak does not
+grow with the model's size; the quantized bytes are those of the model held whole.
 """
 
 import json
@@ -81,6 +83,11 @@ def load_dtype(folder: Path, cpuinfo: Path = CPUINFO, available: int | None = No
     return "float32" if 2 * weights * 1.5 + 2**30 < free else "auto"  # float32: twice a 16-bit folder's bytes
 
 
+def offload_folder(out: Path) -> Path:
+    """Where the worker puts the model it calibrates a layer at a time: beside `out`, removed with it."""
+    return out.with_suffix(".offload")
+
+
 def _step(command: list[str]) -> subprocess.CompletedProcess:
     return subprocess.run(command, capture_output=True, text=True)
 
@@ -99,6 +106,7 @@ def run(
         "seq_len": seq_len,
         "scheme": PRESETS[scheme],
         "dtype": load_dtype(twin),
+        "offload": str(offload_folder(out).resolve()),  # layer by layer (gptq_worker.py)
     }
     spec_file, log_file = out.with_suffix(".json"), out.with_suffix(".log")
     spec_file.write_text(json.dumps(spec))

@@ -3,9 +3,11 @@
     python gptq_worker.py SPEC.json
 
 SPEC: model (a folder transformers loads: the LLaMA-named twin of a converted folder), out, text, samples,
-seq_len, scheme (a compressed-tensors preset). The calibration set is the text's tokens cut into `samples`
-windows of `seq_len`, consecutive from the start. Imports only the standard library at module level: the
-package's fresh-import test runs it where llm-compressor is absent.
+seq_len, scheme (a compressed-tensors preset), dtype, offload (a scratch folder). The calibration set is the
+text's tokens cut into `samples` windows of `seq_len`, consecutive from the start. The model is loaded to disk
+(compressed-tensors' offload, into `offload`), and llm-compressor's sequential pipeline brings one layer at a
+time into memory to calibrate and quantize it: the process never holds the model, whatever its size. Imports only
+the standard library at module level: the package's fresh-import test runs it where llm-compressor is absent.
 """
 
 import json
@@ -37,16 +39,26 @@ def main(spec_file: str) -> int:
     data = Dataset.from_dict({"input_ids": windows, "attention_mask": [[1] * seq for _ in windows]})
     # float32, or the folder's own ("auto") where float32 would not fit or the CPU multiplies bfloat16 natively
     # (gptq.load_dtype); GPTQ's own arithmetic, the Hessians and the rounding, is float32 whatever it is
-    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=spec.get("dtype", "float32"))
+    load = dict(dtype=spec.get("dtype", "float32"))
+    if spec.get("offload"):  # every tensor to disk: no memory is given to the model itself
+        from compressed_tensors.offload import load_offloaded_model
+
+        load |= dict(device_map="auto_offload", max_memory={"cpu": 1}, offload_folder=spec["offload"])
+        with load_offloaded_model():
+            model = AutoModelForCausalLM.from_pretrained(spec["model"], **load)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(spec["model"], **load)
     loaded = peak()
     t = time.perf_counter()
     recipe = GPTQModifier(targets="Linear", scheme=spec["scheme"], ignore=["lm_head"])
     oneshot(model=model, dataset=data, recipe=recipe, max_seq_length=seq, num_calibration_samples=len(windows))
+    calibrated = peak()
     model.save_pretrained(spec["out"], save_compressed=True)
     done = {"samples": len(windows), "seq_len": seq, "text_tokens": len(ids), "seconds": time.perf_counter() - t}
-    # the peak resident memory after the imports, with the model loaded, and at the end (bytes)
-    done |= {"dtype": str(model.dtype).removeprefix("torch.")}
-    done |= {"peak_rss_imported": imported, "peak_rss_loaded": loaded, "peak_rss": peak()}
+    # the peak resident memory after the imports, with the model loaded, calibrated, and at the end (bytes)
+    done |= {"dtype": str(model.dtype).removeprefix("torch."), "offload": "disk" if spec.get("offload") else None}
+    done |= {"peak_rss_imported": imported, "peak_rss_loaded": loaded, "peak_rss_calibrated": calibrated}
+    done |= {"peak_rss": peak()}
     (Path(spec["out"]) / "gptq.json").write_text(json.dumps(done))
     return 0
 

@@ -115,7 +115,7 @@ def calibrate(src: Path, tmp: Path, cfg: TrainConfig, scheme: str, python, text,
         how = gptq.run(python, twin, made, scheme, text, samples or gptq.SAMPLES, seq_len, log)
         produced = load_file(made / "model.safetensors")
     finally:
-        for scratch in (twin, made, made.with_suffix(".json"), made.with_suffix(".log")):
+        for scratch in (twin, made, made.with_suffix(".json"), made.with_suffix(".log"), gptq.offload_folder(made)):
             shutil.rmtree(scratch, ignore_errors=True) if scratch.is_dir() else scratch.unlink(missing_ok=True)
     parts: dict[str, dict[str, torch.Tensor]] = {}
     for name, shape in hf_shapes(cfg).items():
