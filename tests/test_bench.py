@@ -661,6 +661,23 @@ def test_a_worker_that_aborts_after_writing_its_result_keeps_its_figures_and_say
         assert got["error"] == "exit -6" and "rows" not in got
 
 
+def test_a_worker_stopped_at_its_timeout_says_so_not_an_exit_status_that_reads_as_out_of_memory(tmp_path, monkeypatch):
+    """A worker past its time is killed (SIGKILL, its whole group), as the kernel's OOM killer kills: its row says
+    it was stopped at the bound (llama.cpp bf16 at 7B on a 24 GiB machine read "exit -9" after 30 min of paging)."""
+    from ministream.bench import workers
+
+    child = tmp_path / "python"
+    child.write_text("#!/bin/sh\nsleep 30\n")  # argv: -m ministream.bench.workers SPEC RESULT
+    child.chmod(0o755)
+    monkeypatch.setattr(workers.sys, "executable", str(child))
+    got = workers.run_worker("slow", {"kind": "vllm"}, tmp_path, timeout=1)
+    assert got["error"] == "ran past 1 s and was stopped" and got["wall_s"] < 20, got
+    killed = tmp_path / "killed"
+    child.write_text("#!/bin/sh\nkill -KILL $$\n")
+    got = workers.run_worker("killed", {"kind": "vllm"}, killed)
+    assert got["error"] == "exit -9", got
+
+
 def _two_builds(monkeypatch, tmp_path, tool: str, amx_body: str, no_amx_body: str) -> dict:
     """build/llamacpp/ as two recorded builds leave it (build.json as build() writes it, for this CPU), `tool`
     in each a real script: the AMX build's and the one built without AMX."""

@@ -80,6 +80,18 @@ def _result(size: str, tools: list[dict]) -> dict:
     }
 
 
+def test_an_engine_that_failed_is_a_row_with_the_last_thing_its_worker_said():
+    """A worker that raised: its row gives the error's own line (the last of its log), not a cut through the
+    traceback above it (a 7B run's row read "exit 1: m(d.itemsize * s.numel() ...")."""
+    tail = 'Traceback (most recent call last):\n  File "x.py", line 9, in export\n    check_space(' + "x" * 500
+    tail += "\nministream.MiniStreamError: exporting A to B needs about 8 GB free in C, which has 1 GB\n\n"
+    row = scale.summarize_worker({"error": "exit 1", "log_tail": tail, "log": "L"})
+    assert row == {
+        "error": "exit 1: ministream.MiniStreamError: exporting A to B needs about 8 GB free in C, which has 1 GB",
+        "log": "L",
+    }
+
+
 def test_the_report_is_a_table_from_the_results(tmp_path):
     convert = {"tool": "convert", "seconds": 10.6, "peak_rss_mib": 2861, "holds": "weights", "rss_over_held": 1.25}
     failed = {"tool": "verify --raw", "seconds": 3.0, "peak_rss_mib": 20, "error": "exit 2: error: no room"}

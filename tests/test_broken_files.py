@@ -240,6 +240,20 @@ def test_a_disk_too_small_is_refused_before_writing_with_the_size_it_needs(tiny,
     assert list(disk.iterdir()) == [] and sha(tiny) == raw
 
 
+def test_a_quantized_gguf_is_refused_for_space_only_where_its_blocks_would_not_fit(tiny_hf, small_disk, cli, tmp_path):
+    """gguf's space check counts a quantized tensor's blocks (q8_0: 34 bytes a 32 values), not the float32 it is
+    computed from: a 7B q8_0 export (7.2 GB) was refused for "about 27 GB" on a disk with 23 GB free."""
+    whole = tmp_path / "q8_0.gguf"
+    assert cli("gguf", tiny_hf, whole, "--dtype", "q8_0").returncode == 0
+    size = whole.stat().st_size
+    roomy = small_disk(size + (1 << 20))  # the file and a little: far less than its float32 (~3.8x)
+    r = cli("gguf", tiny_hf, roomy / "q8_0.gguf", "--dtype", "q8_0")
+    assert r.returncode == 0 and (roomy / "q8_0.gguf").read_bytes() == whole.read_bytes(), r.stderr[-800:]
+    tight = small_disk(size // 2)
+    line = one_line_error(cli("gguf", tiny_hf, tight / "q8_0.gguf", "--dtype", "q8_0"))
+    assert "needs about" in line and f"free in {tight}" in line and list(tight.iterdir()) == []
+
+
 def test_a_disk_that_fills_up_mid_write_leaves_the_old_folder_and_no_partial(tiny, tiny_hf, small_disk, cli):
     def pages(n: int) -> int:
         return -(-n // 4096) * 4096

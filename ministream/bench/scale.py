@@ -261,8 +261,9 @@ def would_not_fit(folder: Path, dtype: str, kv_gib: int) -> str | None:
 
 def summarize_worker(r: dict) -> dict:
     """A worker's result, cut to what the table shows: the best of the repeats at each batch."""
-    if "error" in r:
-        return {"error": f"{r['error']}: {r.get('log_tail', '')[-400:]}", "log": r.get("log")}
+    if "error" in r:  # with the log's last line: what the worker said last (its error, where it raised one)
+        said = next((line.strip() for line in reversed(r.get("log_tail", "").splitlines()) if line.strip()), "")
+        return {"error": f"{r['error']}: {said[-400:]}", "log": r.get("log")}
     batches = {
         str(row["batch"]): {"best_tok_s": row["tokens_per_s_range"][1], "median_tok_s": row["tokens_per_s"]}
         for row in r["rows"]

@@ -202,17 +202,19 @@ def run_worker(name: str, spec: dict, out: Path, env: dict | None = None, timeou
             start_new_session=True,
         )
         mem = TreeMemory(proc.pid)
+        stopped = False  # by us, at the timeout: not the kernel's OOM killer, whose SIGKILL reads the same
         try:
             rc = proc.wait(timeout)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, 9)
-            rc = proc.wait()
+            rc, stopped = proc.wait(), True
         memory = mem.stop()
     wall = time.perf_counter() - t
     if not result_file.is_file():
         tail = "\n".join(log.read_text(errors="replace").strip().splitlines()[-20:])
-        print(f"FAILED (exit {rc}, {wall:.0f}s; log {log})")
-        return {"error": f"exit {rc}", "log": str(log), "log_tail": tail, "wall_s": wall, **memory}
+        error = f"ran past {timeout:.0f} s and was stopped" if stopped else f"exit {rc}"
+        print(f"FAILED ({error}, {wall:.0f}s; log {log})")
+        return {"error": error, "log": str(log), "log_tail": tail, "wall_s": wall, **memory}
     note = exit_note(rc)
     print(f"{wall:.0f}s" + (f" ({note}; log {log})" if note else ""))
     # vLLM's own count of KV cache tokens, so a reader can check that the largest batch fitted whole

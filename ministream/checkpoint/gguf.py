@@ -93,24 +93,32 @@ def export(
                     f"{src}: {name} has rows of {shape[-1]} values, not a multiple of {dtype}'s block of {block}: "
                     "llama.cpp cannot hold it in that type; export f32, bf16 or f16"
                 )
+
+    def stored(dt: torch.dtype, shape) -> tuple[tuple[int, ...] | None, int]:
+        """A tensor's bytes in the file: its blocks where it is quantized (their shape too), else its dtype's."""
+        if quant is not None and len(shape) == 2:
+            byte_shape = tuple(gguf.quant_shape_to_byte_shape(tuple(shape), quant))
+            return byte_shape, math.prod(byte_shape)
+        return None, dt.itemsize * shape.numel()
+
     what = f"exporting {src} to {out}"
-    check_space(out.parent, sum(d.itemsize * s.numel() for _, d, s in header), what)
+    check_space(out.parent, sum(stored(d, s)[1] for _, d, s in header), what)
 
     try:
         with new_file(out) as partial:
             w = gguf.GGUFWriter(str(partial), "llama")
             _metadata(w, cfg, src, file_type, vocab, chat_template)
             for name, dt, shape in header:
-                if quant is not None and len(shape) == 2:
-                    byte_shape = gguf.quant_shape_to_byte_shape(tuple(shape), quant)
-                    w.add_tensor_info(name, byte_shape, np.dtype(np.uint8), math.prod(byte_shape), quant)
+                byte_shape, size = stored(dt, shape)
+                if byte_shape is not None:
+                    w.add_tensor_info(name, byte_shape, np.dtype(np.uint8), size, quant)
                     continue
                 bf16 = dt == torch.bfloat16  # travels as its bits in uint16
                 w.add_tensor_info(
                     name,
                     list(shape),
                     np.dtype(np.uint16) if bf16 else NUMPY[dt],
-                    dt.itemsize * shape.numel(),
+                    size,
                     gguf.GGMLQuantizationType.BF16 if bf16 else None,
                 )
             w.write_header_to_file()
