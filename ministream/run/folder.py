@@ -193,14 +193,13 @@ def check_servable(
     dtype: str | None = None,
     ranks: int = 1,
     share: float = 1.0,
-    environ: dict | None = None,
     memory: bool = True,
 ) -> dict:
     """What `serve`, `generate` and `verify` need of a folder before vLLM spends a minute starting: the one folder
     check (checkpoint/folder.py) without an error, a vLLM that reads its quantized head where it has one, a
     dtype (the engine's --dtype, else config.json's) this machine's vLLM runs the folder's weights in (runs),
     and, unless `memory` is False (no engine starts here), the memory its engine takes at start (check_memory:
-    `ranks` here holding `share` of the weights, `environ` the engine's environment). The
+    `ranks` here holding `share` of the weights, the KV cache this process's environment gives them). The
     config; FolderError naming the file and key otherwise (the first error). config.json and its scheme are read
     once, by the check."""
     seen, vllm_dir = checked(folder), installed_vllm_dir()
@@ -210,5 +209,5 @@ def check_servable(
         raise FolderError(head.topic, head.text, head.fix)
     runs(config.values, config.quantization, dtype, str(folder), vllm_dir)
     if memory:
-        check_memory(seen.folder, runs_in(config.values, dtype), ranks, share, environ)
+        check_memory(seen.folder, runs_in(config.values, dtype), ranks, share)
     return config.values
