@@ -7,7 +7,7 @@ from . import MiniStreamError
 from .commands import Parser, listed, seconds
 from .commands.table import COMMANDS
 
-__all__ = ["COMMANDS", "build_parser", "console", "listed", "main", "parse_args", "seconds"]
+__all__ = ["COMMANDS", "build_parser", "console", "listed", "exit_now", "main", "parse_args", "seconds"]
 
 
 def _build(argv: list[str]) -> tuple[Parser, dict[str, Parser]]:
@@ -86,24 +86,46 @@ def _run(argv) -> int:
 
 
 def console() -> None:
-    """The `ministream` command: main's exit status. Where an offline engine's core ran in this process (tune's
-    in_process choice), the exit skips the interpreter's teardown: vLLM's in-process engine has aborted there
-    after its work was done ("terminate called without an active exception", exit -6; how often: docs/faults.md
-    row 130), which made a passed verify fail.
-    Every output is written, atomically, before main returns, and that engine has no processes to stop."""
-    import logging
+    """The `ministream` command: main's exit status. Once vLLM is imported the exit skips the interpreter's C++
+    teardown, where vLLM's engine has aborted after its work was done ("terminate called without an active
+    exception", exit -6: docs/faults.md rows 127 and 130), which made a passed verify fail. Every output is written,
+    atomically, before main returns. What Python's own exit guarantees runs first (exit_now), but for an engine
+    whose core ran in this process (tune's in_process choice): it has no processes to stop, and row 130's fix,
+    measured, skipped its atexit handlers too."""
     import os
 
     from .run.engine import IN_PROCESS
 
     rc = main()
     code = rc if isinstance(rc, int) else (0 if rc is None else 1)
-    if os.environ.get(IN_PROCESS) == "0" and "vllm" in sys.modules:
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+    if "vllm" in sys.modules:
+        exit_now(code, handlers=os.environ.get(IN_PROCESS) != "0")
     sys.exit(code)
+
+
+def exit_now(code: int, handlers: bool = True) -> None:
+    """Exit with `code` (a negative one: killed by that signal, as the interpreter dies of an uncaught Ctrl-C)
+    after what the interpreter's exit guarantees (non-daemon threads joined, atexit handlers run: vLLM's shutdown
+    of its engine processes, multiprocessing's joins, temporary folders; output flushed), without the teardown
+    after it: every module's objects freed one by one, C++ static destructors, C atexit handlers."""
+    import atexit
+    import contextlib
+    import logging
+    import os
+    import threading
+
+    if handlers:
+        threading._shutdown()  # type: ignore[attr-defined]  # Py_Finalize's wait for non-daemon threads
+        atexit._run_exitfuncs()
+    else:
+        logging.shutdown()  # one of those handlers
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    if code < 0:
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    os._exit(code & 0xFF)
 
 
 if __name__ == "__main__":

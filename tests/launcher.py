@@ -10,7 +10,6 @@ environment differs from the server's in a name those imports read gets a fresh 
 decides (Launcher.takes).
 """
 
-import atexit
 import contextlib
 import importlib
 import json
@@ -115,7 +114,7 @@ def _child(request: dict, fds: list[int]) -> None:
     sys.argv = request["argv"]
     # the console script's search path: its own folder first, not this server's (the tests, the working directory)
     sys.path[:] = [os.path.dirname(sys.argv[0]), *(p for p in sys.path if p not in ("", HERE))]
-    from ministream.cli import console
+    from ministream.cli import console, exit_now
 
     code = 0
     try:
@@ -128,21 +127,7 @@ def _child(request: dict, fds: list[int]) -> None:
     except BaseException:
         traceback.print_exc()
         code = 1
-    _exit(code)
-
-
-def _exit(code: int) -> None:
-    """What the interpreter's exit guarantees (non-daemon threads joined, atexit handlers run, output flushed),
-    without tearing down every module of torch and transformers one by one: ~2 s a command, not part of it."""
-    threading._shutdown()  # type: ignore[attr-defined]  # Py_Finalize's wait for non-daemon threads
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
-    if code < 0:
-        signal.signal(-code, signal.SIG_DFL)
-        os.kill(os.getpid(), -code)
-    os._exit(code & 0xFF)
+    exit_now(code)  # what the interpreter's exit guarantees, without ~2 s of tearing down torch's modules
 
 
 def serve(path: str) -> None:

@@ -6,6 +6,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
@@ -349,19 +350,24 @@ def test_doctor_patch_and_clean_do_not_import_torch():
         assert r.stdout.strip() == "False", (command, r.stdout, r.stderr[-2000:])
 
 
-@pytest.mark.parametrize("in_process", [True, False])
-def test_the_command_skips_the_teardown_only_where_an_engine_core_ran_in_its_process(in_process, tmp_path):
-    """console(): after an offline engine's core ran in the process (VLLM_ENABLE_V1_MULTIPROCESSING=0 and vLLM
-    imported), main's status without the interpreter's teardown, where vLLM's in-process engine has aborted
-    (exit -6) after its work; otherwise a plain exit, teardown and all. The same status either way."""
+@pytest.mark.parametrize("engine", ["in_process", "own_process", "none"])
+def test_the_command_skips_the_c_teardown_once_vllm_is_imported_and_runs_the_atexit_handlers_first(engine, tmp_path):
+    """console(): once vLLM is imported, main's status without the C-level teardown, where vLLM's engine has
+    aborted (exit -6) after its work: planted here as a C atexit handler that aborts, as a C++ static destructor
+    would. The atexit handlers (vLLM's shutdown of its engine processes) run first, but for an engine core that
+    ran in the process (row 130's fix skips them). Without vLLM a plain exit, teardown and all: the planted abort
+    then fires, which proves it would."""
     script = (
-        "import atexit, sys; atexit.register(lambda: print('teardown ran', flush=True)); import vllm; "
+        "import atexit, ctypes, sys; atexit.register(lambda: print('handlers ran', flush=True)); "
+        "libc = ctypes.CDLL(None); libc.__cxa_atexit(ctypes.cast(libc.abort, ctypes.c_void_p), None, None); "
+        f"{'import vllm; ' if engine != 'none' else ''}"
         "sys.argv = ['ministream', 'doctor', sys.argv[1]]; from ministream.cli import console; console()"
     )
     env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
-    env.update({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if in_process else {})
+    env.update({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if engine == "in_process" else {})
     r = subprocess.run(
         [sys.executable, "-c", script, str(tmp_path / "none")], capture_output=True, text=True, env=env, timeout=300
     )
-    assert r.returncode == 2 and "no such folder" in r.stderr, r.stderr[-2000:]
-    assert ("teardown ran" in r.stdout) is not in_process, r.stdout[-2000:]
+    assert "no such folder" in r.stderr, r.stderr[-2000:]
+    assert r.returncode == (-signal.SIGABRT if engine == "none" else 2), (r.returncode, r.stderr[-2000:])
+    assert ("handlers ran" in r.stdout) is (engine != "in_process"), r.stdout[-2000:]
