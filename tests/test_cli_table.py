@@ -756,17 +756,18 @@ CASES: dict[str, list[Case]] = {
                 (
                     "ministream.bench.kernels:bench_kernels",
                     dict(out=P("build/bench/kernels"), size="1.2b", layers=None)
-                    | {"widths": list(importlib.import_module("ministream.bench.kernels").WIDTHS)},
+                    | {"widths": list(importlib.import_module("ministream.bench.kernels").WIDTHS)}
+                    | {"batches": list(importlib.import_module("ministream.bench.kernels").BATCHES)},
                 )
             ],
             rc=STATUS,
         ),
         Case(
-            ["--out", "o", "--size", "7b", "--widths", "w8a8,bfloat16", "--layers", "2"],
+            ["--out", "o", "--size", "7b", "--widths", "w8a8,bfloat16", "--layers", "2", "--batches", "1,8,32"],
             [
                 (
                     "ministream.bench.kernels:bench_kernels",
-                    dict(out=P("o"), size="7b", widths=["w8a8", "bfloat16"], layers=2),
+                    dict(out=P("o"), size="7b", widths=["w8a8", "bfloat16"], layers=2, batches=[1, 8, 32]),
                 )
             ],
             rc=STATUS,

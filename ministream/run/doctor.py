@@ -32,7 +32,7 @@ from ..paths import PATCH_SETS
 from ..spec import ARCH, MODEL_FILE_IN_TREE, MODEL_TYPE, TrainConfig
 from . import engine, fingerprint, tuned
 from .engine import SERVE_DEFAULTS, EngineSettings
-from .folder import int4_kernel, int8_split, quantized_head, runs
+from .folder import bf16_products, int4_kernel, int8_split, quantized_head, runs, runs_in
 from .kernels import installed_vllm_dir
 
 # what the checks of the installed vLLM read of a folder, when its own config.json is refused (examine says why)
@@ -408,6 +408,8 @@ def doctor(
             runs(seen.config.values, seen.config.quantization, settings.dtype, str(folder))
         except FolderError as e:
             found.append(Finding("error", e.topic, e.text, e.fix))
+        dtype = runs_in(seen.config.values, settings.dtype)
+        found += [f for f in (bf16_products(seen.config.quantization, dtype, vllm_dir),) if f]
     return found
 
 

@@ -14,6 +14,8 @@ from ..checkpoint.scheme import Quantization, needs_16_bits
 from ..spec import DTYPES
 from . import engine
 from .kernels import (
+    BF16_GEMM_ENV,
+    CPU_GEMM,
     CPU_INT4,
     CPU_INT4_W4A8,
     CPU_INT8,
@@ -23,6 +25,7 @@ from .kernels import (
     INT4_GEMM,
     INT8_SPLIT_ENV,
     W4A8_ENV,
+    bf16_kernel,
     cpu_kernels,
     float16_fails,
     installed_vllm_dir,
@@ -84,6 +87,33 @@ def int8_split(q: Quantization | None, vllm_dir: Path | None, cpuinfo: Path = Pa
         f"wheel's CPU part splits each in two that cannot ({CPU_INT8}): exact, for twice the weight bytes read "
         "(docs/quantize.md)",
     )
+
+
+def bf16_products(
+    q: Quantization | None, dtype: str | None, vllm_dir: Path | None, cpuinfo: Path = Path("/proc/cpuinfo")
+) -> Finding | None:
+    """How a folder of float weights computed in bfloat16 (`dtype`: runs_in's) is multiplied on an x86 CPU whose
+    oneDNN makes no bfloat16 matmul (AVX2 alone); None elsewhere. Slow, not wrong: a warning where nothing mends it."""
+    kernel = bf16_kernel(vllm_dir, cpuinfo) if q is None and dtype == "bfloat16" else None
+    if kernel == "widened":
+        return Finding(
+            "ok",
+            "bfloat16 kernel",
+            "on this CPU (AVX2, no AVX-512) oneDNN makes no bfloat16 matmul; the patched wheel's CPU part widens a "
+            f"batch's or a prompt's products to float32 ({CPU_GEMM}), torch's F.linear the few rows of a decode "
+            "step (docs/bench.md)",
+        )
+    if kernel == "F.linear":
+        return Finding(
+            "warn",
+            "bfloat16 kernel",
+            "on this CPU (AVX2, no AVX-512) oneDNN makes no bfloat16 matmul and this vLLM multiplies bfloat16 "
+            f"weights with torch's F.linear ({CPU_GEMM}): from a few rows on ~0.6 GB/s of weights, so batches, "
+            "prompts and the engine's warm-up are slow (a 1.2B model's warm-up took over 17 min; docs/bench.md)",
+            f"install the patched wheel (make install; {BF16_GEMM_ENV}=0 turns its fix off), or run the folder "
+            "with --dtype float32 (twice the memory)",
+        )
+    return None
 
 
 def check_dtype(scheme: str | None, runs_in: str | None, what: str, vllm_dir: Path | None = None) -> None:

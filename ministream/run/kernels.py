@@ -74,6 +74,30 @@ def int8_kernel(vllm_dir: Path | None, cpuinfo: Path = CPUINFO, env=os.environ) 
     return "split" if CPU_INT8_SPLIT in source and env.get(INT8_SPLIT_ENV, "1") != "0" else "saturates"
 
 
+# Its unquantized linear layers multiply bfloat16 weights with oneDNN's matmul where oneDNN makes one (AVX-512 on),
+# and with torch's F.linear on an x86 CPU with AVX2 alone: a plain loop from a few rows on (0.6 GB/s of weights at
+# 32 rows on an AVX2 EPYC, docs/bench.md). The patched wheel's CPU part widens those products to float32 from a few
+# rows on (fork/cpu.py GEMM_HELPER) unless MINISTREAM_CPU_BF16_GEMM=0.
+CPU_GEMM = "model_executor/layers/utils.py"
+CPU_GEMM_FALLBACK = "def dispatch_cpu_unquantized_gemm("
+CPU_GEMM_WIDENED = "layer.cpu_linear = _ministream_linear"
+BF16_GEMM_ENV = "MINISTREAM_CPU_BF16_GEMM"  # fork/cpu.py GEMM_ENV
+
+
+def bf16_kernel(vllm_dir: Path | None, cpuinfo: Path = CPUINFO, env=os.environ) -> str | None:
+    """How the vLLM at `vllm_dir` multiplies bfloat16 weights on an x86 CPU whose oneDNN makes no bfloat16 matmul
+    (AVX2, no AVX-512): "widened" (the CPU part's product), "F.linear" (torch's); None on another CPU, or where
+    this vLLM has no such fallback."""
+    have = flags(cpuinfo)
+    if vllm_dir is None or "avx2" not in have or "avx512f" in have:
+        return None
+    path = vllm_dir / CPU_GEMM
+    source = path.read_text() if path.is_file() else ""
+    if CPU_GEMM_FALLBACK not in source:
+        return None
+    return "widened" if CPU_GEMM_WIDENED in source and env.get(BF16_GEMM_ENV, "1") != "0" else "F.linear"
+
+
 # and its CPU 4-bit GEMM (mixed_precision/cpu.py) on a CPU with AMX, computing in bf16, is int4_scaled_mm_cpu unless
 # VLLM_CPU_INT4_W4A8=0: the activations quantized per token to int8 (w4a8), elsewhere cpu_gemm_wna16 in bf16
 CPU_INT4 = "model_executor/kernels/linear/mixed_precision/cpu.py"
