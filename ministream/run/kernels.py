@@ -64,14 +64,29 @@ def int8_kernel(vllm_dir: Path | None, cpuinfo: Path = CPUINFO, env=os.environ) 
     """How the vLLM at `vllm_dir` computes int8 products on this CPU where oneDNN's would saturate (x86 without VNNI
     or AMX): "split" (the CPU part's two products: exact), "saturates" (oneDNN's own); None where they cannot
     saturate, or this vLLM has no such kernel file."""
+    return _part_kernel(
+        vllm_dir,
+        cpuinfo,
+        env,
+        VNNI,
+        (CPU_INT8, CPU_INT8_ONEDNN),
+        (CPU_INT8_SPLIT, INT8_SPLIT_ENV),
+        ("split", "saturates"),
+    )
+
+
+def _part_kernel(vllm_dir, cpuinfo, env, without, vllms, ours, names) -> str | None:
+    """On an x86 CPU with AVX2 and none of the flags `without`, where the vLLM at `vllm_dir` has `vllms` (its file,
+    a text in it): names[0] where the CPU part's text `ours` (with its switch) is there too and not switched off
+    ("0"), names[1] where not; None elsewhere."""
     have = flags(cpuinfo)
-    if vllm_dir is None or "avx2" not in have or any(f in have for f in VNNI):
+    if vllm_dir is None or "avx2" not in have or any(f in have for f in without):
         return None
-    path = vllm_dir / CPU_INT8
+    path = vllm_dir / vllms[0]
     source = path.read_text() if path.is_file() else ""
-    if CPU_INT8_ONEDNN not in source:
+    if vllms[1] not in source:
         return None
-    return "split" if CPU_INT8_SPLIT in source and env.get(INT8_SPLIT_ENV, "1") != "0" else "saturates"
+    return names[0] if ours[0] in source and env.get(ours[1], "1") != "0" else names[1]
 
 
 # Its unquantized linear layers multiply bfloat16 weights with oneDNN's matmul where oneDNN makes one (AVX-512 on),
@@ -88,14 +103,15 @@ def bf16_kernel(vllm_dir: Path | None, cpuinfo: Path = CPUINFO, env=os.environ) 
     """How the vLLM at `vllm_dir` multiplies bfloat16 weights on an x86 CPU whose oneDNN makes no bfloat16 matmul
     (AVX2, no AVX-512): "widened" (the CPU part's product), "F.linear" (torch's); None on another CPU, or where
     this vLLM has no such fallback."""
-    have = flags(cpuinfo)
-    if vllm_dir is None or "avx2" not in have or "avx512f" in have:
-        return None
-    path = vllm_dir / CPU_GEMM
-    source = path.read_text() if path.is_file() else ""
-    if CPU_GEMM_FALLBACK not in source:
-        return None
-    return "widened" if CPU_GEMM_WIDENED in source and env.get(BF16_GEMM_ENV, "1") != "0" else "F.linear"
+    return _part_kernel(
+        vllm_dir,
+        cpuinfo,
+        env,
+        ("avx512f",),
+        (CPU_GEMM, CPU_GEMM_FALLBACK),
+        (CPU_GEMM_WIDENED, BF16_GEMM_ENV),
+        ("widened", "F.linear"),
+    )
 
 
 # and its CPU 4-bit GEMM (mixed_precision/cpu.py) on a CPU with AMX, computing in bf16, is int4_scaled_mm_cpu unless
