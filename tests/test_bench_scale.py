@@ -3,6 +3,7 @@ the trainer saves it, a tool's peak is its own, a failed tool is a row saying wh
 the results. No engine: the run itself is `make bench-scale`."""
 
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -113,11 +114,9 @@ def test_a_size_measured_already_is_kept_and_an_interrupted_one_measured_again(t
     assert scale.to_measure(tmp_path, ["1.2b"], force=True) == ["1.2b"]
 
 
-def test_an_engine_that_would_not_fit_or_has_no_folder_is_a_row_saying_so(tmp_path):
+def test_an_engine_that_would_not_fit_or_has_no_folder_is_a_row_saying_so(tiny_hf, tmp_path):
     hf = tmp_path / "hf"
-    hf.mkdir()
-    (hf / "config.json").write_text("{}")
-    (hf / "model.safetensors").write_bytes(b"\0" * 1024)  # its size is all the estimate reads
+    shutil.copytree(tiny_hf, hf)
     rows = list(scale.engine_rows(hf, scale.FULL, tmp_path / "logs", 100, kv_gib=10**6))  # a 1 PiB KV cache
     by = {(r["system"], r["width"]): r["error"] for r in rows}
     # w8a8 as this machine's vLLM runs it: w8a8-bf16 on a CPU with AMX (its int8 kernel takes 16-bit activations)
@@ -127,6 +126,10 @@ def test_an_engine_that_would_not_fit_or_has_no_folder_is_a_row_saying_so(tmp_pa
     assert "would need" in by["vllm", "bfloat16"] and "would need" in by["llamacpp", "bfloat16"]
     assert "quantize row failed" in by["vllm", int8]  # no hf-w8a8 beside the folder
     assert not (tmp_path / "logs").exists()  # no engine started
+    # the weights counted as the pre-flight counts them (Folder.held_bytes); a folder it cannot read says so
+    assert scale.would_not_fit(hf, "float32", 0) is None
+    (hf / "model.safetensors").write_bytes(b"\0" * 1024)
+    assert "cannot be read" in (scale.would_not_fit(hf, "bfloat16", 0) or "")
 
 
 def test_an_unknown_size_is_refused_before_anything_runs(tmp_path):

@@ -249,12 +249,18 @@ def engine_rows(hf: Path, settings: dict, logs: Path, vocab: int, kv_gib: int) -
 
 
 def would_not_fit(folder: Path, dtype: str, kv_gib: int) -> str | None:
-    """Why an engine on the folder would not fit this machine's memory now, or None: its weights in the dtype
-    it computes in (roughly: float32 widths keep some bfloat16 tensors in float32) and its KV cache, against what
-    is available now."""
+    """Why an engine on the folder would not fit this machine's memory now, or None: its weights in the dtype it
+    computes in (Folder.held_bytes, as the engines' pre-flight counts them) and its KV cache, against 0.9 of what is
+    available now (a benchmark skips what would likely be killed; the pre-flight refuses only what cannot start)."""
     import psutil
 
-    need = widths.folder_bytes(folder) * (1.5 if dtype == "float32" else 1) + kv_gib * 2**30
+    from ..checkpoint.findings import FolderError
+    from ..checkpoint.folder import examine
+
+    try:
+        need = examine(folder).folder.held_bytes(dtype) + kv_gib * 2**30
+    except FolderError as e:
+        return f"{folder} cannot be read: {e.text}"
     have = psutil.virtual_memory().available
     return f"would need {need / GB:.1f} GB, {have / GB:.1f} GB available" if need > 0.9 * have else None
 
