@@ -54,25 +54,15 @@ def shapes(size: str) -> dict[str, tuple[int, int]]:
     }
 
 
-def _split_helpers() -> dict:
-    """The CPU part's int8 split (fork/cpu.py INT8_HELPER), on whatever CPU this is."""
+def _cpu_part(helper: bytes) -> dict:
+    """One of the CPU part's helpers (fork/cpu.py: INT8_HELPER, GEMM_HELPER) run as vLLM's file would run it, with
+    the names that file gives it, on whatever CPU this is: its functions by name."""
     from vllm import _custom_ops as ops
     from vllm.platforms import current_platform
     from vllm.platforms.interface import CpuArchEnum
 
-    from ..fork.cpu import INT8_HELPER
-
     scope: dict = {"torch": torch, "ops": ops, "current_platform": current_platform, "CpuArchEnum": CpuArchEnum}
-    exec(INT8_HELPER.decode(), scope)
-    return scope
-
-
-def _gemm_helpers() -> dict:
-    """The CPU part's bfloat16 product (fork/cpu.py GEMM_HELPER)."""
-    from ..fork.cpu import GEMM_HELPER
-
-    scope: dict = {"torch": torch}
-    exec(GEMM_HELPER.decode(), scope)
+    exec(helper.decode(), scope)
     return scope
 
 
@@ -84,7 +74,9 @@ def kernels(width: str, weight: torch.Tensor) -> dict:
     if width == "w8a8":
         scale = weight.float().abs().amax(1) / 127
         q = (weight.float() / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
-        split = _split_helpers()
+        from ..fork.cpu import INT8_HELPER
+
+        split = _cpu_part(INT8_HELPER)
         split["_MINISTREAM_INT8_SPLIT"] = True
         handlers = {
             "onednn_scaled_mm (vLLM's own)": (ops.create_onednn_scaled_mm, ops.onednn_scaled_mm),
@@ -119,9 +111,9 @@ def kernels(width: str, weight: torch.Tensor) -> dict:
     try:  # as dispatch_cpu_unquantized_gemm: oneDNN where it makes the primitive, else torch's F.linear
         handler = ops.create_onednn_mm(w.t(), 32)
     except RuntimeError:  # oneDNN has no such matmul on this CPU (bfloat16 with AVX2 alone)
-        from ..fork.cpu import GEMM_ROWS
+        from ..fork.cpu import GEMM_HELPER, GEMM_ROWS
 
-        widened = _gemm_helpers()["_ministream_bf16_linear"]
+        widened = _cpu_part(GEMM_HELPER)["_ministream_bf16_linear"]
         return {
             "F.linear (vLLM's: oneDNN refused)": linear,
             f"F.linear, widened from {GEMM_ROWS} rows (the CPU part)": (lambda x: widened(x, w, None), nbytes, exact),
