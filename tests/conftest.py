@@ -1,5 +1,8 @@
 """Shared fixtures: real format-1 checkpoints made by `ministream checkpoint`, once per test session."""
 
+import worker_cores  # first: this worker's own cores, before torch's OpenMP counts them
+
+# isort: split
 import hashlib
 import http.server
 import importlib.metadata as metadata
@@ -59,6 +62,19 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
 
 
+@pytest.fixture(autouse=True)
+def every_core(request):
+    """A test marked every_core runs on every core of the run, not its worker's share (worker_cores.py)."""
+    if worker_cores.OWN is None or not request.node.get_closest_marker("every_core"):
+        yield
+        return
+    os.sched_setaffinity(0, worker_cores.EVERY)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, worker_cores.OWN)
+
+
 def quiet(*args, **kwargs):
     pass
 
@@ -84,20 +100,46 @@ def one_line_error(run: subprocess.CompletedProcess, rc: int = 2) -> str:
     return lines[0]
 
 
+# session fixtures a worker makes for itself at the cost of an engine start or a venv: the modules that use one run
+# in one worker, which makes it once (route_python makes plugin_python when a test asks for the plugin route)
+MADE_PER_WORKER = {
+    "tiny_server": "tiny_server",
+    "stock_python": "stock_python",
+    "plugin_python": "plugin_python",
+    "route_python": "plugin_python",
+}
+
+
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(items):
-    """`make test` runs on two workers (pytest-xdist, --dist loadgroup). The tests that start vLLM engines (marked
-    vllm) are one group, so one engine runs at a time, beside the tests that start none; with them goes every
-    test sharing a module fixture of theirs (made once, in one worker). Every other test is in its module's
-    group, so its module fixtures are made once too: a module's refusals and conversions run beside the engines."""
+    """`make test` runs on two workers (pytest-xdist, --dist loadgroup), each on cores of its own (worker_cores.py),
+    so engines run in both at once. A module's tests are one group, so its module fixtures are made once; the
+    tests of a module's engines (marked vllm), and every test sharing a module fixture of theirs, are one group
+    with the other modules' engines that share a fixture made per worker (MADE_PER_WORKER). Every other test of
+    the module is a group of its own module's, so its refusals and conversions run beside any engine."""
     shared: dict[str, set[str]] = {}  # module -> the module-scoped fixtures its engine tests use
+    joined: dict[str, str] = {}  # module or fixture -> another it runs with (union-find)
+
+    def root(name: str) -> str:
+        while joined.get(name, name) != name:
+            name = joined[name]
+        return name
+
     for item in items:
         if item.get_closest_marker("vllm"):
             shared.setdefault(item.module.__name__, set()).update(_module_fixtures(item))
+    engines = {}
     for item in items:
         name = item.module.__name__
-        engines = item.get_closest_marker("vllm") or _module_fixtures(item) & shared.get(name, set())
-        item.add_marker(pytest.mark.xdist_group("engines" if engines else name))
+        engines[item] = bool(item.get_closest_marker("vllm") or _module_fixtures(item) & shared.get(name, set()))
+        for fixture in set(item.fixturenames) & set(MADE_PER_WORKER):
+            engines[item] = True
+            joined[root(MADE_PER_WORKER[fixture])] = root(name)
+    for item in items:
+        name = item.module.__name__
+        # workers sharing their cores (worker_cores.OWN None): every engine in one group, one engine at a time
+        tied = f"engines:{root(name)}" if worker_cores.OWN is not None else "engines"
+        item.add_marker(pytest.mark.xdist_group(tied if engines[item] else name))
 
 
 def _module_fixtures(item) -> set[str]:

@@ -1,6 +1,6 @@
 """The `ministream` command as a fork of a process that imported torch and ministream once (a fork server, as
 multiprocessing's "forkserver" start method): each command is still a process of its own, with its own pid, exit
-status, signals, working directory and file descriptors, but without the ~2.5 s of imports a fresh interpreter
+status, signals, working directory, cores and file descriptors, but without the ~2.5 s of imports a fresh interpreter
 pays first (torch alone is ~2 s on 2 cores), which the quick tier's few hundred commands paid again and again.
 
 The server forks from its main thread; its other threads (one watching stdin, one waiting on each child, numpy's
@@ -109,6 +109,7 @@ def _child(request: dict, fds: list[int]) -> None:
         os.dup2(fd, target)
         os.close(fd)
     os.chdir(request["cwd"])
+    os.sched_setaffinity(0, request["cores"])  # the cores of the test that asked, as a child of its own would have
     os.environ.clear()
     os.environ.update(request["env"])
     sys.argv = request["argv"]
@@ -214,7 +215,8 @@ class Launcher:
             socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn,
         ):
             conn.connect(self.path)
-            _send(conn, {"argv": argv, "env": dict(os.environ) if env is None else env, "cwd": os.getcwd()})
+            env = dict(os.environ) if env is None else env
+            _send(conn, {"argv": argv, "env": env, "cwd": os.getcwd(), "cores": sorted(os.sched_getaffinity(0))})
             socket.send_fds(conn, [b"x"], [null.fileno(), out.fileno(), err.fileno()])
             pid = _recv(conn)["pid"]
             conn.settimeout(timeout)

@@ -7,7 +7,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import worker_cores
 from launcher import Launcher
+
+from ministream.run.engine import core_binding
 
 EXE = str(Path(sys.executable).parent / "ministream")
 
@@ -47,6 +50,25 @@ def test_a_forked_command_works_in_the_callers_directory(launcher, tiny, tmp_pat
     r = launcher.run([EXE, "convert", "raw", "hf"], timeout=300)
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "hf" / "config.json").is_file()
+
+
+def test_a_forked_command_runs_on_the_cores_of_the_test_that_runs_it(launcher, tiny_hf):
+    """As a child of the test's own would: the fork server keeps the cores it started with, the command takes the
+    asking test's (a worker's share, or every core for a test marked every_core). --tp beyond them is refused
+    naming the cores, before any engine starts."""
+    every, asked = sorted(worker_cores.EVERY), os.sched_getaffinity(0)
+    if len(every) < 2:
+        pytest.skip("one core: no other set of cores to run on")
+    try:
+        for cores in ({every[0]}, set(every)):  # one of them differs from the server's, whichever worker runs this
+            os.sched_setaffinity(0, cores)
+            argv = [EXE, "generate", str(tiny_hf), "--engine", "vllm", "--tp", str(len(cores) + 1)]
+            forked = launcher.run(argv, timeout=300)
+            fresh = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+            assert (forked.returncode, forked.stderr) == (fresh.returncode, fresh.stderr)
+            assert f"may use {len(cores)} core(s) ({core_binding(1, cores)})" in forked.stderr, forked.stderr
+    finally:
+        os.sched_setaffinity(0, asked)
 
 
 def test_an_environment_that_the_preloaded_imports_read_starts_a_fresh_interpreter(launcher):

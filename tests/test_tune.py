@@ -95,6 +95,7 @@ def test_candidates_hide_zentorch_but_the_zentorch_one_and_bind_as_named():
     assert "in_process" not in candidates()
 
 
+@pytest.mark.every_core  # tensor parallelism: a core per rank
 def test_engines_follow_the_choice_at_one_rank_and_keep_a_core_per_rank_under_tp(monkeypatch):
     monkeypatch.setattr(engine, "has_gpu", lambda: False)
     vllms = {"binding": "vllm", "zentorch": False}
@@ -126,6 +127,7 @@ def test_an_offline_engine_s_core_runs_in_process_only_where_chosen_and_at_one_r
     assert engine.offline_defaults(1, 1, inproc) == {}
 
 
+@pytest.mark.every_core  # tensor parallelism: a core per rank
 def test_the_in_process_default_is_taken_back_for_an_engine_it_does_not_fit_and_a_user_s_own_kept(monkeypatch):
     monkeypatch.setattr(engine, "has_gpu", lambda: False)
     monkeypatch.setattr(tuned, "chosen", lambda path=None: {"binding": "ours", "zentorch": None, "in_process": True})
