@@ -2,12 +2,12 @@
 first imported, before torch loads OpenMP, which sizes its pool by the cores it may use.
 
 Why: an engine binds an OpenMP thread to every core it may use, and every product waits at a barrier for all of
-them. Beside the other worker's tests, one of those threads is always waiting for its core, so an engine spread
-over both cores ran slower than one kept to one core (docs/testing.md, the quick tier's workers). Kept to its own
-core, each worker's engines run beside the other's, and the suite's engines need not queue in one worker.
+them, so an engine spread over a core the other worker keeps busy waits for it (docs/testing.md, the quick
+tier's workers). Kept to its own core, each worker's engines run beside the other's, and the suite's engines
+need not queue in one worker.
 
-A test whose subject needs more cores than its worker's share (tensor parallelism, two nodes on one machine) is
-marked `every_core`: conftest widens its worker to every core for that test, and the launcher's commands follow
+A test whose subject needs more cores than its worker's share (a core per tensor-parallel rank) is marked
+`every_core`: conftest widens its worker to every core for that test, and the launcher's commands follow
 (they take the affinity of the test that runs them, as subprocess.run's children inherit it)."""
 
 import os
