@@ -164,6 +164,18 @@ def pytest_configure(config):
         )
 
 
+def engine_core(server: int) -> psutil.Process:
+    """The vLLM engine core of `ministream serve` (pid `server`): its API server's one child that is not
+    multiprocessing's resource tracker. Not found by its title (VLLM::EngineCore), which is not always set:
+    setproctitle finds the memory it writes by walking back from the first environment variable, and gives up
+    silently where that variable was set again before (py-setproctitle#42). torch sets TORCHINDUCTOR_CACHE_DIR
+    again whenever it reads it, so under `TORCHINDUCTOR_CACHE_DIR=... pytest` every engine core kept "python"."""
+    (api,) = psutil.Process(server).children()
+    cores = [p for p in api.children() if "multiprocessing.resource_tracker" not in " ".join(p.cmdline())]
+    assert len(cores) == 1, [p.cmdline() for p in api.children()]
+    return cores[0]
+
+
 class HeldEngine:
     """A vLLM server's engine core and its worker, held (SIGSTOP) and let run in short slices: for a test that
     must act while a request is still in flight. A free-running engine lost that race on CI's loaded 2 cores: it
@@ -174,10 +186,8 @@ class HeldEngine:
     HELD = 0.3  # s it is held between slices, while the API server (never held) passes on what it made
 
     def __init__(self, server: subprocess.Popen):
-        family = psutil.Process(server.pid).children(recursive=True)
-        cores = [p for p in family if "EngineCore" in " ".join(p.cmdline())]
-        assert len(cores) == 1, [p.cmdline() for p in family]
-        self.processes = [cores[0], *cores[0].children(recursive=True)]
+        core = engine_core(server.pid)
+        self.processes = [core, *core.children(recursive=True)]
 
     def suspend(self) -> None:
         for p in self.processes:

@@ -27,6 +27,8 @@ from ministream.checkpoint.lora import PEFT_CONFIG, PEFT_WEIGHTS
 from ministream.run.serve import own_server_answers, vllm_args
 from ministream.run.server import free_port, greedy, stop, stream, wait_ready
 
+from conftest import engine_core
+
 STOP_TIMEOUT = 15  # s: --stop-timeout of the engine servers here: serve kills what is left of the server then
 # s: tells a hang from an answer once the server has ended (no timing: serve returns only after its whole process
 # group is gone, so the client's connection is already closed and nothing is left; a loaded machine shows it late)
@@ -239,12 +241,6 @@ def in_groups(groups: set[int]) -> list[psutil.Process]:
     return found
 
 
-def engine_core(family: list[psutil.Process]) -> psutil.Process:
-    cores = [p for p in family if "EngineCore" in " ".join(p.cmdline())]
-    assert len(cores) == 1, [p.cmdline() for p in family]
-    return cores[0]
-
-
 @pytest.mark.vllm
 @pytest.mark.full  # three servers (~130 s of make test's engine worker); test_serve's drain keeps SIGTERM mid-stream
 def test_sigterm_with_a_stream_in_flight_exits_0_within_the_stop_timeout_leaving_no_process(servers):
@@ -259,7 +255,7 @@ def test_sigterm_with_a_stream_in_flight_exits_0_within_the_stop_timeout_leaving
         events = iter(response)
         assert next(events)["choices"]  # the first token: the stream is in flight
         if how == "stream_engine_stuck":
-            engine_core(family).suspend()  # SIGSTOP: vLLM's shutdown then kills it with the stream unanswered
+            engine_core(proc.pid).suspend()  # SIGSTOP: vLLM's shutdown then kills it with the stream unanswered
         reader = threading.Thread(target=_drain, args=(events,), daemon=True)
         reader.start()
         start = time.monotonic()

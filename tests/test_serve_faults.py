@@ -30,7 +30,7 @@ from ministream.run.folder import check_servable
 from ministream.run.generate import DEFAULT_PROMPTS, tokenize
 from ministream.run.server import call, complete as any_complete, greedy, stop, stream as any_stream, wait_ready
 
-from conftest import HeldEngine
+from conftest import HeldEngine, engine_core
 
 CONTEXT = 512  # the tiny preset's max_position_embeddings: the servers' limit
 # the vanishing client's request: sequences to generate, each to the context's end. Work for the engine of half a
@@ -246,9 +246,7 @@ def test_engine_killed_makes_the_server_exit_non_zero_promptly_leaving_no_proces
     proc, url, log = doomed
     wait_ready(url, proc, log, START_TIMEOUT)
     family = psutil.Process(proc.pid).children(recursive=True)
-    engines = [p for p in family if "EngineCore" in " ".join(p.cmdline())]
-    assert len(engines) == 1, [p.cmdline() for p in family]
-    engines[0].send_signal(signal.SIGKILL)
+    engine_core(proc.pid).send_signal(signal.SIGKILL)
     start = time.monotonic()
     try:
         rc = proc.wait(KILL_DEADLINE)
