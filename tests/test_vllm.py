@@ -42,7 +42,7 @@ def reference_run(folder: Path, dtype: str) -> list[dict]:
 SAVED, LOADED = "saved AOT compiled function", "Directly load AOT compilation"
 
 
-def compiled(log: str) -> bool:
+def ran_compiled(log: str) -> bool:
     return SAVED in log or LOADED in log
 
 
@@ -83,7 +83,7 @@ def runs(cli, tmp_path_factory, request):
 def test_vllm_matches_the_reference_model(folder, dtype, request, runs):
     hf = request.getfixturevalue(folder)
     got, log = runs(folder, dtype, "compiled" if dtype == "float32" else "eager")
-    assert compiled(log) == (dtype == "float32"), "fp32 runs the compiled default here, bf16 eager"
+    assert ran_compiled(log) == (dtype == "float32"), "fp32 runs the compiled default here, bf16 eager"
     want = reference_run(hf, dtype)
     assert len(got) == len(DEFAULT_PROMPTS) >= 8
     assert all(len(g["ids"]) == MAX_TOKENS for g in got)
@@ -98,7 +98,7 @@ def test_a_second_start_loads_the_compiled_model_and_gives_its_tokens(runs, cli,
     """vLLM saves the compiled model and loads it at the next start. On a CPU that load failed at every start, and
     the model was compiled again, most of a start (the CPU part's fix: fork/cpu.py AOT_HELPER; docs/bench.md)."""
     first, log = runs("tiny_gqa_hf", "float32", "compiled")  # saved here, or loaded from an earlier run's cache
-    assert compiled(log)
+    assert ran_compiled(log)
     again_log: list = []
     again = vllm_run(cli, tiny_gqa_hf, tmp_path / "again.json", "float32", 1, log=again_log)
     assert LOADED in again_log[0] and SAVED not in again_log[0], again_log[0][-3000:]
@@ -114,7 +114,7 @@ def test_a_second_start_loads_the_compiled_model_and_gives_its_tokens(runs, cli,
 def test_the_compiled_default_gives_the_eager_tokens_in_fp32(folder, request, runs):
     hf = request.getfixturevalue(folder)
     (compiled, compiled_log), (eager, eager_log) = runs(folder, "float32", "compiled"), runs(folder, "float32", "eager")
-    assert compiled(compiled_log) and not compiled(eager_log), "the default must run compiled, --enforce-eager not"
+    assert ran_compiled(compiled_log) and not ran_compiled(eager_log), "the default runs compiled, --enforce-eager not"
     assert [r["ids"] for r in compiled] == [r["ids"] for r in eager]
     assert [r["ids"] for r in compiled] == [r["ids"] for r in reference_run(hf, "float32")]
 
