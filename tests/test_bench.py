@@ -661,6 +661,20 @@ def test_a_worker_that_aborts_after_writing_its_result_keeps_its_figures_and_say
         assert got["error"] == "exit -6" and "rows" not in got
 
 
+@pytest.mark.parametrize("said, how", [("AOT_LOADED", "loaded"), ("AOT_SAVED", "compiled"), ("", None)])
+def test_a_workers_result_says_whether_its_engine_loaded_or_compiled_its_model(tmp_path, monkeypatch, said, how):
+    """Most of a compiled vLLM start is compiling: a start figure says which it was, from vLLM's own log line (a real
+    process that logs it and writes its result)."""
+    from ministream.bench import workers
+
+    line = getattr(workers, said) if said else "INFO engine started"
+    child = tmp_path / "python"
+    child.write_text(f"#!/bin/sh\necho 'INFO 12-07 [decorators.py] {line} from /c/model'\nprintf '{{}}' > \"$4\"\n")
+    child.chmod(0o755)
+    monkeypatch.setattr(workers.sys, "executable", str(child))
+    assert workers.run_worker("engine", {"kind": "vllm"}, tmp_path).get("compiled_model") == how
+
+
 def test_a_worker_stopped_at_its_timeout_says_so_not_an_exit_status_that_reads_as_out_of_memory(tmp_path, monkeypatch):
     """A worker past its time is killed (SIGKILL, its whole group), as the kernel's OOM killer kills: its row says
     it was stopped at the bound (llama.cpp bf16 at 7B on a 24 GiB machine read "exit -9" after 30 min of paging)."""

@@ -74,6 +74,7 @@ def _result(size: str, tools: list[dict]) -> dict:
                 "first_token_s": 0.5,
                 "decode": {"1": {"best_tok_s": 10.2}, "32": {"best_tok_s": 95.0}},
                 "peak_rss_mib": 4096,
+                "compiled_model": "loaded",
             },
             {"system": "llamacpp", "width": "w8a8", "error": "would need 28.0 GB, 20.0 GB available"},
         ],  # fmt: skip
@@ -103,7 +104,7 @@ def test_the_report_is_a_table_from_the_results(tmp_path):
     assert text.index("### reference") < text.index("### 1.2b")  # smallest first
     assert "| convert | 10.6 | 3.00 |" in text and "1.25x" in text
     assert "| verify --raw |" in text and "exit 2: error: no room" in text
-    assert "| vllm | bfloat16 | 80.0 | 0.50 | 10.2 | 95.0 | 4.29 |" in text
+    assert "| vllm | bfloat16 | 80.0 | 0.50 | 10.2 | 95.0 | 4.29 | start: its compiled model loaded |" in text
     assert "would need 28.0 GB" in text
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from ministream.bench.workers import AOT_LOADED, AOT_SAVED
 from ministream.fork.release import release_wheel
 from ministream.run.generate import DEFAULT_PROMPTS, reference_generate, tokenize
 from ministream.run.verify import compare
@@ -39,7 +40,7 @@ def reference_run(folder: Path, dtype: str) -> list[dict]:
 
 
 # vLLM's log lines when the model runs through torch.compile: saved on a first compile, loaded from the cache after
-SAVED, LOADED = "saved AOT compiled function", "Directly load AOT compilation"
+SAVED, LOADED = AOT_SAVED, AOT_LOADED
 
 
 def ran_compiled(log: str) -> bool:

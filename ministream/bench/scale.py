@@ -281,6 +281,7 @@ def summarize_worker(r: dict) -> dict:
         "decode": batches,
         "peak_rss_mib": r.get("peak_rss_mib"),
         "weights_file_bytes": r.get("weights_file_bytes"),
+        "compiled_model": r.get("compiled_model"),
     }
 
 
@@ -416,6 +417,11 @@ def _f(x, fmt: str = "{:.1f}") -> str:
     return "-" if x is None else fmt.format(x)
 
 
+def _start_note(row: dict) -> str:
+    how = row.get("compiled_model") or ""
+    return {"loaded": "start: its compiled model loaded", "compiled": "start: its model compiled"}.get(how, "")
+
+
 def _why(row: dict) -> str:
     return row["error"].splitlines()[0][:160].replace("|", "/")
 
@@ -474,7 +480,7 @@ def table(result: dict) -> str:
         rss = e.get("peak_rss_mib")
         lines.append(
             f"| {e['system']} | {e['width']} | {_f(e.get('start_s'))} | {_f(e.get('first_token_s'), '{:.2f}')} | "
-            f"{cells} | {_f(rss and rss * 2**20 / GB, '{:.2f}')} | {_why(e) if 'error' in e else ''} |"
+            f"{cells} | {_f(rss and rss * 2**20 / GB, '{:.2f}')} | {_why(e) if 'error' in e else _start_note(e)} |"
         )
     lines += ["", f"measured in {_f(result.get('seconds', 0) / 60, '{:.0f}')} min", ""]
     return "\n".join(lines)
