@@ -23,7 +23,18 @@ import pytest
 import torch
 
 from ministream import MiniStreamError
-from ministream.fork.cpu import ATTN_FILE, CLI_FILES, GEMM_FILE, INT8_FILE, PLATFORM_FILE, attn_fix, gemm_fix, int8_fix
+from ministream.fork.cpu import (
+    AOT_FILE,
+    ATTN_FILE,
+    CLI_FILES,
+    GEMM_FILE,
+    INT8_FILE,
+    PLATFORM_FILE,
+    aot_fix,
+    attn_fix,
+    gemm_fix,
+    int8_fix,
+)
 from ministream.fork.patch import DEVICE_TRAILER, LLAMA, MINISTREAM, SUBJECT, applied_hash, default_device, patch_tree
 from ministream.fork.patchset import (
     added_files,
@@ -330,11 +341,11 @@ def test_a_tree_patched_for_cuda_is_remade_for_cpu_and_back(built, tmp_path, cap
     assert f"\n{DEVICE_TRAILER}: cpu\n" in head.message and applied_hash(head) != patch_set_hash(PATCH_SET)
     # 0.32's CPU part: vLLM's command line takes its version from the package, its CPU attention makes each KV
     # cache's halves once (cpu.attn_fix), its int8 products split where they would saturate (cpu.int8_fix), its
-    # bfloat16 products widened where oneDNN makes none (cpu.gemm_fix)
+    # bfloat16 products widened where oneDNN makes none (cpu.gemm_fix), its saved compiled model loaded (cpu.aot_fix)
     assert sorted(repo.git.diff("--name-only", "HEAD~1", "HEAD").split()) == sorted(
-        {*cuda_files, *CLI_FILES, ATTN_FILE, INT8_FILE, GEMM_FILE}
+        {*cuda_files, *CLI_FILES, ATTN_FILE, INT8_FILE, GEMM_FILE, AOT_FILE}
     )
-    for rel, fix in ((ATTN_FILE, attn_fix), (INT8_FILE, int8_fix), (GEMM_FILE, gemm_fix)):
+    for rel, fix in ((ATTN_FILE, attn_fix), (INT8_FILE, int8_fix), (GEMM_FILE, gemm_fix), (AOT_FILE, aot_fix)):
         pristine = repo.git.show(f"HEAD~1:{rel}", strip_newline_in_stdout=False).encode()
         assert (Path(repo.working_tree_dir) / rel).read_bytes() == fix(pristine)
     assert repo.git.diff("HEAD~1", "HEAD", "--", *cuda_files) == cuda_patch
