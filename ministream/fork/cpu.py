@@ -251,9 +251,9 @@ _ministream_lib = _ministream_register()  # held: the op lives as long as its li
 # kernels at its first call and has no such method: every load failed ("Compiling model again due to a load
 # failure: 'function' object has no attribute 'finalize_loading'") and every start compiled the model again, most
 # of a start (docs/bench.md, Engine start). The CPU part skips the call where the method is missing. A loaded graph
-# is not checked against the process (vLLM disables its guards), and vLLM's key for it names neither what the CPU
-# part's graph depends on (its switches, the int8 split's CPU flags) nor the thread count inductor's CPU kernels are
-# generated for (inductor's own cache keys on it): the CPU part adds them.
+# is not checked against the process (vLLM disables its guards), and vLLM's key for it does not name what the CPU
+# part's graph depends on: its switches, and the CPU's flags (the int8 split is traced in where VNNI is missing). The
+# CPU part adds them. (The thread count need not be: vLLM's CPU lines compile with cpp.dynamic_threads.)
 AOT_FILE = "vllm/compilation/decorators.py"
 AOT_LOAD = re.compile(rb"^( +)loaded_fn\._artifacts\.compiled_fn\.finalize_loading\((model\.vllm_config)\)\n", re.M)
 AOT_LOAD_FIX = rb"\1_ministream_finalize(loaded_fn._artifacts.compiled_fn, \2)  # MiniStream's CPU part\n"
@@ -277,8 +277,8 @@ def _ministream_finalize(compiled_fn, vllm_config) -> None:
 
 def _ministream_factors() -> str:
     """What a CPU graph depends on beyond vLLM's key: the CPU part's switches
-    (MINISTREAM_CPU_*), this CPU's flags and the threads inductor's kernels
-    are generated for, so that an artifact made under others is not loaded."""
+    (MINISTREAM_CPU_*) and this CPU's flags, so that an artifact made under
+    others is not loaded."""
     try:
         with open("/proc/cpuinfo") as f:
             flags = next((ln for ln in f if ln.startswith(("flags", "Features"))), "")
@@ -287,7 +287,7 @@ def _ministream_factors() -> str:
     switches = sorted(
         (k, v) for k, v in os.environ.items() if k.startswith("MINISTREAM_CPU_")
     )
-    return repr((switches, sorted(flags.split()[2:]), torch.get_num_threads()))
+    return repr((switches, sorted(flags.split()[2:])))
 ''' % (AOT_ENV.encode(), AOT_ENV.encode())
 
 
@@ -295,7 +295,7 @@ def aot_fix(source: bytes) -> bytes | None:
     """`source` (vLLM's compilation/decorators.py) loading the CPU's saved compiled model, under a key that names
     what its graph depends on (AOT_HELPER); None where it does not finish a load with finalize_loading and key the
     artifact as expected, once each."""
-    needs = (rb"^import os$", rb"^import torch$")
+    needs = (rb"^import os$",)
     if len(AOT_LOAD.findall(source)) != 1 or len(AOT_KEY.findall(source)) != 1 or b"_ministream_" in source:
         return None
     if not all(re.search(n, source, re.M) for n in needs):
