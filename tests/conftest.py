@@ -164,13 +164,19 @@ def pytest_configure(config):
         )
 
 
+def api_server(server: int) -> psutil.Process:
+    """The vLLM API server that `ministream serve` (pid `server`) runs: its one child."""
+    (api,) = psutil.Process(server).children()
+    return api
+
+
 def engine_core(server: int) -> psutil.Process:
     """The vLLM engine core of `ministream serve` (pid `server`): its API server's one child that is not
     multiprocessing's resource tracker. Not found by its title (VLLM::EngineCore), which is not always set:
     setproctitle finds the memory it writes by walking back from the first environment variable, and gives up
     silently where that variable was set again before (py-setproctitle#42). torch sets TORCHINDUCTOR_CACHE_DIR
     again whenever it reads it, so under `TORCHINDUCTOR_CACHE_DIR=... pytest` every engine core kept "python"."""
-    (api,) = psutil.Process(server).children()
+    api = api_server(server)
     cores = [p for p in api.children() if "multiprocessing.resource_tracker" not in " ".join(p.cmdline())]
     assert len(cores) == 1, [p.cmdline() for p in api.children()]
     return cores[0]

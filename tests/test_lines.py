@@ -387,8 +387,8 @@ PLATFORM_CPU = "vllm/platforms/cpu.py"
 @pytest.mark.parametrize("version", sorted(cpu_lines(), key=Version))
 def test_the_cpu_part_loads_saved_compilations_wherever_the_release_finishes_a_load_with_finalize_loading(version):
     """From 0.18 vLLM finishes loading a saved compiled model with the artifact's finalize_loading, which the CPU's
-    artifact lacks: where a line's release does, the CPU part (cpu.aot_fix) skips it for a plain function and keys
-    the artifact by what a CPU graph depends on too."""
+    artifact lacks: where a line's release does, the CPU part (cpu.aot_fix) skips it where the method is missing and
+    keys the artifact by what a CPU graph depends on too."""
     from ministream.fork import cpu
 
     # which lines: as fetched today (0.11-0.17 load without it)

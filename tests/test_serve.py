@@ -44,7 +44,7 @@ from ministream.run.server import (
     wait_ready,
 )
 
-from conftest import HeldEngine
+from conftest import HeldEngine, api_server
 
 MAX_TOKENS = 16
 MAX_MODEL_LEN = 256
@@ -384,7 +384,7 @@ def test_sigterm_drains_the_stream_in_flight_refuses_new_requests_and_stops_ever
     assert len(family) >= 3  # ministream serve, the API server, its engine core (and more)
     # two process groups: this session's (ministream serve alone, start_new_session) and the one the API
     # server makes for itself and its engine processes (serve._die_with_parent)
-    api = psutil.Process(proc.pid).children()[0].pid
+    api = api_server(proc.pid).pid
     assert os.getpgid(proc.pid) == proc.pid and os.getpgid(api) == api
     assert {os.getpgid(p) for p in family} == {proc.pid, api}
     # The stream in flight must still be running when the signal reaches the engine core: a free-running engine

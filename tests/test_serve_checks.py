@@ -27,7 +27,7 @@ from ministream.checkpoint.lora import PEFT_CONFIG, PEFT_WEIGHTS
 from ministream.run.serve import own_server_answers, vllm_args
 from ministream.run.server import free_port, greedy, stop, stream, wait_ready
 
-from conftest import engine_core
+from conftest import api_server, engine_core
 
 STOP_TIMEOUT = 15  # s: --stop-timeout of the engine servers here: serve kills what is left of the server then
 # s: tells a hang from an answer once the server has ended (no timing: serve returns only after its whole process
@@ -259,7 +259,7 @@ def test_sigterm_with_a_stream_in_flight_exits_0_within_the_stop_timeout_leaving
             # bound must. The core held alone raced it: vLLM's own shutdown killed the core, after its drain, at
             # 12.8 s in one run and after the bound (15 s) in others.
             engine_core(proc.pid).suspend()
-            psutil.Process(proc.pid).children()[0].suspend()
+            api_server(proc.pid).suspend()
         reader = threading.Thread(target=_drain, args=(events,), daemon=True)
         reader.start()
         start = time.monotonic()

@@ -185,6 +185,12 @@ def _llamacpp_worker(spec: dict) -> dict:
 AOT_LOADED, AOT_SAVED = "Directly load AOT compilation", "saved AOT compiled function"  # vLLM's log lines
 
 
+def compiled_model(log: str) -> str | None:
+    """How a vLLM start got its compiled model, from its log: "loaded" (vLLM's saved one; on a CPU, the CPU part's
+    fix), "compiled"; None where it ran eager."""
+    return "loaded" if AOT_LOADED in log else "compiled" if AOT_SAVED in log else None
+
+
 def run_worker(name: str, spec: dict, out: Path, env: dict | None = None, timeout: float = 1800) -> dict:
     """Run _worker(spec) in `python -m ministream.bench.workers` with its own environment; figures + peak memory.
     spec["python"]: another environment's interpreter (the stock vLLM venv's), which sees this ministream."""
@@ -224,12 +230,9 @@ def run_worker(name: str, spec: dict, out: Path, env: dict | None = None, timeou
     said = log.read_text(errors="replace")
     kv = re.search(r"KV cache size: ([\d,]+) tokens", said)
     extra: dict[str, Any] = {"kv_cache_tokens": int(kv.group(1).replace(",", ""))} if kv else {}
-    # and how a compiled engine's start got its model: vLLM's saved one loaded (on a CPU, the CPU part's fix) or
-    # compiled, most of a start: a start figure means nothing without it
-    for line, how in ((AOT_LOADED, "loaded"), (AOT_SAVED, "compiled")):
-        if line in said:
-            extra["compiled_model"] = how
-            break
+    # and how a compiled engine's start got its model, most of a start: a start figure means little without it
+    if how := compiled_model(said):
+        extra["compiled_model"] = how
     extra.update({"exit_note": note} if note else {})
     return {**json.loads(result_file.read_text()), "wall_s": wall, **memory, **extra}
 
