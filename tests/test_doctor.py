@@ -203,9 +203,10 @@ def test_a_bfloat16_folder_is_said_to_be_widened_by_the_cpu_part_or_slow_where_o
     tiny_hf, tmp_path, monkeypatch
 ):
     """On an x86 CPU with AVX2 alone oneDNN makes no bfloat16 matmul: the installed (patched) vLLM's fallback is the
-    CPU part's widened product (said, ok); a stock vLLM's is torch's F.linear (a warning naming make install and
-    float32), as is MINISTREAM_CPU_BF16_GEMM=0. Nothing where the folder computes in float32 or is quantized, or on
-    a CPU with AVX-512. Judged from the CPU's flags and the vLLM's own file."""
+    CPU part's product (said, ok; a warning where no C compiler builds its decode kernel); a stock vLLM's is torch's
+    F.linear (a warning naming make install and float32), as is MINISTREAM_CPU_BF16_GEMM=0. Nothing where the folder
+    computes in float32 or is quantized, or on a CPU with AVX-512. Judged from the CPU's flags and the vLLM's own
+    file."""
     from ministream.run import folder, kernels
 
     avx2, avx512 = tmp_path / "avx2", tmp_path / "avx512"
@@ -221,7 +222,11 @@ def test_a_bfloat16_folder_is_said_to_be_widened_by_the_cpu_part_or_slow_where_o
     assert kernels.bf16_kernel(patched, avx512, {}) is None and kernels.bf16_kernel(None, avx2, {}) is None
 
     said = folder.bf16_products(None, "bfloat16", patched, avx2)
-    assert said is not None and said.level == "ok" and "widens" in said.text
+    assert said is not None and said.level == "ok" and "widens" in said.text and "own kernel" in said.text
+    # where the CPU part cannot build its decode kernel, a decode step is F.linear's: said, with what to install
+    no_cc = folder.bf16_products(None, "bfloat16", patched, avx2, {"PATH": str(tmp_path / "empty")})
+    assert no_cc is not None and no_cc.level == "warn" and "no C compiler" in no_cc.text and "gcc" in no_cc.fix
+    assert folder.bf16_products(None, "bfloat16", patched, avx2, {"PATH": "", "CC": "clang"}).level == "ok"
     slow = folder.bf16_products(None, "bfloat16", stock, avx2)
     assert slow is not None and slow.level == "warn" and "make install" in slow.fix and "--dtype float32" in slow.fix
     assert folder.bf16_products(None, "float32", stock, avx2) is None
@@ -229,7 +234,7 @@ def test_a_bfloat16_folder_is_said_to_be_widened_by_the_cpu_part_or_slow_where_o
 
     # doctor on a bfloat16 folder says it, on this CPU read as AVX2's
     real = kernels.bf16_kernel
-    monkeypatch.setattr(folder, "bf16_kernel", lambda vllm_dir, cpuinfo=None: real(vllm_dir, avx2, {}))
+    monkeypatch.setattr(folder, "bf16_kernel", lambda vllm_dir, cpuinfo=None, env=None: real(vllm_dir, avx2, {}))
     found = doctor(tiny_hf, settings=EngineSettings(dtype="bfloat16"))
     assert [f.level for f in found if f.topic == "bfloat16 kernel"] == ["ok"], [str(f) for f in found]
     assert not [f for f in doctor(tiny_hf, settings=EngineSettings(dtype="float32")) if f.topic == "bfloat16 kernel"]

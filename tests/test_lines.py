@@ -8,6 +8,7 @@ import ast
 import json
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 from packaging.version import Version
@@ -323,35 +324,91 @@ def _gemm_helper() -> dict:
     return scope
 
 
-@pytest.mark.parametrize("rows", [1, 7, 8, 33])
-def test_the_cpu_parts_bfloat16_product_is_the_float32_sums_rounded_once(rows):
-    """Below GEMM_ROWS rows F.linear's own product; from them on each block of weight rows widened to float32: the
-    exact product within bfloat16's rounding of it, as F.linear's, with the bias, any leading shape, a last block
-    shorter than the others."""
+@pytest.mark.parametrize("rows", [1, 7, 31, 32, 33])
+@pytest.mark.parametrize("shape", [(300, 64), (301, 67)])
+def test_the_cpu_parts_bfloat16_product_is_the_float32_sums_rounded_once(rows, shape, tmp_path, monkeypatch):
+    """Below GEMM_ROWS rows the CPU part's kernel, from them on each block of weight rows widened to float32: either
+    way float32 sums rounded once to bfloat16, with the bias, any leading shape, weight rows and columns that fill
+    neither the kernel's passes (8 rows, 8 columns) nor the widened blocks (here 128 rows)."""
     import torch
 
+    from ministream.cpuinfo import flags
     from ministream.fork import cpu
 
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path))
     scope = _gemm_helper()
     scope["_MINISTREAM_BF16_BLOCK"] = 128  # 300 rows: blocks of 128, 128 and 44
     torch.manual_seed(0)
-    weight, bias = torch.randn(300, 64).bfloat16(), torch.randn(300).bfloat16()
-    x = torch.randn(rows, 64).bfloat16()
+    n, k = shape
+    weight, bias = torch.randn(n, k).bfloat16(), torch.randn(n).bfloat16()
+    x = torch.randn(rows, k).bfloat16()
     exact = x.double() @ weight.double().T + bias.double()
     got = scope["_ministream_linear"](x, weight, bias)
-    assert got.dtype == torch.bfloat16 and got.shape == (rows, 300)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
     # one rounding to bfloat16 (8 bits) of float32 sums: within 2^-8 of the largest value
     assert float((got.double() - exact).abs().max() / exact.abs().max()) < 2**-8
-    widened = scope["_ministream_bf16_linear"](x, weight, bias)
-    if rows < cpu.GEMM_ROWS:
-        assert torch.equal(widened, torch.nn.functional.linear(x, weight, bias))
-    else:  # the widened sums are float32's: exact before the one rounding
-        want = (x.float().double() @ weight.float().double().T + bias.double()).to(torch.bfloat16)
-        assert (widened.float() - want.float()).abs().max() <= 2**-7 * want.float().abs().max()
-    assert scope["_ministream_bf16_linear"](x.reshape(1, rows, 64), weight, None).shape == (1, rows, 300)
+    ours = scope["_ministream_bf16_linear"](x, weight, bias)
+    want = (x.float().double() @ weight.float().double().T + bias.double()).to(torch.bfloat16)
+    assert (ours.float() - want.float()).abs().max() <= 2**-7 * want.float().abs().max()
+    if {"avx2", "fma"} <= set(flags()):  # the kernel ran, or was not asked
+        assert bool(scope["_ministream_gemv_fn"]) is (rows < cpu.GEMM_ROWS)
+    assert scope["_ministream_bf16_linear"](x.reshape(1, rows, k), weight, None).shape == (1, rows, n)
 
 
-def test_the_cpu_parts_bfloat16_product_compiles_whole_and_takes_only_bfloat16_weights(monkeypatch):
+def test_the_cpu_parts_kernel_is_built_once_into_vllms_cache_and_runs_on_torchs_threads(tmp_path, monkeypatch):
+    """The kernel is compiled once into VLLM_CACHE_ROOT (a later process loads the file: no compiler needed then)
+    and runs on torch's OpenMP runtime, the one whose threads vLLM binds."""
+    import torch
+
+    from ministream.cpuinfo import flags
+
+    if not {"avx2", "fma"} <= set(flags()):
+        pytest.skip("the kernel is AVX2 and FMA's")
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path))
+    x, weight = torch.randn(3, 40).bfloat16(), torch.randn(24, 40).bfloat16()
+    first = _gemm_helper()
+    made = first["_ministream_bf16_linear"](x, weight, None)
+    (built,) = (tmp_path / "ministream").iterdir()  # the library, and no compiler's leftovers beside it
+    assert built.suffix == ".so" and first["_ministream_gemv_fn"]
+    stamp = built.stat().st_mtime_ns
+    monkeypatch.setenv("CC", str(tmp_path / "no-compiler"))  # a second build would fail
+    second = _gemm_helper()
+    assert torch.equal(second["_ministream_bf16_linear"](x, weight, None), made) and second["_ministream_gemv_fn"]
+    assert built.stat().st_mtime_ns == stamp
+    # its libgomp.so.1 is torch's, already loaded: no second runtime (the system's) beside it. Wheels that bundle
+    # their own under another name (scikit-learn's libgomp-HASH) are theirs alone.
+    maps = Path("/proc/self/maps").read_text().splitlines()
+    gomps = {Path(ln.split()[-1]) for ln in maps if Path(ln.split()[-1]).name.startswith("libgomp.so")}
+    assert gomps == {Path(torch.__file__).parent / "lib" / "libgomp.so.1"}, gomps
+
+
+@pytest.mark.parametrize("cc", ["false", "missing"])
+def test_where_the_kernel_cannot_be_built_a_decode_steps_products_stay_f_linears_and_the_log_says_why(
+    cc, tmp_path, monkeypatch, caplog
+):
+    """A compiler that fails, or none: the rows are torch's F.linear, a warning names the cause once, and the cache
+    holds no half-built file. MINISTREAM_CPU_BF16_GEMV=0 asks for F.linear there without building anything."""
+    import torch
+
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path))
+    monkeypatch.setenv("CC", "false" if cc == "false" else str(tmp_path / "missing-cc"))
+    x, weight = torch.randn(2, 40).bfloat16(), torch.randn(24, 40).bfloat16()
+    scope = _gemm_helper()
+    with caplog.at_level("WARNING"):
+        for _ in range(2):
+            assert torch.equal(scope["_ministream_bf16_linear"](x, weight, None), torch.nn.functional.linear(x, weight))
+    said = [r.getMessage() for r in caplog.records if "MiniStream's CPU part" in r.getMessage()]
+    assert len(said) == 1 and "F.linear" in said[0], said
+    assert ("failed" in said[0]) if cc == "false" else ("could not be built" in said[0] and "missing-cc" in said[0])
+    assert not [p for p in (tmp_path / "ministream").rglob("*") if p.is_file()]
+    monkeypatch.setenv("CC", "cc")
+    off = _gemm_helper()
+    off["_MINISTREAM_BF16_GEMV"] = False
+    assert torch.equal(off["_ministream_bf16_linear"](x, weight, None), torch.nn.functional.linear(x, weight))
+    assert off["_ministream_gemv_fn"] is None  # never built
+
+
+def test_the_cpu_parts_bfloat16_product_compiles_whole_and_takes_only_bfloat16_weights(tmp_path, monkeypatch):
     """vLLM compiles its CPU model (torch.compile, dynamic batch): the product is an op of its own, which the graph
     calls whole and which picks its way per call; a float32 weight is F.linear's, and so is every product of the op
     under MINISTREAM_CPU_BF16_GEMM=0."""
@@ -359,6 +416,7 @@ def test_the_cpu_parts_bfloat16_product_compiles_whole_and_takes_only_bfloat16_w
 
     from ministream.fork import cpu
 
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path))
     scope = _gemm_helper()
     assert hasattr(torch.ops.ministream, "bf16_linear")
     exec(cpu.GEMM_HELPER.decode(), {"torch": torch})  # a second time in a process (bench-kernels): no error
@@ -366,7 +424,7 @@ def test_the_cpu_parts_bfloat16_product_compiles_whole_and_takes_only_bfloat16_w
     weight, bias = torch.randn(40, 16).bfloat16(), torch.randn(40).bfloat16()
     linear = scope["_ministream_linear"]
     compiled = torch.compile(lambda x: linear(x, weight, bias), dynamic=True, fullgraph=True)
-    for rows in (2, 20):
+    for rows in (2, 40):  # the kernel's rows, and widened ones
         x = torch.randn(rows, 16).bfloat16()
         assert torch.equal(compiled(x), scope["_ministream_bf16_linear"](x, weight, bias)), rows
     x = torch.randn(9, 16).bfloat16()

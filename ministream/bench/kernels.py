@@ -11,7 +11,8 @@ holds one matrix:
 
     bfloat16    oneDNN's matmul through vLLM's handler (ops.create_onednn_mm) where oneDNN makes one (AVX-512 on),
                 else torch's F.linear: dispatch_cpu_unquantized_gemm's choice without zentorch; and there
-                the CPU part's product, widened to float32 from a few rows on (fork/cpu.py GEMM_HELPER)
+                the CPU part's product: its own matrix-vector kernel for a few rows, widened to float32 from
+                more on (fork/cpu.py GEMM_HELPER)
     float32     the same, on float32 weights, and F.linear beside it
     w8a8        oneDNN's int8 matmul through vLLM's handler (ops.create_onednn_scaled_mm, the CPU scaled-mm
                 kernel's choice without AMX), the activation quantized per token first, as vLLM does; and the
@@ -113,10 +114,10 @@ def kernels(width: str, weight: torch.Tensor) -> dict:
     except RuntimeError:  # oneDNN has no such matmul on this CPU (bfloat16 with AVX2 alone)
         from ..fork.cpu import GEMM_HELPER, GEMM_ROWS
 
-        widened = _cpu_part(GEMM_HELPER)["_ministream_bf16_linear"]
+        part = _cpu_part(GEMM_HELPER)["_ministream_bf16_linear"]
         return {
             "F.linear (vLLM's: oneDNN refused)": linear,
-            f"F.linear, widened from {GEMM_ROWS} rows (the CPU part)": (lambda x: widened(x, w, None), nbytes, exact),
+            f"the CPU part: its kernel, widened from {GEMM_ROWS} rows": (lambda x: part(x, w, None), nbytes, exact),
         }
     return {"onednn_mm (vLLM's)": (lambda x: ops.onednn_mm(handler, x, None), nbytes, exact), "F.linear": linear}
 

