@@ -231,7 +231,8 @@ def test_the_held_kv_cache_halves_are_vllm_s_views_of_the_cache_the_layer_holds_
 def test_the_cpu_parts_int8_product_is_the_exact_int8_product_where_onednns_saturates(symmetric):
     """vLLM's W8A8 product on CPU (oneDNN's, through its own ops) against the exact one: int8 activations quantized
     by vLLM's op times the int8 weights, summed in int64, then scaled. On an x86 CPU without VNNI oneDNN's pair sums
-    saturate (vLLM's product is far off); the CPU part's split product is exact on every CPU."""
+    saturate (vLLM's product is far off); the CPU part's products are exact on every CPU: its own kernel where the
+    activations are symmetric, oneDNN's split where they have a zero point or MINISTREAM_CPU_INT8_KERNEL=0."""
     import torch
     from vllm import _custom_ops as ops
     from vllm.platforms import current_platform
@@ -262,14 +263,62 @@ def test_the_cpu_parts_int8_product_is_the_exact_int8_product_where_onednns_satu
         apply(handler, x_q, out, x_s, x_zp, adj, None)
         return (out.double() - want).abs().max() / want.abs().max()
 
-    scope["_MINISTREAM_INT8_SPLIT"] = True  # the split, on any CPU
-    split = product(scope["_ministream_create_onednn_scaled_mm"], scope["_ministream_onednn_scaled_mm"])
+    scope["_MINISTREAM_INT8_SPLIT"] = True  # the CPU part's product, on any CPU
+    ours = scope["_ministream_create_onednn_scaled_mm"], scope["_ministream_onednn_scaled_mm"]
+    handler = ours[0](weight.T, scale, torch.float32, True, not symmetric, 32)
+    # symmetric activations take its kernel (AVX2 and FMA and a compiler here), a zero point oneDNN's split
+    kind = "_MinistreamInt8Handler" if symmetric else "_MinistreamSplitHandler"
+    assert type(handler).__name__ == kind, type(handler)
+    assert product(*ours) < 1e-6, float(product(*ours))
+    scope["_MINISTREAM_INT8_KERNEL"] = False
+    assert type(ours[0](weight.T, scale, torch.float32, True, not symmetric, 32)).__name__ == "_MinistreamSplitHandler"
+    split = product(*ours)
     assert split < 1e-5, float(split)
     vllms = product(ops.create_onednn_scaled_mm, ops.onednn_scaled_mm)
     if saturates:  # the fault the split mends, seen here
         assert vllms > 1e-2, float(vllms)
     else:
         assert vllms < 1e-5, float(vllms)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 40])
+def test_the_cpu_parts_int8_kernel_is_exact_with_a_bias_and_shapes_that_fill_no_pass(rows, tmp_path, monkeypatch):
+    """The int8 kernel (GEMV_C's ministream_int8_gemm, through the op the handler calls): exact int32 sums of any
+    int8 values (-128 included, which saturates oneDNN's pairs), scaled per row of x and per row of the weight, a
+    bias added; weight rows and columns that fill neither its passes (8 rows) nor its vectors (16 columns), and an
+    x whose scale is one for all rows (a static one)."""
+    import torch
+    from vllm import _custom_ops as ops
+    from vllm.platforms import current_platform
+    from vllm.platforms.interface import CpuArchEnum
+
+    from ministream.cpuinfo import flags
+    from ministream.fork import cpu
+
+    if not {"avx2", "fma"} <= set(flags()):
+        pytest.skip("the kernel is AVX2 and FMA's")
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path))
+    scope: dict = {"torch": torch, "ops": ops, "current_platform": current_platform, "CpuArchEnum": CpuArchEnum}
+    exec(cpu.INT8_HELPER.decode(), scope)
+    scope["_MINISTREAM_INT8_SPLIT"] = True
+    torch.manual_seed(0)
+    n, k = 251, 515
+    weight = torch.randint(-128, 128, (n, k), dtype=torch.int8)
+    weight[0, :] = -128
+    scale, bias = torch.rand(n) * 0.01 + 0.001, torch.randn(n).bfloat16()
+    x_q = torch.randint(-128, 128, (rows, k), dtype=torch.int8)
+    x_q[0, :] = -128
+    for x_s in (torch.rand(rows, 1) + 0.5, torch.tensor(0.25)):
+        handler = scope["_ministream_create_onednn_scaled_mm"](weight.T, scale, torch.float32, True, False, 32)
+        assert type(handler).__name__ == "_MinistreamInt8Handler"
+        out = torch.empty(rows, n, dtype=torch.bfloat16)
+        scope["_ministream_onednn_scaled_mm"](handler, x_q, out, x_s, None, None, bias)
+        sums = x_q.long() @ weight.long().T  # exact
+        want = sums.double() * x_s.double().reshape(-1, 1) * scale.double() + bias.double()
+        assert ((out.double() - want).abs() <= 2**-8 * want.abs() + 1e-6).all()  # bfloat16's one rounding
+        f32 = torch.empty(rows, n)
+        scope["_ministream_onednn_scaled_mm"](handler, x_q, f32, x_s, None, None, None)
+        assert (f32.double() - (want - bias.double())).abs().max() <= 1e-5 * want.abs().max()
 
 
 def test_the_int8_fix_applies_once_and_only_where_vllm_makes_both_onednn_calls():

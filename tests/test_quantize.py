@@ -295,8 +295,9 @@ def test_an_int8_folder_is_refused_where_vllms_int8_products_saturate_and_said_w
 ):
     """oneDNN's int8 GEMM on an x86 CPU without VNNI saturates with 8-bit weights (tests/test_lines.py measures it):
     the one rule of what this machine runs refuses a w8a8 folder on a vLLM whose kernel file calls it unsplit (stock
-    vLLM, or MINISTREAM_CPU_INT8_SPLIT=0), and doctor says the split where the patched wheel's CPU part has it. Judged
-    from the CPU's flags and the vLLM's own kernel file."""
+    vLLM, or MINISTREAM_CPU_INT8_SPLIT=0), and doctor says the CPU part's kernel where the patched wheel has it (a
+    warning where no C compiler builds it), else its split. Judged from the CPU's flags and the vLLM's own kernel
+    file."""
     from ministream.run import kernels
 
     stock, patched, amx = tmp_path / "stock", tmp_path / "patched", tmp_path / "amx-vllm"
@@ -317,12 +318,19 @@ def test_an_int8_folder_is_refused_where_vllms_int8_products_saturate_and_said_w
 
     int8, int4 = (quantization({"quantization_config": quantization_config(s, False)}) for s in ("w8a8", "w4a16"))
     said = int8_split(int8, patched, avx2)
-    assert said is not None and said.level == "ok" and "splits each in two" in said.text
+    assert said is not None and said.level == "ok" and "splits each in two" in said.text  # a wheel without the kernel
+    with (patched / kernels.CPU_INT8).open("a") as f:  # a wheel with it
+        f.write(f"\n{kernels.CPU_INT8_KERNEL}:")
+    said = int8_split(int8, patched, avx2)
+    assert said is not None and said.level == "ok" and "own int8 kernel" in said.text
+    no_cc = int8_split(int8, patched, avx2, {"PATH": str(tmp_path / "empty")})
+    assert no_cc is not None and no_cc.level == "warn" and "no C compiler" in no_cc.text and "gcc" in no_cc.fix
+    assert "splits each in two" in int8_split(int8, patched, avx2, {kernels.INT8_KERNEL_ENV: "0"}).text
     assert int8_split(int8, stock, avx2) is None and int8_split(int8, patched, vnni) is None
     assert int8_split(int4, patched, avx2) is None and int8_split(None, patched, avx2) is None
 
     real = kernels.int8_kernel
-    monkeypatch.setattr("ministream.run.folder.int8_kernel", lambda vllm_dir: real(vllm_dir, avx2, {}))
+    monkeypatch.setattr("ministream.run.folder.int8_kernel", lambda vllm_dir, *a: real(vllm_dir, avx2, {}))
     with pytest.raises(FolderError, match="saturate") as e:
         check_dtype("w8a8", "float32", "the folder", stock)
     assert "make install" in e.value.fix and kernels.INT8_SPLIT_ENV in e.value.fix

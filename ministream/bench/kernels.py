@@ -16,7 +16,8 @@ holds one matrix:
     float32     the same, on float32 weights, and F.linear beside it
     w8a8        oneDNN's int8 matmul through vLLM's handler (ops.create_onednn_scaled_mm, the CPU scaled-mm
                 kernel's choice without AMX), the activation quantized per token first, as vLLM does; and the
-                CPU part's split of it in two products (fork/cpu.py INT8_HELPER), which cannot saturate
+                CPU part's products where oneDNN's would saturate (fork/cpu.py INT8_HELPER): its own int8 kernel,
+                and oneDNN's split in two products, which it takes where the kernel cannot be built
 
 `ministream bench-kernels [--size 1.2b] [--out DIR]` (make bench-kernels); one JSON and a table under OUT.
 """
@@ -77,15 +78,21 @@ def kernels(width: str, weight: torch.Tensor) -> dict:
         q = (weight.float() / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
         from ..fork.cpu import INT8_HELPER
 
-        split = _cpu_part(INT8_HELPER)
-        split["_MINISTREAM_INT8_SPLIT"] = True
+        split, kernel = _cpu_part(INT8_HELPER), _cpu_part(INT8_HELPER)
+        split["_MINISTREAM_INT8_SPLIT"] = kernel["_MINISTREAM_INT8_SPLIT"] = True  # as on a CPU without VNNI
+        split["_MINISTREAM_INT8_KERNEL"] = False
         handlers = {
             "onednn_scaled_mm (vLLM's own)": (ops.create_onednn_scaled_mm, ops.onednn_scaled_mm),
-            "onednn_scaled_mm split in two (the CPU part)": (
+            "onednn_scaled_mm split in two (the CPU part without its kernel)": (
                 split["_ministream_create_onednn_scaled_mm"],
                 split["_ministream_onednn_scaled_mm"],
             ),
         }
+        if kernel["_ministream_int8_kernels"]() is not None:
+            handlers["the CPU part's int8 kernel"] = (
+                kernel["_ministream_create_onednn_scaled_mm"],
+                kernel["_ministream_onednn_scaled_mm"],
+            )
 
         def int8_exact(x):  # vLLM's own activation quantization, then int8 arithmetic without overflow
             x_q, x_s, _ = ops.onednn_scaled_int8_quant(x, None, None, True)

@@ -100,11 +100,15 @@ def _kv_halves(impl, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 # "int8 computations" guide; PyTorch issue #103646): with a folder's 8-bit weights some products come out wrong,
 # silently (measured: a [1, 512] x [512, 256] product off by 0.18 where int8's own error is 0.015). The CPU part
 # splits each weight there into its high 7 bits and its lowest bit, two products that cannot saturate, summed: the
-# int8 product exactly, for twice the weight bytes read. Since vLLM's AVX2 build got these ops (PR #41318).
+# int8 product exactly, for twice the weight bytes read. Since vLLM's AVX2 build got these ops (PR #41318). Both
+# read the weights at a few per cent of the bandwidth on AVX2 alone (docs/bench.md), so where the activations are
+# symmetric (a folder's w8a8: no zero point) the product is the CPU part's own int8 kernel instead (GEMV_C, built as
+# for bfloat16: exact int32 sums of int16 products, one weight copy), and the split where it cannot be built.
 INT8_FILE = "vllm/model_executor/kernels/linear/scaled_mm/cpu.py"
 INT8_CALLS = re.compile(rb"\bops\.(create_onednn_scaled_mm|onednn_scaled_mm)\(")
 INT8_FIX = rb"_ministream_\1("
 INT8_ENV = "MINISTREAM_CPU_INT8_SPLIT"  # "0": vLLM's own single product, to measure or rule out the fix
+INT8_KERNEL_ENV = "MINISTREAM_CPU_INT8_KERNEL"  # "0": oneDNN's split where the kernel would run, to measure it
 INT8_HELPER = b'''
 
 # MiniStream's CPU part (ministream/fork/cpu.py); %s=0 undoes it
@@ -126,6 +130,9 @@ def _ministream_int8_pairs_saturate() -> bool:
 
 
 _MINISTREAM_INT8_SPLIT = _ministream_int8_pairs_saturate()
+# there, symmetric activations go through the CPU part's own kernel where it is
+# built; %s=0 keeps oneDNN's split
+_MINISTREAM_INT8_KERNEL = __import__("os").environ.get("%s", "1") != "0"
 
 
 class _MinistreamSplitHandler:
@@ -139,6 +146,59 @@ class _MinistreamSplitHandler:
         self.k, self.n = high.k, high.n
 
 
+class _MinistreamInt8Handler:
+    """A weight's product as the CPU part's own int8 kernel (exact int32 sums, at
+    several times oneDNN's AVX2 speed): the [n, k] weight and a scale per row,
+    held here, as oneDNN's handler holds its packed copy."""
+
+    def __init__(self, weight, scales):
+        self.n, self.k = weight.shape
+        self.weight = weight.contiguous()
+        self.scales = scales.float().reshape(-1).expand(self.n).contiguous()
+
+
+def _ministream_int8_kernels():
+    """The CPU part's kernels (layers/utils.py builds them), or None."""
+    try:
+        from vllm.model_executor.layers import utils
+    except ImportError:
+        return None
+    return utils._ministream_kernels() if hasattr(utils, "_ministream_kernels") else None
+
+
+def _ministream_int8_linear(x, x_scale, weight, weight_scale, bias):
+    """xs * ws * (x @ weight.T) (+ bias) in float32: x int8 [m, k] with a scale
+    per row (or one), weight int8 [n, k] with a scale per row."""
+    m, (n, k) = x.shape[0], weight.shape
+    x = x.contiguous()
+    xs = x_scale.float().reshape(-1).expand(m).contiguous()
+    b = None if bias is None else bias.float().contiguous()
+    out = torch.empty(m, n, dtype=torch.float32, device=x.device)
+    _ministream_int8_kernels().ministream_int8_gemm(
+        x.data_ptr(), xs.data_ptr(), m, weight.data_ptr(), weight_scale.data_ptr(),
+        n, k, None if b is None else b.data_ptr(), out.data_ptr(), torch.get_num_threads(),
+    )
+    return out
+
+
+def _ministream_int8_register():
+    """The op (torch.compile leaves it whole), once a process."""
+    if hasattr(torch.ops.ministream, "int8_linear"):
+        return None
+    lib = torch.library.Library("ministream", "FRAGMENT")
+    lib.define("int8_linear(Tensor x, Tensor x_scale, Tensor weight, Tensor weight_scale, Tensor? bias) -> Tensor")
+    lib.impl("int8_linear", _ministream_int8_linear, "CPU")
+    lib.impl(
+        "int8_linear",
+        lambda x, xs, w, ws, b: x.new_empty((x.shape[0], w.shape[0]), dtype=torch.float32),
+        "Meta",
+    )
+    return lib
+
+
+_ministream_int8_lib = _ministream_int8_register()  # held: the op lives as long as its library
+
+
 def _ministream_create_onednn_scaled_mm(
     weight, weight_scales, output_type, dynamic_quant, use_azp, primitive_cache_size=128
 ):
@@ -146,6 +206,9 @@ def _ministream_create_onednn_scaled_mm(
         return ops.create_onednn_scaled_mm(
             weight, weight_scales, output_type, dynamic_quant, use_azp, primitive_cache_size
         )
+    # symmetric activations: the kernel; with a zero point, oneDNN's product split
+    if not use_azp and _MINISTREAM_INT8_KERNEL and _ministream_int8_kernels() is not None:
+        return _MinistreamInt8Handler(weight.t(), weight_scales)
     high = torch.div(weight, 2, rounding_mode="floor")  # -64 .. 63
     low = weight - 2 * high  # 0 or 1
     doubled = weight_scales * 2
@@ -164,6 +227,13 @@ def _ministream_create_onednn_scaled_mm(
 def _ministream_onednn_scaled_mm(
     handler, x, output, input_scale, input_zp, input_zp_adj, bias
 ):
+    if isinstance(handler, _MinistreamInt8Handler):
+        output.copy_(
+            torch.ops.ministream.int8_linear(
+                x, input_scale, handler.weight, handler.scales, bias
+            )
+        )
+        return output
     if not isinstance(handler, _MinistreamSplitHandler):
         return ops.onednn_scaled_mm(
             handler, x, output, input_scale, input_zp, input_zp_adj, bias
@@ -174,7 +244,13 @@ def _ministream_onednn_scaled_mm(
     low = torch.empty_like(output)
     ops.onednn_scaled_mm(handler.low, x, low, input_scale, None, None, None)
     return output.add_(low)
-''' % (INT8_ENV.encode(), INT8_ENV.encode(), ", ".join(f'"{f}"' for f in VNNI).encode())
+''' % (
+    INT8_ENV.encode(),
+    INT8_ENV.encode(),
+    ", ".join(f'"{f}"' for f in VNNI).encode(),
+    INT8_KERNEL_ENV.encode(),
+    INT8_KERNEL_ENV.encode(),
+)
 
 
 # vLLM's CPU linear layers multiply a bfloat16 weight with oneDNN's matmul where oneDNN makes one (AVX-512 on: it
@@ -259,6 +335,54 @@ void ministream_bf16_gemv(const float *x, long m, const uint16_t *w, long n, lon
         }
     }
 }
+
+static inline __m256i widen16(const int8_t *p) { /* 16 int8 -> int16 */
+    return _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p));
+}
+
+static inline int32_t isum8(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_hadd_epi32(s, s);
+    return _mm_cvtsi128_si32(_mm_hadd_epi32(s, s));
+}
+
+/* y[m, n] = xs[i] * ws[j] * sum_k x[i, k] w[j, k] (+ bias[j]): x, w int8 and contiguous, xs per row of x, ws per
+   row of w, float32 out. The sums are exact: int16 products summed in pairs into int32 (vpmaddwd), which no pair
+   of 8-bit values can overflow, unlike oneDNN's u8 x s8 pairs into int16 on a CPU without VNNI. */
+void ministream_int8_gemm(const int8_t *x, const float *xs, long m, const int8_t *w, const float *ws, long n, long k,
+                          const float *bias, float *y, int threads) {
+    long passes = (n + PASS - 1) / PASS, k16 = k & ~15L;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (long p = 0; p < passes; p++) {
+        long r0 = p * PASS, rows = n - r0 < PASS ? n - r0 : PASS;
+        for (long i = 0; i < m; i++) {
+            const int8_t *xi = x + i * k;
+            int32_t s[PASS];
+            if (rows == PASS) {
+                __m256i acc[PASS];
+                for (int r = 0; r < PASS; r++) acc[r] = _mm256_setzero_si256();
+                for (long j = 0; j < k16; j += 16) {
+                    __m256i xv = widen16(xi + j);
+                    for (int r = 0; r < PASS; r++)
+                        acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(widen16(w + (r0 + r) * k + j), xv));
+                }
+                for (int r = 0; r < PASS; r++) s[r] = isum8(acc[r]);
+            } else {
+                for (long r = 0; r < rows; r++) {
+                    __m256i acc = _mm256_setzero_si256();
+                    for (long j = 0; j < k16; j += 16)
+                        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(widen16(w + (r0 + r) * k + j), widen16(xi + j)));
+                    s[r] = isum8(acc);
+                }
+            }
+            for (long r = 0; r < rows; r++) {
+                for (long j = k16; j < k; j++) s[r] += (int32_t)xi[j] * w[(r0 + r) * k + j];
+                float v = (float)s[r] * xs[i] * ws[r0 + r];
+                y[i * n + r0 + r] = bias ? v + bias[r0 + r] : v;
+            }
+        }
+    }
+}
 """
 GEMV_FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")  # AVX2 and FMA only: any such x86 CPU
 GEMM_HELPER = b"""
@@ -270,7 +394,7 @@ _MINISTREAM_BF16_ROWS = %d
 _MINISTREAM_BF16_BLOCK = %d
 _MINISTREAM_GEMV_FLAGS = %s
 _MINISTREAM_GEMV_C = r'''%s'''
-_ministream_gemv_fn = None  # the kernel once built; False where it cannot be
+_ministream_gemv_fn = None  # the kernels once built; False where they cannot be
 
 
 def _ministream_linear(x, weight, bias):
@@ -292,11 +416,11 @@ def _ministream_bf16_linear(x, weight, bias):
     x2 = x.reshape(rows, x.shape[-1]).float().contiguous()
     out = torch.empty(rows, n, dtype=torch.float32, device=x.device)
     if rows < _MINISTREAM_BF16_ROWS:
-        gemv = _ministream_gemv() if _MINISTREAM_BF16_GEMV else None
-        if gemv is None or not weight.is_contiguous():
+        lib = _ministream_kernels() if _MINISTREAM_BF16_GEMV else None
+        if lib is None or not weight.is_contiguous():
             return torch.nn.functional.linear(x, weight, bias)
-        k = x2.shape[1]
-        gemv(x2.data_ptr(), rows, weight.data_ptr(), n, k, out.data_ptr(), torch.get_num_threads())
+        k, threads = x2.shape[1], torch.get_num_threads()
+        lib.ministream_bf16_gemv(x2.data_ptr(), rows, weight.data_ptr(), n, k, out.data_ptr(), threads)
     else:
         for r in range(0, n, _MINISTREAM_BF16_BLOCK):
             block = weight[r : r + _MINISTREAM_BF16_BLOCK].float()
@@ -306,22 +430,24 @@ def _ministream_bf16_linear(x, weight, bias):
     return out.to(x.dtype).reshape(*x.shape[:-1], n)
 
 
-def _ministream_gemv():
-    \"\"\"The matrix-vector kernel (ctypes), built on first use; None where it
-    cannot be, said once.\"\"\"
+def _ministream_kernels():
+    \"\"\"The CPU part's kernels (a ctypes library: the bfloat16 matrix-vector
+    product, and the int8 product scaled_mm/cpu.py's part takes), built on first
+    use; None where they cannot be, said once.\"\"\"
     global _ministream_gemv_fn
     if _ministream_gemv_fn is None:
         try:
             _ministream_gemv_fn = _ministream_gemv_build()
         except (OSError, __import__("subprocess").SubprocessError) as e:
-            _ministream_gemv_fn = _ministream_gemv_refused(f"it could not be built ({e})")
+            _ministream_gemv_fn = _ministream_gemv_refused(f"they could not be built ({e})")
     return _ministream_gemv_fn or None
 
 
 def _ministream_gemv_refused(why):
     __import__("logging").getLogger(__name__).warning(
-        "MiniStream's CPU part: bfloat16 products below %%d rows stay torch's "
-        "F.linear, at about half its own kernel's read rate: %%s",
+        "MiniStream's CPU part: no kernels of its own, so bfloat16 products below "
+        "%%d rows stay torch's F.linear (about half the read rate) and int8 ones "
+        "oneDNN's, split: %%s",
         _MINISTREAM_BF16_ROWS,
         why,
     )
@@ -329,9 +455,9 @@ def _ministream_gemv_refused(why):
 
 
 def _ministream_gemv_build():
-    \"\"\"Compile the kernel into vLLM's cache (once per source and flags; a
-    machine's later starts load it) and load it. Needs AVX2 and FMA, and a C
-    compiler ($CC, cc or gcc).\"\"\"
+    \"\"\"Compile the kernels into vLLM's cache (once per source and flags; a
+    machine's later starts load them) and load them. Needs AVX2 and FMA, and a
+    C compiler ($CC, cc or gcc).\"\"\"
     import ctypes
     import hashlib
     import os
@@ -353,11 +479,11 @@ def _ministream_gemv_build():
         return _ministream_gemv_refused("no C compiler ($CC, cc, gcc) to build its kernel")
     key = hashlib.sha256(repr((_MINISTREAM_GEMV_C, _MINISTREAM_GEMV_FLAGS)).encode())
     folder = os.path.join(envs.VLLM_CACHE_ROOT, "ministream")
-    path = os.path.join(folder, f"bf16_gemv-{key.hexdigest()[:16]}.so")
+    path = os.path.join(folder, f"kernels-{key.hexdigest()[:16]}.so")
     if not os.path.exists(path):
         os.makedirs(folder, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=folder) as tmp:  # then renamed: never half a file
-            src, lib = os.path.join(tmp, "gemv.c"), os.path.join(tmp, "gemv.so")
+            src, lib = os.path.join(tmp, "kernels.c"), os.path.join(tmp, "kernels.so")
             with open(src, "w") as f:
                 f.write(_MINISTREAM_GEMV_C)
             run = subprocess.run(
@@ -369,11 +495,12 @@ def _ministream_gemv_build():
             if run.returncode:
                 return _ministream_gemv_refused(f"{cc} failed: {run.stderr.strip()[-400:]}")
             os.replace(lib, path)
-    fn = ctypes.CDLL(path).ministream_bf16_gemv
-    long, ptr = ctypes.c_long, ctypes.c_void_p
-    fn.argtypes = [ptr, long, ptr, long, long, ptr, ctypes.c_int]
-    fn.restype = None
-    return fn
+    lib = ctypes.CDLL(path)
+    long, ptr, int_ = ctypes.c_long, ctypes.c_void_p, ctypes.c_int
+    lib.ministream_bf16_gemv.argtypes = [ptr, long, ptr, long, long, ptr, int_]
+    lib.ministream_int8_gemm.argtypes = [ptr, ptr, long, ptr, ptr, long, long, ptr, ptr, int_]
+    lib.ministream_bf16_gemv.restype = lib.ministream_int8_gemm.restype = None
+    return lib
 
 
 def _ministream_bf16_linear_shape(x, weight, bias):

@@ -34,6 +34,7 @@ from .kernels import (
     int4_runs_w4a8,
     int8_kernel,
     int8_needs_16_bits,
+    int8_own_kernel,
     reads_quantized_head,
 )
 
@@ -76,11 +77,31 @@ def int4_kernel(
     )
 
 
-def int8_split(q: Quantization | None, vllm_dir: Path | None, cpuinfo: Path = Path("/proc/cpuinfo")) -> Finding | None:
+def int8_split(
+    q: Quantization | None, vllm_dir: Path | None, cpuinfo: Path = Path("/proc/cpuinfo"), env=os.environ
+) -> Finding | None:
     """What an int8 folder is computed with where oneDNN's int8 products would saturate (an x86 CPU without VNNI)
-    and the CPU part splits them; None elsewhere (where they saturate, check_dtype refuses)."""
-    if q is None or q[0] != "w8a8" or int8_kernel(vllm_dir, cpuinfo) != "split":
+    and the CPU part mends them: its own kernel, or oneDNN's split; None elsewhere (where they saturate, check_dtype
+    refuses)."""
+    if q is None or q[0] != "w8a8" or int8_kernel(vllm_dir, cpuinfo, env) != "split":
         return None
+    if int8_own_kernel(vllm_dir, env) and c_compiler(env):
+        return Finding(
+            "ok",
+            "int8 kernel",
+            f"on this CPU (x86 without VNNI) oneDNN's int8 products sum pairs in int16 and would saturate; the patched "
+            f"wheel's CPU part computes them with its own int8 kernel, built at the engine's first start with the C "
+            f"compiler ({CPU_INT8}): exact int32 sums, at many times oneDNN's speed here (docs/bench.md)",
+        )
+    if int8_own_kernel(vllm_dir, env):
+        return Finding(
+            "warn",
+            "int8 kernel",
+            f"on this CPU (x86 without VNNI) oneDNN's int8 products would saturate; the patched wheel's CPU part finds "
+            f"no C compiler ($CC, cc, gcc) to build its int8 kernel, so it splits each product in two that cannot "
+            f"({CPU_INT8}): exact, but some 30 times slower at batch 1 (docs/bench.md)",
+            "install a C compiler (Debian: apt install gcc) or set CC; vLLM's torch.compile needs one too",
+        )
     return Finding(
         "ok",
         "int8 kernel",

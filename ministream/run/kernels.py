@@ -59,6 +59,19 @@ def int8_needs_16_bits(vllm_dir: Path | None, cpuinfo: Path = CPUINFO) -> bool:
 CPU_INT8_ONEDNN = "onednn_scaled_mm("
 CPU_INT8_SPLIT = "_ministream_create_onednn_scaled_mm("
 INT8_SPLIT_ENV = "MINISTREAM_CPU_INT8_SPLIT"  # fork/cpu.py INT8_ENV (run/ reads files, never imports fork/)
+# Its later versions compute symmetric activations' products with the CPU part's own int8 kernel, built with a C
+# compiler, where that can be built (the split otherwise), unless MINISTREAM_CPU_INT8_KERNEL=0.
+CPU_INT8_KERNEL = "class _MinistreamInt8Handler"
+INT8_KERNEL_ENV = "MINISTREAM_CPU_INT8_KERNEL"  # fork/cpu.py INT8_KERNEL_ENV
+
+
+def int8_own_kernel(vllm_dir: Path | None, env=os.environ) -> bool:
+    """Whether the vLLM at `vllm_dir` carries the CPU part's int8 kernel, not switched off (where int8_kernel says
+    "split", a folder's w8a8 products are then the kernel's wherever it is built)."""
+    path = vllm_dir / CPU_INT8 if vllm_dir is not None else None
+    if path is None or not path.is_file() or env.get(INT8_KERNEL_ENV, "1") == "0":
+        return False
+    return CPU_INT8_KERNEL in path.read_text()
 
 
 def int8_kernel(vllm_dir: Path | None, cpuinfo: Path = CPUINFO, env=os.environ) -> str | None:
