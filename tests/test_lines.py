@@ -283,7 +283,7 @@ def test_the_cpu_parts_int8_product_is_the_exact_int8_product_where_onednns_satu
 
 @pytest.mark.parametrize("rows", [1, 5, 40])
 def test_the_cpu_parts_int8_kernel_is_exact_with_a_bias_and_shapes_that_fill_no_pass(rows, tmp_path, monkeypatch):
-    """The int8 kernel (GEMV_C's ministream_int8_gemm, through the op the handler calls): exact int32 sums of any
+    """The int8 kernel (KERNELS_C's ministream_int8_gemm, through the op the handler calls): exact int32 sums of any
     int8 values (-128 included, which saturates oneDNN's pairs), scaled per row of x and per row of the weight, a
     bias added; weight rows and columns that fill neither its passes (8 rows) nor its vectors (16 columns), and an
     x whose scale is one for all rows (a static one)."""
@@ -319,6 +319,41 @@ def test_the_cpu_parts_int8_kernel_is_exact_with_a_bias_and_shapes_that_fill_no_
         f32 = torch.empty(rows, n)
         scope["_ministream_onednn_scaled_mm"](handler, x_q, f32, x_s, None, None, None)
         assert (f32.double() - (want - bias.double())).abs().max() <= 1e-5 * want.abs().max()
+
+
+def test_the_cpu_parts_int8_kernel_compiles_whole_in_vllms_apply(tmp_path, monkeypatch):
+    """vLLM compiles its CPU model (torch.compile, dynamic batch): its int8 apply (quantize, then the handler's
+    product into its output) traces whole with the kernel's handler held on the layer's kernel, and gives the eager
+    product bit for bit."""
+    import torch
+    from vllm import _custom_ops as ops
+    from vllm.platforms import current_platform
+    from vllm.platforms.interface import CpuArchEnum
+
+    from ministream.cpuinfo import flags
+    from ministream.fork import cpu
+
+    if not {"avx2", "fma"} <= set(flags()):
+        pytest.skip("the kernel is AVX2 and FMA's")
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path))
+    scope: dict = {"torch": torch, "ops": ops, "current_platform": current_platform, "CpuArchEnum": CpuArchEnum}
+    exec(cpu.INT8_HELPER.decode(), scope)
+    scope["_MINISTREAM_INT8_SPLIT"] = True
+    torch.manual_seed(0)
+    weight, scale, bias = torch.randint(-128, 128, (64, 96), dtype=torch.int8), torch.rand(64) * 0.01, torch.randn(64)
+    held = {"handler": scope["_ministream_create_onednn_scaled_mm"](weight.T, scale, torch.float32, True, False, 32)}
+    assert type(held["handler"]).__name__ == "_MinistreamInt8Handler"
+
+    def apply(x):  # as scaled_mm/cpu.py's _apply_weights_onednn
+        x_q, x_s, x_zp = ops.onednn_scaled_int8_quant(x, None, None, True)
+        out = torch.empty((x.shape[0], held["handler"].n), dtype=x.dtype)
+        scope["_ministream_onednn_scaled_mm"](held["handler"], x_q, out, x_s, x_zp, None, bias)
+        return out
+
+    compiled = torch.compile(apply, fullgraph=True, dynamic=True)
+    for rows in (1, 3, 17):
+        x = torch.randn(rows, 96)
+        assert torch.equal(compiled(x), apply(x)), rows
 
 
 def test_the_int8_fix_applies_once_and_only_where_vllm_makes_both_onednn_calls():

@@ -102,7 +102,7 @@ def _kv_halves(impl, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 # splits each weight there into its high 7 bits and its lowest bit, two products that cannot saturate, summed: the
 # int8 product exactly, for twice the weight bytes read. Since vLLM's AVX2 build got these ops (PR #41318). Both
 # read the weights at a few per cent of the bandwidth on AVX2 alone (docs/bench.md), so where the activations are
-# symmetric (a folder's w8a8: no zero point) the product is the CPU part's own int8 kernel instead (GEMV_C, built as
+# symmetric (a folder's w8a8: no zero point) the product is the CPU part's own int8 kernel instead (KERNELS_C, built as
 # for bfloat16: exact int32 sums of int16 products, one weight copy), and the split where it cannot be built.
 INT8_FILE = "vllm/model_executor/kernels/linear/scaled_mm/cpu.py"
 INT8_CALLS = re.compile(rb"\bops\.(create_onednn_scaled_mm|onednn_scaled_mm)\(")
@@ -259,7 +259,7 @@ def _ministream_onednn_scaled_mm(
 # 32 rows, so a bfloat16 1.2B model did not finish vLLM's warm-up batch in 17 minutes (docs/bench.md, Scale). The
 # CPU part widens a block of weight rows at a time to float32, in cache, for a float32 product from GEMM_ROWS rows on:
 # the same float32 sums, rounded once to bfloat16. Below them (a decode step) F.linear's matrix-vector product reads
-# the weights at about half the machine's bandwidth; the CPU part's own (GEMV_C: AVX2, eight weight rows a pass,
+# the weights at about half the machine's bandwidth; the CPU part's own (KERNELS_C: AVX2, eight weight rows a pass,
 # float32 sums) reads near it. That kernel is C, compiled once per machine into vLLM's cache with the C compiler
 # torch.compile needs on a CPU anyway, and loaded with ctypes; where it cannot be (no AVX2 and FMA, no compiler) the
 # rows stay F.linear's, said once in the log. An op of its own (torch.library), so that torch.compile leaves it
@@ -276,7 +276,7 @@ GEMM_ROWS = 32  # where the widened product overtakes the matrix-vector kernel, 
 GEMM_BLOCK = 1024  # weight rows widened at a time: 8 MB of float32 at 2048 columns
 # The kernel's threads are torch's: OpenMP's runtime is one per process (torch's libgomp.so.1, loaded first), so its
 # team is the one vLLM binds to its cores, sized by the caller (torch.get_num_threads()).
-GEMV_C = b"""#include <immintrin.h>
+KERNELS_C = b"""#include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -384,7 +384,7 @@ void ministream_int8_gemm(const int8_t *x, const float *xs, long m, const int8_t
     }
 }
 """
-GEMV_FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")  # AVX2 and FMA only: any such x86 CPU
+KERNELS_FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")  # AVX2 and FMA only: any such x86 CPU
 GEMM_HELPER = b"""
 
 # MiniStream's CPU part (ministream/fork/cpu.py); %s=0 undoes it, %s=0 its matrix-vector kernel
@@ -392,8 +392,8 @@ _MINISTREAM_BF16_GEMM = __import__("os").environ.get("%s", "1") != "0"
 _MINISTREAM_BF16_GEMV = __import__("os").environ.get("%s", "1") != "0"
 _MINISTREAM_BF16_ROWS = %d
 _MINISTREAM_BF16_BLOCK = %d
-_MINISTREAM_GEMV_FLAGS = %s
-_MINISTREAM_GEMV_C = r'''%s'''
+_MINISTREAM_KERNELS_FLAGS = %s
+_MINISTREAM_KERNELS_C = r'''%s'''
 _ministream_gemv_fn = None  # the kernels once built; False where they cannot be
 
 
@@ -477,7 +477,7 @@ def _ministream_gemv_build():
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not cc:
         return _ministream_gemv_refused("no C compiler ($CC, cc, gcc) to build its kernel")
-    key = hashlib.sha256(repr((_MINISTREAM_GEMV_C, _MINISTREAM_GEMV_FLAGS)).encode())
+    key = hashlib.sha256(repr((_MINISTREAM_KERNELS_C, _MINISTREAM_KERNELS_FLAGS)).encode())
     folder = os.path.join(envs.VLLM_CACHE_ROOT, "ministream")
     path = os.path.join(folder, f"kernels-{key.hexdigest()[:16]}.so")
     if not os.path.exists(path):
@@ -485,9 +485,9 @@ def _ministream_gemv_build():
         with tempfile.TemporaryDirectory(dir=folder) as tmp:  # then renamed: never half a file
             src, lib = os.path.join(tmp, "kernels.c"), os.path.join(tmp, "kernels.so")
             with open(src, "w") as f:
-                f.write(_MINISTREAM_GEMV_C)
+                f.write(_MINISTREAM_KERNELS_C)
             run = subprocess.run(
-                [cc, *_MINISTREAM_GEMV_FLAGS, src, "-o", lib],
+                [cc, *_MINISTREAM_KERNELS_FLAGS, src, "-o", lib],
                 capture_output=True,
                 text=True,
                 timeout=300,
@@ -526,8 +526,8 @@ _ministream_lib = _ministream_register()  # held: the op lives as long as its li
     GEMV_ENV.encode(),
     GEMM_ROWS,
     GEMM_BLOCK,
-    repr(GEMV_FLAGS).encode(),
-    GEMV_C,
+    repr(KERNELS_FLAGS).encode(),
+    KERNELS_C,
 )
 
 
