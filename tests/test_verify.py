@@ -152,10 +152,10 @@ def test_verify_passes_on_the_converted_folder(dtype, cli, tiny, tiny_hf, tmp_pa
 @pytest.mark.full
 def test_verify_passes_in_bfloat16_where_onednn_makes_no_bfloat16_matmul(cli, tiny, tiny_hf, tmp_path):
     """On an x86 CPU with AVX2 alone vLLM multiplies bfloat16 weights in its fallback, where the CPU part puts its
-    widened product (fork/cpu.py gemm_fix), and the prompts take both ways (hundreds of rows a prefill, a few a
-    decode step). On a CPU with AVX-512 oneDNN is held to AVX2 (ONEDNN_MAX_CPU_ISA) and refuses bfloat16 as there;
-    not on one with AMX, whose vLLM attention then dies of SIGILL (cpu_attn_amx.hpp: the tiles' permission is
-    oneDNN's to ask) and whose small weights take vLLM's AMX kernel, not the fallback."""
+    product (fork/cpu.py gemm_fix), and the prompts take both ways: widened for a prefill's hundreds of rows, its
+    own kernel for a decode step's few. On a CPU with AVX-512 oneDNN is held to AVX2 (ONEDNN_MAX_CPU_ISA) and
+    refuses bfloat16 as there; not on one with AMX, whose vLLM attention then dies of SIGILL (cpu_attn_amx.hpp: the
+    tiles' permission is oneDNN's to ask) and whose small weights take vLLM's AMX kernel, not the fallback."""
     from ministream.cpuinfo import flags
     from ministream.fork.cpu import GEMM_FILE
     from ministream.run.kernels import installed_vllm_dir

@@ -16,9 +16,10 @@ patch.py's):
                                                so that `vllm --version`, `vllm serve` start; and where its
                                                CPU attention views the KV cache at every call (0.23 on),
                                                the halves held once (ATTN_FILE, a speed fix); and where
-                                               its int8 matmul is oneDNN's, each weight split in two
-                                               products on an x86 CPU without VNNI, whose int16 pair sums
-                                               would saturate (INT8_FILE, a correctness fix); and
+                                               its int8 matmul is oneDNN's, on an x86 CPU without VNNI,
+                                               whose int16 pair sums would saturate, its own int8
+                                               kernel or each weight split in two products (INT8_FILE,
+                                               a correctness fix); and
                                                where AVX2 alone makes no bfloat16 matmul, a decode
                                                step's products its own kernel's and a batch's widened
                                                (GEMM_FILE); and where a saved compiled
@@ -753,7 +754,8 @@ def describe(version: str, changed: list[str]) -> str:
         said.append(f"{ATTN_FILE} makes each KV cache's key and value halves\nonce, not at every call")
     if INT8_FILE in changed:
         said.append(
-            f"{INT8_FILE} splits each int8 weight in two products\nwhere oneDNN's would saturate (x86, no VNNI)"
+            f"{INT8_FILE} computes int8 products with a kernel of its own,\nor splits each weight in two, "
+            "where oneDNN's would saturate (x86, no VNNI)"
         )
     if GEMM_FILE in changed:
         said.append(
