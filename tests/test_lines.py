@@ -408,7 +408,7 @@ def _gemm_helper() -> dict:
     return scope
 
 
-@pytest.mark.parametrize("rows", [1, 7, 31, 32, 33])
+@pytest.mark.parametrize("rows", [1, 7, 31, 63, 64, 65])
 @pytest.mark.parametrize("shape", [(300, 64), (301, 67)])
 def test_the_cpu_parts_bfloat16_product_is_the_float32_sums_rounded_once(rows, shape, tmp_path, monkeypatch):
     """Below GEMM_ROWS rows the CPU part's kernel, from them on each block of weight rows widened to float32: either
@@ -508,7 +508,7 @@ def test_the_cpu_parts_bfloat16_product_compiles_whole_and_takes_only_bfloat16_w
     weight, bias = torch.randn(40, 16).bfloat16(), torch.randn(40).bfloat16()
     linear = scope["_ministream_linear"]
     compiled = torch.compile(lambda x: linear(x, weight, bias), dynamic=True, fullgraph=True)
-    for rows in (2, 40):  # the kernel's rows, and widened ones
+    for rows in (2, 70):  # the kernel's rows, and widened ones
         x = torch.randn(rows, 16).bfloat16()
         assert torch.equal(compiled(x), scope["_ministream_bf16_linear"](x, weight, bias)), rows
     x = torch.randn(9, 16).bfloat16()

@@ -273,7 +273,7 @@ GEMM_LINES = re.compile(
 GEMM_FIX = rb"\1layer.cpu_linear = _ministream_linear  # MiniStream's CPU part\n"
 GEMM_ENV = "MINISTREAM_CPU_BF16_GEMM"  # "0": torch's own bfloat16 product, to measure or rule out the fix
 GEMV_ENV = "MINISTREAM_CPU_BF16_GEMV"  # "0": F.linear below GEMM_ROWS rows (the widening stays), to measure the kernel
-GEMM_ROWS = 32  # where the widened product overtakes the matrix-vector kernel, whose rows each widen the weights again
+GEMM_ROWS = 64  # where the widened product overtakes the kernel, whose groups of rows each widen the weights again
 GEMM_BLOCK = 1024  # weight rows widened at a time: 8 MB of float32 at 2048 columns
 # The kernel's threads are torch's: OpenMP's runtime is one per process (torch's libgomp.so.1, loaded first), so its
 # team is the one vLLM binds to its cores, sized by the caller (torch.get_num_threads()).
@@ -300,14 +300,44 @@ static inline float sum8(__m256 v) {
     return _mm_cvtss_f32(_mm_hadd_ps(s, s));
 }
 
+/* Three rows of x against four weight rows from r0: each weight widened once for the three (12 sums, 3 inputs and
+   the weight fill AVX2's 16 registers). */
+static void bf16_block3(const float *x, long i, const uint16_t *w, long r0, long n, long k, long k8, float *y) {
+    __m256 acc[3][4];
+    for (int a = 0; a < 3; a++)
+        for (int r = 0; r < 4; r++) acc[a][r] = _mm256_setzero_ps();
+    for (long j = 0; j < k8; j += 8) {
+        __m256 x0 = _mm256_loadu_ps(x + i * k + j), x1 = _mm256_loadu_ps(x + (i + 1) * k + j);
+        __m256 x2 = _mm256_loadu_ps(x + (i + 2) * k + j);
+        for (int r = 0; r < 4; r++) {
+            __m256 wv = widen8(w + (r0 + r) * k + j);
+            acc[0][r] = _mm256_fmadd_ps(wv, x0, acc[0][r]);
+            acc[1][r] = _mm256_fmadd_ps(wv, x1, acc[1][r]);
+            acc[2][r] = _mm256_fmadd_ps(wv, x2, acc[2][r]);
+        }
+    }
+    for (int a = 0; a < 3; a++)
+        for (int r = 0; r < 4; r++) {
+            float s = sum8(acc[a][r]);
+            for (long j = k8; j < k; j++) s += widen1(w[(r0 + r) * k + j]) * x[(i + a) * k + j];
+            y[(i + a) * n + r0 + r] = s;
+        }
+}
+
 /* y[m, n] = x[m, k] @ w[n, k].T: x, y float32 and w bfloat16, each contiguous. Every weight comes from memory
-   once; a pass's rows are read again from cache for each further row of x. */
+   once; a pass's rows are read again from cache for each further group of rows of x. */
 void ministream_bf16_gemv(const float *x, long m, const uint16_t *w, long n, long k, float *y, int threads) {
     long passes = (n + PASS - 1) / PASS, k8 = k & ~7L;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (long p = 0; p < passes; p++) {
         long r0 = p * PASS, rows = n - r0 < PASS ? n - r0 : PASS;
-        for (long i = 0; i < m; i++) {
+        long i = 0;
+        if (rows == PASS)
+            for (; i + 3 <= m; i += 3) {
+                bf16_block3(x, i, w, r0, n, k, k8, y);
+                bf16_block3(x, i, w, r0 + 4, n, k, k8, y);
+            }
+        for (; i < m; i++) {
             const float *xi = x + i * k;
             float *yi = y + i * n + r0;
             if (rows == PASS) {
