@@ -261,10 +261,10 @@ def _ministream_onednn_scaled_mm(
 # CPU part widens a block of weight rows at a time to float32, in cache, for a float32 product from GEMM_ROWS rows on:
 # the same float32 sums, rounded once to bfloat16. Below them (a decode step) F.linear's matrix-vector product reads
 # the weights at about half the machine's bandwidth; the CPU part's own (KERNELS_C: AVX2, eight weight rows a pass,
-# three rows of x at a time where there are several, float32 sums) reads near it. That kernel is C, compiled once per machine into vLLM's cache with the C compiler
-# torch.compile needs on a CPU anyway, and loaded with ctypes; where it cannot be (no AVX2 and FMA, no compiler) the
-# rows stay F.linear's, said once in the log. An op of its own (torch.library), so that torch.compile leaves it
-# whole and it chooses per call.
+# three rows of x at a time where there are several, float32 sums) reads near it. That kernel is C, compiled once
+# per machine into vLLM's cache with the C compiler torch.compile needs on a CPU anyway, and loaded with ctypes;
+# where it cannot be (no AVX2 and FMA, no compiler) the rows stay F.linear's, said once in the log. An op of its own
+# (torch.library), so that torch.compile leaves it whole and it chooses per call.
 GEMM_FILE = "vllm/model_executor/layers/utils.py"
 GEMM_LINES = re.compile(
     rb"^( +)layer\.cpu_linear = lambda x, weight, bias: torch\.nn\.functional\.linear\(\n\1    x, weight, bias\n\1\)\n",
