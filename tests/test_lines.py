@@ -281,12 +281,9 @@ def test_the_cpu_parts_int8_product_is_the_exact_int8_product_where_onednns_satu
         assert vllms < 1e-5, float(vllms)
 
 
-@pytest.mark.parametrize("rows", [1, 5, 40])
-def test_the_cpu_parts_int8_kernel_is_exact_with_a_bias_and_shapes_that_fill_no_pass(rows, tmp_path, monkeypatch):
-    """The int8 kernel (KERNELS_C's ministream_int8_gemm, through the op the handler calls): exact int32 sums of any
-    int8 values (-128 included, which saturates oneDNN's pairs), scaled per row of x and per row of the weight, a
-    bias added; weight rows and columns that fill neither its passes (8 rows) nor its vectors (16 columns), and an
-    x whose scale is one for all rows (a static one)."""
+def _int8_kernel_helper(tmp_path, monkeypatch) -> dict:
+    """The CPU part's int8 helper run as vLLM's file runs it, taking its kernel (built into `tmp_path`) as on a CPU
+    whose oneDNN pairs saturate; skips where the kernel cannot be (no AVX2 and FMA)."""
     import torch
     from vllm import _custom_ops as ops
     from vllm.platforms import current_platform
@@ -301,6 +298,18 @@ def test_the_cpu_parts_int8_kernel_is_exact_with_a_bias_and_shapes_that_fill_no_
     scope: dict = {"torch": torch, "ops": ops, "current_platform": current_platform, "CpuArchEnum": CpuArchEnum}
     exec(cpu.INT8_HELPER.decode(), scope)
     scope["_MINISTREAM_INT8_SPLIT"] = True
+    return scope
+
+
+@pytest.mark.parametrize("rows", [1, 5, 40])
+def test_the_cpu_parts_int8_kernel_is_exact_with_a_bias_and_shapes_that_fill_no_pass(rows, tmp_path, monkeypatch):
+    """The int8 kernel (KERNELS_C's ministream_int8_gemm, through the op the handler calls): exact int32 sums of any
+    int8 values (-128 included, which saturates oneDNN's pairs), scaled per row of x and per row of the weight, a
+    bias added; weight rows and columns that fill neither its passes (8 rows) nor its vectors (16 columns), and an
+    x whose scale is one for all rows (a static one)."""
+    import torch
+
+    scope = _int8_kernel_helper(tmp_path, monkeypatch)
     torch.manual_seed(0)
     n, k = 251, 515
     weight = torch.randint(-128, 128, (n, k), dtype=torch.int8)
@@ -326,26 +335,15 @@ def test_the_cpu_parts_int8_kernel_compiles_whole_in_vllms_apply(tmp_path, monke
     product into its output) traces whole with the kernel's handler held on the layer's kernel, and gives the eager
     product bit for bit."""
     import torch
-    from vllm import _custom_ops as ops
-    from vllm.platforms import current_platform
-    from vllm.platforms.interface import CpuArchEnum
 
-    from ministream.cpuinfo import flags
-    from ministream.fork import cpu
-
-    if not {"avx2", "fma"} <= set(flags()):
-        pytest.skip("the kernel is AVX2 and FMA's")
-    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path))
-    scope: dict = {"torch": torch, "ops": ops, "current_platform": current_platform, "CpuArchEnum": CpuArchEnum}
-    exec(cpu.INT8_HELPER.decode(), scope)
-    scope["_MINISTREAM_INT8_SPLIT"] = True
+    scope = _int8_kernel_helper(tmp_path, monkeypatch)
     torch.manual_seed(0)
     weight, scale, bias = torch.randint(-128, 128, (64, 96), dtype=torch.int8), torch.rand(64) * 0.01, torch.randn(64)
     held = {"handler": scope["_ministream_create_onednn_scaled_mm"](weight.T, scale, torch.float32, True, False, 32)}
     assert type(held["handler"]).__name__ == "_MinistreamInt8Handler"
 
     def apply(x):  # as scaled_mm/cpu.py's _apply_weights_onednn
-        x_q, x_s, x_zp = ops.onednn_scaled_int8_quant(x, None, None, True)
+        x_q, x_s, x_zp = scope["ops"].onednn_scaled_int8_quant(x, None, None, True)
         out = torch.empty((x.shape[0], held["handler"].n), dtype=x.dtype)
         scope["_ministream_onednn_scaled_mm"](held["handler"], x_q, out, x_s, x_zp, None, bias)
         return out
