@@ -433,7 +433,7 @@ def test_the_cpu_parts_bfloat16_product_is_the_float32_sums_rounded_once(rows, s
     want = (x.float().double() @ weight.float().double().T + bias.double()).to(torch.bfloat16)
     assert (ours.float() - want.float()).abs().max() <= 2**-7 * want.float().abs().max()
     if {"avx2", "fma"} <= set(flags()):  # the kernel ran, or was not asked
-        assert bool(scope["_ministream_gemv_fn"]) is (rows < cpu.GEMM_ROWS)
+        assert bool(scope["_ministream_kernels_lib"]) is (rows < cpu.GEMM_ROWS)
     assert scope["_ministream_bf16_linear"](x.reshape(1, rows, k), weight, None).shape == (1, rows, n)
 
 
@@ -451,11 +451,11 @@ def test_the_cpu_parts_kernel_is_built_once_into_vllms_cache_and_runs_on_torchs_
     first = _gemm_helper()
     made = first["_ministream_bf16_linear"](x, weight, None)
     (built,) = (tmp_path / "ministream").iterdir()  # the library, and no compiler's leftovers beside it
-    assert built.suffix == ".so" and first["_ministream_gemv_fn"]
+    assert built.suffix == ".so" and first["_ministream_kernels_lib"]
     stamp = built.stat().st_mtime_ns
     monkeypatch.setenv("CC", str(tmp_path / "no-compiler"))  # a second build would fail
     second = _gemm_helper()
-    assert torch.equal(second["_ministream_bf16_linear"](x, weight, None), made) and second["_ministream_gemv_fn"]
+    assert torch.equal(second["_ministream_bf16_linear"](x, weight, None), made) and second["_ministream_kernels_lib"]
     assert built.stat().st_mtime_ns == stamp
     # its libgomp.so.1 is torch's, already loaded: no second runtime (the system's) beside it. Wheels that bundle
     # their own under another name (scikit-learn's libgomp-HASH) are theirs alone.
@@ -487,7 +487,41 @@ def test_where_the_kernel_cannot_be_built_a_decode_steps_products_stay_f_linears
     off = _gemm_helper()
     off["_MINISTREAM_BF16_GEMV"] = False
     assert torch.equal(off["_ministream_bf16_linear"](x, weight, None), torch.nn.functional.linear(x, weight))
-    assert off["_ministream_gemv_fn"] is None  # never built
+    assert off["_ministream_kernels_lib"] is None  # never built
+
+
+def test_where_vllms_cache_cannot_hold_the_kernels_bfloat16_stays_f_linears_and_int8_the_split(
+    tmp_path, monkeypatch, caplog
+):
+    """VLLM_CACHE_ROOT that cannot be written (here a file where its folder should be): no kernels, said once with
+    the path; the bfloat16 rows are F.linear's, the int8 products oneDNN's split, exact; the file untouched. With
+    the CPU part's bfloat16 fix off (MINISTREAM_CPU_BF16_GEMM=0) nothing is built at all."""
+    import torch
+
+    root = tmp_path / "not-a-folder"
+    root.write_text("a user's file")
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(root))
+    x, weight = torch.randn(2, 40).bfloat16(), torch.randn(24, 40).bfloat16()
+    scope = _gemm_helper()
+    with caplog.at_level("WARNING"):
+        assert torch.equal(scope["_ministream_bf16_linear"](x, weight, None), torch.nn.functional.linear(x, weight))
+    said = [r.getMessage() for r in caplog.records if "MiniStream's CPU part" in r.getMessage()]
+    assert len(said) == 1 and "could not be built" in said[0] and str(root) in said[0], said
+    assert root.read_text() == "a user's file"
+    int8 = _int8_kernel_helper(tmp_path, monkeypatch)
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(root))
+    # the int8 part asks vLLM's layers/utils.py for the kernels, which a process builds once: this test's, not an
+    # earlier test's already built
+    from vllm.model_executor.layers import utils
+
+    monkeypatch.setattr(utils, "_ministream_kernels", scope["_ministream_kernels"], raising=False)
+    int8_weight, scale = torch.randint(-128, 128, (24, 40), dtype=torch.int8), torch.rand(24) * 0.01
+    handler = int8["_ministream_create_onednn_scaled_mm"](int8_weight.T, scale, torch.float32, True, False, 32)
+    assert type(handler).__name__ == "_MinistreamSplitHandler"
+    off = _gemm_helper()
+    off["_MINISTREAM_BF16_GEMM"] = False
+    assert torch.equal(off["_ministream_bf16_linear"](x, weight, None), torch.nn.functional.linear(x, weight))
+    assert off["_ministream_kernels_lib"] is None  # never built
 
 
 def test_the_cpu_parts_bfloat16_product_compiles_whole_and_takes_only_bfloat16_weights(tmp_path, monkeypatch):

@@ -339,7 +339,7 @@ void ministream_bf16_gemv(const float *x, long m, const uint16_t *w, long n, lon
             }
         for (; i < m; i++) {
             const float *xi = x + i * k;
-            float *yi = y + i * n + r0;
+            float s[PASS];
             if (rows == PASS) {
                 __m256 acc[PASS];
                 for (int r = 0; r < PASS; r++) acc[r] = _mm256_setzero_ps();
@@ -348,20 +348,18 @@ void ministream_bf16_gemv(const float *x, long m, const uint16_t *w, long n, lon
                     for (int r = 0; r < PASS; r++)
                         acc[r] = _mm256_fmadd_ps(widen8(w + (r0 + r) * k + j), xv, acc[r]);
                 }
-                for (int r = 0; r < PASS; r++) {
-                    float s = sum8(acc[r]);
-                    for (long j = k8; j < k; j++) s += widen1(w[(r0 + r) * k + j]) * xi[j];
-                    yi[r] = s;
-                }
+                for (int r = 0; r < PASS; r++) s[r] = sum8(acc[r]);
             } else {
                 for (long r = 0; r < rows; r++) {
                     __m256 acc = _mm256_setzero_ps();
                     for (long j = 0; j < k8; j += 8)
                         acc = _mm256_fmadd_ps(widen8(w + (r0 + r) * k + j), _mm256_loadu_ps(xi + j), acc);
-                    float s = sum8(acc);
-                    for (long j = k8; j < k; j++) s += widen1(w[(r0 + r) * k + j]) * xi[j];
-                    yi[r] = s;
+                    s[r] = sum8(acc);
                 }
+            }
+            for (long r = 0; r < rows; r++) {
+                for (long j = k8; j < k; j++) s[r] += widen1(w[(r0 + r) * k + j]) * xi[j];
+                y[i * n + r0 + r] = s[r];
             }
         }
     }
@@ -425,7 +423,7 @@ _MINISTREAM_BF16_ROWS = %d
 _MINISTREAM_BF16_BLOCK = %d
 _MINISTREAM_KERNELS_FLAGS = %s
 _MINISTREAM_KERNELS_C = r'''%s'''
-_ministream_gemv_fn = None  # the kernels once built; False where they cannot be
+_ministream_kernels_lib = None  # the kernels once built; False where they cannot be
 
 
 def _ministream_linear(x, weight, bias):
@@ -442,14 +440,13 @@ def _ministream_bf16_linear(x, weight, bias):
     each block of weight rows widened in cache; float32 sums, rounded once to
     x's dtype.\"\"\"
     rows, n = x.numel() // x.shape[-1], weight.shape[0]
-    if not _MINISTREAM_BF16_GEMM:
+    few = rows < _MINISTREAM_BF16_ROWS
+    lib = _ministream_kernels() if _MINISTREAM_BF16_GEMM and _MINISTREAM_BF16_GEMV and few else None
+    if not _MINISTREAM_BF16_GEMM or few and (lib is None or not weight.is_contiguous()):
         return torch.nn.functional.linear(x, weight, bias)
     x2 = x.reshape(rows, x.shape[-1]).float().contiguous()
     out = torch.empty(rows, n, dtype=torch.float32, device=x.device)
-    if rows < _MINISTREAM_BF16_ROWS:
-        lib = _ministream_kernels() if _MINISTREAM_BF16_GEMV else None
-        if lib is None or not weight.is_contiguous():
-            return torch.nn.functional.linear(x, weight, bias)
+    if few:
         k, threads = x2.shape[1], torch.get_num_threads()
         lib.ministream_bf16_gemv(x2.data_ptr(), rows, weight.data_ptr(), n, k, out.data_ptr(), threads)
     else:
@@ -465,13 +462,13 @@ def _ministream_kernels():
     \"\"\"The CPU part's kernels (a ctypes library: the bfloat16 matrix-vector
     product, and the int8 product scaled_mm/cpu.py's part takes), built on first
     use; None where they cannot be, said once.\"\"\"
-    global _ministream_gemv_fn
-    if _ministream_gemv_fn is None:
+    global _ministream_kernels_lib
+    if _ministream_kernels_lib is None:
         try:
-            _ministream_gemv_fn = _ministream_gemv_build()
+            _ministream_kernels_lib = _ministream_gemv_build()
         except (OSError, __import__("subprocess").SubprocessError) as e:
-            _ministream_gemv_fn = _ministream_gemv_refused(f"they could not be built ({e})")
-    return _ministream_gemv_fn or None
+            _ministream_kernels_lib = _ministream_gemv_refused(f"they could not be built ({e})")
+    return _ministream_kernels_lib or None
 
 
 def _ministream_gemv_refused(why):

@@ -39,6 +39,8 @@ from .kernels import (
 )
 
 GB = 1e9
+# where the CPU part finds no compiler to build its kernels (kernels.c_compiler): what to do, in both findings
+NO_COMPILER_FIX = "install a C compiler (Debian: apt install gcc) or set CC; vLLM's torch.compile needs one too"
 
 
 def quantized_head(q: Quantization | None, vllm_dir: Path | None) -> Finding | None:
@@ -100,7 +102,7 @@ def int8_split(
             f"on this CPU (x86 without VNNI) oneDNN's int8 products would saturate; the patched wheel's CPU part finds "
             f"no C compiler ($CC, cc, gcc) to build its int8 kernel, so it splits each product in two that cannot "
             f"({CPU_INT8}): exact, but some 30 times slower at batch 1 (docs/bench.md)",
-            "install a C compiler (Debian: apt install gcc) or set CC; vLLM's torch.compile needs one too",
+            NO_COMPILER_FIX,
         )
     return Finding(
         "ok",
@@ -128,7 +130,7 @@ def bf16_products(
             "on this CPU (AVX2, no AVX-512) oneDNN makes no bfloat16 matmul; the patched wheel's CPU part widens a "
             f"batch's products to float32 ({CPU_GEMM}), but finds no C compiler ($CC, cc, gcc) to build its kernel "
             "for a decode step's few rows, which stay torch's F.linear, at about half its read rate (docs/bench.md)",
-            "install a C compiler (Debian: apt install gcc) or set CC; vLLM's torch.compile needs one too",
+            NO_COMPILER_FIX,
         )
     if kernel == "widened":
         return Finding(
